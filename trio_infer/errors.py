@@ -1,0 +1,104 @@
+"""Every way a request can fail, and the one gRPC status each maps to.
+
+This module is the status table of the server. Code anywhere in the pipeline raises one of the
+exceptions below; the transport turns it into the call's status and message, once, at the edge.
+
+| exception            | cause                                                   | gRPC status        |
+| -------------------- | ------------------------------------------------------- | ------------------ |
+| ``ModelNotFound``    | unknown model or version                                | NOT_FOUND          |
+| ``InvalidInput``     | malformed request: shapes, datatypes, sizes, names      | INVALID_ARGUMENT   |
+| ``Unavailable``      | model not ready, server draining, worker process died   | UNAVAILABLE        |
+| ``Overloaded``       | a queue or memory bound is full (the bound is named)    | RESOURCE_EXHAUSTED |
+| ``ModelFailed``      | the model raised                                        | INTERNAL           |
+| ``Unimplemented``    | method not served                                       | UNIMPLEMENTED      |
+| ``InferError``       | a model that chose its own status                       | the chosen one     |
+
+Deadline expiry (DEADLINE_EXCEEDED) and client cancellation (CANCELLED) are not exceptions: they
+are cancel scopes owned by the request, and the transport reports them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+
+class StatusCode(enum.IntEnum):
+    """The gRPC status codes (the numbers are fixed by the gRPC specification)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+class InferError(Exception):
+    """A failure that ends a call with a gRPC status and a message for the client.
+
+    Model code may raise it directly to choose the status its caller sees, for example
+    ``raise InferError("user quota used up", StatusCode.RESOURCE_EXHAUSTED)``. It is picklable, so
+    it crosses the worker-process boundary unchanged.
+
+    Args:
+        message: Sent to the client as ``grpc-message``.
+        status: Overrides the class's status.
+    """
+
+    status: ClassVar[StatusCode] = StatusCode.INTERNAL
+
+    def __init__(self, message: str, status: StatusCode | None = None) -> None:
+        super().__init__(message, status)
+        self.message = message
+        self.code = status if status is not None else type(self).status
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ModelNotFound(InferError):
+    """Raised when a request names a model or version the server does not have."""
+
+    status = StatusCode.NOT_FOUND
+
+
+class InvalidInput(InferError):
+    """Raised when a request is malformed; the message names the tensor and what was expected."""
+
+    status = StatusCode.INVALID_ARGUMENT
+
+
+class Unavailable(InferError):
+    """Raised when the model cannot serve now: not ready, the server drains, a worker died."""
+
+    status = StatusCode.UNAVAILABLE
+
+
+class Overloaded(InferError):
+    """Raised when admitting a request would exceed a bound; the message names the bound."""
+
+    status = StatusCode.RESOURCE_EXHAUSTED
+
+
+class ModelFailed(InferError):
+    """Raised when the model's own code raised; the message is the model's."""
+
+    status = StatusCode.INTERNAL
+
+
+class Unimplemented(InferError):
+    """Raised when a client calls a method this server does not serve."""
+
+    status = StatusCode.UNIMPLEMENTED
