@@ -1,0 +1,446 @@
+"""gRPC calls on Trio: one nursery per connection, one cancel scope per call.
+
+Ownership, top to bottom::
+
+    GrpcServer.serve                  owns the listeners and every connection
+    └── Connection.run                one nursery per client connection
+        ├── writer                    sends what the protocol queued, once per scheduling tick
+        ├── reader                    bytes -> events; cancels the calls they orphan
+        └── call (one per stream)     CancelScope(deadline = arrival + grpc-timeout)
+            └── handler(call)         the service: reads, works, sends
+
+Invariants:
+
+- Every call ends with exactly one status, sent by :meth:`Connection._run_call` and nowhere else:
+  the handler's outcome, DEADLINE_EXCEEDED when its deadline passed, or the reason whoever
+  cancelled it gave. A call the client reset gets nothing: nobody is listening.
+- Whatever a call waits on is woken when its producer goes away: the reader closes every call's
+  inbound channel when it exits, for whatever reason, and a stream reset cancels the call's scope.
+- Nothing here knows protobuf or models: a handler sees bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from trio_infer.errors import InferError, Overloaded, StatusCode
+from trio_infer.grpc_protocol import (
+    CallRejected,
+    ConnectionTerminated,
+    MessageReceived,
+    MessageTooLarge,
+    Metadata,
+    ProtocolLimits,
+    ProtocolViolation,
+    RequestEnded,
+    RequestReceived,
+    ServerProtocol,
+    StreamReset,
+    WindowUpdated,
+)
+
+__all__ = [
+    "Call",
+    "CallCounter",
+    "Connection",
+    "GrpcServer",
+    "Handler",
+    "Metadata",
+    "ProtocolLimits",
+]
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[["Call"], Awaitable[None]]
+
+_READ_SIZE = 256 * 1024
+_MESSAGE_PREFIX = struct.Struct(">?I")
+
+
+class Call:
+    """One gRPC call as its handler sees it: a method, metadata, a deadline, and messages.
+
+    The handler returns normally for OK, or raises :class:`~trio_infer.errors.InferError` for any
+    other status. Its deadline is already enforced by the cancel scope the handler runs in.
+    """
+
+    def __init__(
+        self,
+        connection: Connection,
+        stream_id: int,
+        method: str,
+        metadata: Metadata,
+        deadline: float,
+    ) -> None:
+        self.method = method
+        """The gRPC method path, e.g. ``/inference.GRPCInferenceService/ModelInfer``."""
+        self.metadata = metadata
+        """Request metadata: ``(name, value)`` pairs, lower-case names, ``bytes`` for ``-bin``."""
+        self.deadline = deadline
+        """The client's deadline on the Trio clock (``math.inf`` when it set none)."""
+        self.initial_metadata: Metadata = ()
+        """Sent with the response headers; set it before the first :meth:`send_message`."""
+        self.trailing_metadata: Metadata = ()
+        """Sent with the status that ends the call."""
+        self._connection = connection
+        self._stream_id = stream_id
+        # Unbounded in count, yet bounded in bytes: a message is acknowledged only when taken,
+        # so the client cannot send more than its stream window ahead of the handler.
+        self._inbound_send, self._inbound = trio.open_memory_channel[
+            tuple[bytes, int] | InferError
+        ](math.inf)
+        self._headers_sent = False
+        self._message_half_sent = False
+
+    async def receive_message(self) -> bytes | None:
+        """Wait for the next request message; ``None`` once the client has sent its last one.
+
+        Raises:
+            InferError: the message broke a transport limit (RESOURCE_EXHAUSTED).
+        """
+        try:
+            item = await self._inbound.receive()
+        except trio.EndOfChannel:
+            return None
+        if isinstance(item, InferError):
+            raise item
+        data, flow_controlled_length = item
+        self._connection.protocol.acknowledge(self._stream_id, flow_controlled_length)
+        self._connection.flush()
+        return data
+
+    async def send_message(self, data: bytes) -> None:
+        """Send one response message, waiting for the client's flow-control window as needed."""
+        connection = self._connection
+        protocol = connection.protocol
+        if not self._headers_sent:
+            protocol.start_response(self._stream_id, self.initial_metadata)
+            self._headers_sent = True
+        pending = memoryview(_MESSAGE_PREFIX.pack(False, len(data)) + data)
+        self._message_half_sent = True
+        while pending:
+            window = protocol.send_window(self._stream_id)
+            if window <= 0:
+                connection.flush()
+                await connection.wait_window_update()
+                continue
+            protocol.send_data(self._stream_id, bytes(pending[:window]))
+            pending = pending[window:]
+        self._message_half_sent = False
+        connection.flush()
+
+
+@dataclass
+class _CallState:
+    """The transport's private record of a call in flight."""
+
+    call: Call
+    scope: trio.CancelScope
+    #: The status to send if ``scope`` is cancelled; a passed deadline is the default.
+    cancel_status: StatusCode = StatusCode.DEADLINE_EXCEEDED
+    cancel_message: str = "deadline exceeded"
+    #: The client reset the stream: it wants no answer.
+    reset: bool = False
+
+    def cancel(self, status: StatusCode, message: str) -> None:
+        self.cancel_status = status
+        self.cancel_message = message
+        self.scope.cancel()
+
+
+class Connection:
+    """One client connection: its protocol state, its socket, and the calls it carries."""
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        handler: Handler,
+        limits: ProtocolLimits,
+        calls_in_flight: CallCounter,
+    ) -> None:
+        self.protocol = ServerProtocol(limits)
+        self._stream = stream
+        self._handler = handler
+        self._calls: dict[int, _CallState] = {}
+        self._calls_in_flight = calls_in_flight
+        self._flush_needed = trio.Event()
+        self._window_updated = trio.Event()
+        self._draining = False
+        self._closing = False
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def active_calls(self) -> int:
+        """Calls in flight on this connection."""
+        return len(self._calls)
+
+    def flush(self) -> None:
+        """Ask the writer to send whatever the protocol has queued."""
+        self._flush_needed.set()
+
+    async def wait_window_update(self) -> None:
+        """Wait until the client opens some flow-control window."""
+        await self._window_updated.wait()
+
+    async def run(self) -> None:
+        """Serve the connection until the client closes it or the caller cancels."""
+        self.protocol.initiate_connection()
+        self.flush()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._writer)
+            try:
+                await self._reader()
+            finally:
+                # Calls still running have nobody to answer to: their client is gone.
+                for state in self._calls.values():
+                    state.reset = True
+                    state.call._inbound_send.close()
+                nursery.cancel_scope.cancel()
+        await trio.aclose_forcefully(self._stream)
+
+    def drain(self) -> None:
+        """Refuse new calls (GOAWAY) and let the calls in flight finish."""
+        if not self._draining:
+            self._draining = True
+            self.protocol.go_away()
+            self.flush()
+
+    def cancel_calls(self, status: StatusCode, message: str) -> None:
+        """End every call in flight with ``status`` (e.g. UNAVAILABLE at the end of a drain)."""
+        for state in self._calls.values():
+            state.cancel(status, message)
+
+    def close(self) -> None:
+        """Close the connection once its calls have ended and their statuses are sent."""
+        self._closing = True
+        self.flush()
+
+    async def _writer(self) -> None:
+        assert self._nursery is not None
+        while True:
+            await self._flush_needed.wait()
+            self._flush_needed = trio.Event()
+            data = self.protocol.data_to_send()
+            if data:
+                # Everything queued since the last send goes out in one write: many small
+                # frames from many calls cost one syscall per scheduling tick, not per frame.
+                await self._stream.send_all(data)
+            if self._closing and not self._calls:
+                self._nursery.cancel_scope.cancel()
+
+    async def _reader(self) -> None:
+        while True:
+            try:
+                data = await self._stream.receive_some(_READ_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            try:
+                events = self.protocol.receive_data(data)
+            except ProtocolViolation as exc:
+                logger.warning("closing connection: %s", exc)
+                with trio.move_on_after(1):
+                    await self._stream.send_all(self.protocol.data_to_send())
+                return
+            for event in events:
+                self._dispatch(event)
+            self.flush()
+
+    def _dispatch(self, event: object) -> None:
+        if isinstance(event, RequestReceived):
+            self._start_call(event)
+        elif isinstance(event, MessageReceived):
+            state = self._calls.get(event.stream_id)
+            if state is None:
+                self.protocol.acknowledge(event.stream_id, event.flow_controlled_length)
+            else:
+                state.call._inbound_send.send_nowait((event.data, event.flow_controlled_length))
+        elif isinstance(event, RequestEnded):
+            state = self._calls.get(event.stream_id)
+            if state is not None:
+                state.call._inbound_send.close()
+        elif isinstance(event, MessageTooLarge):
+            state = self._calls.get(event.stream_id)
+            if state is not None:
+                state.call._inbound_send.send_nowait(Overloaded(event.message))
+                state.call._inbound_send.close()
+        elif isinstance(event, StreamReset):
+            state = self._calls.get(event.stream_id)
+            if state is not None:
+                state.reset = True
+                state.scope.cancel()
+        elif isinstance(event, WindowUpdated):
+            self._window_updated.set()
+            self._window_updated = trio.Event()
+        elif isinstance(event, CallRejected):
+            self.protocol.end_response(
+                event.stream_id, event.status, event.message, (), headers_sent=False
+            )
+        elif isinstance(event, ConnectionTerminated):
+            self._draining = True
+
+    def _start_call(self, event: RequestReceived) -> None:
+        stream_id: int = event.stream_id
+        if self._draining:
+            self.protocol.end_response(
+                stream_id, StatusCode.UNAVAILABLE, "server is shutting down", (),
+                headers_sent=False,
+            )
+            return
+        deadline = math.inf
+        if event.timeout is not None:
+            deadline = trio.current_time() + event.timeout.total_seconds()
+        call = Call(
+            self,
+            stream_id,
+            f"/{event.service_name}/{event.method_name}",
+            tuple(event.custom_metadata),
+            deadline,
+        )
+        state = _CallState(call, trio.CancelScope(deadline=deadline))
+        self._calls[stream_id] = state
+        self._calls_in_flight.increment()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_call, state)
+
+    async def _run_call(self, state: _CallState) -> None:
+        call = state.call
+        status, message = StatusCode.OK, ""
+        try:
+            with state.scope:
+                try:
+                    await self._handler(call)
+                except InferError as exc:
+                    status, message = exc.code, exc.message
+                except Exception:
+                    logger.exception("unexpected error in %s", call.method)
+                    status, message = StatusCode.INTERNAL, "internal server error"
+            if state.scope.cancelled_caught:
+                status, message = state.cancel_status, state.cancel_message
+            self._finish(state, status, message)
+        finally:
+            del self._calls[call._stream_id]
+            self._calls_in_flight.decrement()
+            call._inbound.close()
+            if self._closing:
+                self.flush()
+
+    def _finish(self, state: _CallState, status: StatusCode, message: str) -> None:
+        call = state.call
+        stream_id = call._stream_id
+        if state.reset:
+            return
+        if call._message_half_sent:
+            # Trailers after half a message would corrupt the stream; the client's own deadline
+            # (or the reset) tells it what happened.
+            self.protocol.reset(stream_id)
+        else:
+            self.protocol.end_response(
+                stream_id, status, message, call.trailing_metadata,
+                headers_sent=call._headers_sent,
+            )
+        self.flush()
+
+
+class CallCounter:
+    """Counts calls in flight across connections, so a drain can wait for none."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @property
+    def count(self) -> int:
+        """Calls in flight now."""
+        return self._count
+
+    def increment(self) -> None:
+        if self._count == 0:
+            self._idle = trio.Event()
+        self._count += 1
+
+    def decrement(self) -> None:
+        self._count -= 1
+        if self._count == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Wait until no call is in flight."""
+        await self._idle.wait()
+
+
+class GrpcServer:
+    """Accepts connections and runs each in its own nursery, for the life of :meth:`serve`."""
+
+    def __init__(self, handler: Handler, limits: ProtocolLimits | None = None) -> None:
+        self._handler = handler
+        self._limits = limits or ProtocolLimits()
+        self._connections: set[Connection] = set()
+        self._accepting = trio.CancelScope()
+        self.calls_in_flight = CallCounter()
+
+    async def serve(
+        self,
+        listeners: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept connections on ``listeners`` until :meth:`stop_accepting`; then wait for the
+        open connections to close."""
+        async with trio.open_nursery() as nursery:
+            with self._accepting:
+                async with trio.open_nursery() as accept_nursery:
+                    for listener in listeners:
+                        accept_nursery.start_soon(self._accept_loop, listener, nursery)
+                    task_status.started()
+            for listener in listeners:
+                await listener.aclose()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                # Out of file descriptors and the like: back off rather than spin.
+                logger.error("accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(self._serve_connection, stream)
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        connection = Connection(stream, self._handler, self._limits, self.calls_in_flight)
+        if self._accepting.cancel_called:
+            connection.drain()
+            connection.close()
+        self._connections.add(connection)
+        try:
+            await connection.run()
+        finally:
+            self._connections.discard(connection)
+
+    def stop_accepting(self) -> None:
+        """Close the listeners and send GOAWAY on every connection; calls in flight go on."""
+        self._accepting.cancel()
+        for connection in self._connections:
+            connection.drain()
+
+    async def shutdown(self, grace_period: float) -> None:
+        """Stop accepting, let calls in flight finish for up to ``grace_period`` seconds, end
+        the rest with UNAVAILABLE, then close every connection once its statuses are sent."""
+        self.stop_accepting()
+        with trio.move_on_after(grace_period):
+            await self.calls_in_flight.wait_idle()
+        for connection in self._connections:
+            connection.cancel_calls(
+                StatusCode.UNAVAILABLE, "server shut down before the call finished"
+            )
+            connection.close()
