@@ -3,15 +3,15 @@
 This module is the status table of the server. Code anywhere in the pipeline raises one of the
 exceptions below; the transport turns it into the call's status and message, once, at the edge.
 
-| exception            | cause                                                   | gRPC status        |
-| -------------------- | ------------------------------------------------------- | ------------------ |
-| ``ModelNotFound``    | unknown model or version                                | NOT_FOUND          |
-| ``InvalidInput``     | malformed request: shapes, datatypes, sizes, names      | INVALID_ARGUMENT   |
-| ``Unavailable``      | model not ready, server draining, worker process died   | UNAVAILABLE        |
-| ``Overloaded``       | a queue or memory bound is full (the bound is named)    | RESOURCE_EXHAUSTED |
-| ``ModelFailed``      | the model raised                                        | INTERNAL           |
-| ``Unimplemented``    | method not served                                       | UNIMPLEMENTED      |
-| ``InferError``       | a model that chose its own status                       | the chosen one     |
+| exception         | cause                                                 | gRPC status        |
+| ----------------- | ----------------------------------------------------- | ------------------ |
+| ``ModelNotFound`` | unknown model or version                              | NOT_FOUND          |
+| ``InvalidInput``  | malformed request: shapes, datatypes, sizes, names    | INVALID_ARGUMENT   |
+| ``Unavailable``   | model not ready, server draining, worker process died | UNAVAILABLE        |
+| ``Overloaded``    | a queue or memory bound is full (the bound is named)  | RESOURCE_EXHAUSTED |
+| ``ModelFailed``   | the model raised                                      | INTERNAL           |
+| ``Unimplemented`` | method not served                                     | UNIMPLEMENTED      |
+| ``InferError``    | a model that chose its own status                     | the chosen one     |
 
 Deadline expiry (DEADLINE_EXCEEDED) and client cancellation (CANCELLED) are not exceptions: they
 are cancel scopes owned by the request, and the transport reports them.

@@ -1,0 +1,75 @@
+"""Fixtures: a real server on 127.0.0.1 port 0 with real worker processes, and real clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import trio
+
+from trio_infer._proto import grpc_predict_v2_pb2_grpc, health_pb2_grpc
+from trio_infer.server import RunningServer, ServerConfig, run_server
+
+MiB = 1024 * 1024
+
+
+async def start_server(
+    nursery: trio.Nursery, repository: Path | None = None, **overrides: Any
+) -> RunningServer:
+    """Start a server on a free loopback port and wait until its models are ready."""
+    if repository is not None:
+        overrides["repository"] = repository
+    config = ServerConfig(host="127.0.0.1", grpc_port=0, workers=2, **overrides)
+    server: RunningServer = await nursery.start(run_server, config)
+    await server.wait_ready()
+    return server
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery) -> RunningServer:
+    """The built-in example models behind a real server with two worker processes."""
+    return await start_server(nursery)
+
+
+class GrpcioClient:
+    """grpcio stubs generated from protos/, called from a thread so Trio keeps running."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[
+                ("grpc.max_send_message_length", 128 * MiB),
+                ("grpc.max_receive_message_length", 128 * MiB),
+            ],
+        )
+        self.stub = grpc_predict_v2_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def call(self, method: str, request: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on the V2 service; kwargs go to grpcio (timeout, metadata)."""
+        return await trio.to_thread.run_sync(
+            lambda: getattr(self.stub, method)(request, **kwargs)
+        )
+
+    async def call_with_metadata(self, method: str, request: Any, **kwargs: Any) -> Any:
+        """Like :meth:`call`, returning ``(response, grpc.Call)`` for the call's metadata."""
+        return await trio.to_thread.run_sync(
+            lambda: getattr(self.stub, method).with_call(request, **kwargs)
+        )
+
+    async def error(self, method: str, request: Any, **kwargs: Any) -> grpc.RpcError:
+        """Call ``method``, which must fail; return the error (its code() and details())."""
+        with pytest.raises(grpc.RpcError) as caught:
+            await self.call(method, request, **kwargs)
+        return caught.value
+
+
+@pytest.fixture
+def grpcio_client(server: RunningServer) -> Iterator[GrpcioClient]:
+    """A grpcio client connected to :func:`server`."""
+    client = GrpcioClient(server.port)
+    yield client
+    client.channel.close()

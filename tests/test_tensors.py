@@ -1,0 +1,672 @@
+"""Tests for trio_infer.tensors: decoding, encoding, validation, parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from trio_infer._proto.grpc_predict_v2_pb2 import (
+    InferParameter,
+    ModelInferRequest,
+    ModelInferResponse,
+)
+from trio_infer.errors import InvalidInput, ModelFailed
+from trio_infer.tensors import (
+    DATATYPES,
+    TensorSpec,
+    datatype_of,
+    decode_inputs,
+    decode_parameters,
+    encode_outputs,
+    encode_parameters,
+    select_outputs,
+    validate_request,
+)
+
+NUMERIC = [name for name in DATATYPES if name != "BYTES"]
+TYPED = [name for name in DATATYPES if name != "FP16"]
+
+
+def sample(datatype: str) -> np.ndarray:
+    """A 2x3 array of the datatype that includes its extreme values."""
+    if datatype == "BYTES":
+        values: list[bytes] = [b"", b"\xff\xfe\x00", b"plain", "h\u00e9".encode(), b"\x00", b"z"]
+        array = np.empty(6, dtype=object)
+        array[:] = values
+        return array.reshape(2, 3)
+    dtype: Any = DATATYPES[datatype]  # iinfo/finfo's stubs reject the generic dtype type
+    if datatype == "BOOL":
+        return np.array([[True, False, True], [False, False, True]])
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.array([[info.min, info.max, 0], [1, info.max - 1, info.min + 1]], dtype=dtype)
+    finfo = np.finfo(dtype)
+    return np.array(
+        [[finfo.min, finfo.max, -0.0], [np.inf, np.nan, finfo.tiny]],
+        dtype=dtype,
+    )
+
+
+def as_request(response: ModelInferResponse) -> ModelInferRequest:
+    """Turn a response's outputs into a request's inputs, through the wire format."""
+    request = ModelInferRequest()
+    for output in response.outputs:
+        tensor = request.inputs.add()
+        tensor.name = output.name
+        tensor.datatype = output.datatype
+        tensor.shape.extend(output.shape)
+        if output.HasField("contents"):
+            tensor.contents.CopyFrom(output.contents)
+    request.raw_input_contents.extend(response.raw_output_contents)
+    wire = ModelInferRequest()
+    wire.ParseFromString(request.SerializeToString())
+    return wire
+
+
+def round_trip(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> dict[str, np.ndarray]:
+    response = ModelInferResponse()
+    encode_outputs(response, outputs, raw=raw)
+    return decode_inputs(as_request(response))
+
+
+def assert_same(got: np.ndarray, expected: np.ndarray, datatype: str) -> None:
+    assert got.dtype == DATATYPES[datatype]
+    assert got.shape == expected.shape
+    if datatype == "BYTES":
+        assert got.tolist() == expected.tolist()
+        assert all(type(element) is bytes for element in got.ravel())
+    else:
+        np.testing.assert_array_equal(got, expected)
+        # -0.0 == 0.0, so compare signs too.
+        if got.dtype.kind == "f":
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(expected))
+
+
+def raw_request(*tensors: tuple[str, str, Sequence[int], bytes]) -> ModelInferRequest:
+    request = ModelInferRequest()
+    for name, datatype, shape, data in tensors:
+        tensor = request.inputs.add(name=name, datatype=datatype)
+        tensor.shape.extend(shape)
+        request.raw_input_contents.append(data)
+    return request
+
+
+def typed_request(
+    name: str, datatype: str, shape: Sequence[int], **contents: Any
+) -> ModelInferRequest:
+    request = ModelInferRequest()
+    tensor = request.inputs.add(name=name, datatype=datatype)
+    tensor.shape.extend(shape)
+    for field, values in contents.items():
+        getattr(tensor.contents, field).extend(values)
+    return request
+
+
+def length_prefixed(*elements: bytes) -> bytes:
+    return b"".join(len(e).to_bytes(4, "little") + e for e in elements)
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips
+
+
+@pytest.mark.parametrize("datatype", TYPED)
+def test_typed_round_trip(datatype: str) -> None:
+    array = sample(datatype)
+    response = ModelInferResponse()
+    encode_outputs(response, [("OUT", array)], raw=False)
+    assert not response.raw_output_contents
+    [tensor] = response.outputs
+    assert (tensor.name, tensor.datatype, list(tensor.shape)) == ("OUT", datatype, [2, 3])
+    assert_same(decode_inputs(as_request(response))["OUT"], array, datatype)
+
+
+@pytest.mark.parametrize("datatype", list(DATATYPES))
+def test_raw_round_trip(datatype: str) -> None:
+    array = sample(datatype)
+    response = ModelInferResponse()
+    encode_outputs(response, [("OUT", array)], raw=True)
+    assert len(response.raw_output_contents) == 1
+    assert not response.outputs[0].HasField("contents")
+    assert_same(decode_inputs(as_request(response))["OUT"], array, datatype)
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_round_trip_keeps_order_and_many_outputs(raw: bool) -> None:
+    outputs = [(f"OUT_{name}", sample(name)) for name in (TYPED if not raw else DATATYPES)]
+    decoded = round_trip(outputs, raw=raw)
+    assert list(decoded) == [name for name, _ in outputs]
+    for (name, array), datatype in zip(outputs, (TYPED if not raw else DATATYPES), strict=True):
+        assert_same(decoded[name], array, datatype)
+
+
+@pytest.mark.parametrize("raw", [True, False])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1, 1, 1, 1)])
+def test_round_trip_scalar_and_empty_shapes(raw: bool, shape: tuple[int, ...]) -> None:
+    numbers = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    strings = np.empty(shape, dtype=object)
+    strings.fill(b"x")
+    decoded = round_trip([("N", numbers), ("S", strings)], raw=raw)
+    assert_same(decoded["N"], numbers, "INT32")
+    assert_same(decoded["S"], strings, "BYTES")
+
+
+def test_fp16_output_makes_the_response_raw() -> None:
+    # FP16 has no typed field and a response cannot mix raw and typed outputs.
+    response = ModelInferResponse()
+    half = np.array([1.5, -2.0], dtype=np.float16)
+    encode_outputs(response, [("A", np.arange(3)), ("H", half)], raw=False)
+    assert len(response.raw_output_contents) == 2
+    assert not any(output.HasField("contents") for output in response.outputs)
+    decoded = decode_inputs(as_request(response))
+    assert_same(decoded["H"], half, "FP16")
+    assert_same(decoded["A"], np.arange(3), "INT64")
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_bytes_outputs_accept_str_and_numpy_string_arrays(raw: bool) -> None:
+    mixed = np.array(["h\u00e9", b"\xff", ""], dtype=object)
+    fixed_bytes = np.array([b"ab", b""], dtype="S2")
+    unicode = np.array([["\u20ac", "a"]], dtype="U1")
+    decoded = round_trip([("M", mixed), ("S", fixed_bytes), ("U", unicode)], raw=raw)
+    assert decoded["M"].tolist() == ["h\u00e9".encode(), b"\xff", b""]
+    assert decoded["S"].tolist() == [b"ab", b""]
+    assert decoded["U"].tolist() == [["\u20ac".encode(), b"a"]]
+    assert decoded["U"].shape == (1, 2)
+
+
+def test_raw_bytes_layout_matches_tritonclient() -> None:
+    utils = pytest.importorskip("tritonclient.utils")
+    array = sample("BYTES")
+    response = ModelInferResponse()
+    encode_outputs(response, [("B", array)], raw=True)
+    assert response.raw_output_contents[0] == utils.serialize_byte_tensor(array).item()
+    request = raw_request(("B", "BYTES", [6], utils.serialize_byte_tensor(array).item()))
+    assert decode_inputs(request)["B"].tolist() == array.ravel().tolist()
+
+
+@pytest.mark.parametrize("raw", [True, False])
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2],
+        np.arange(24, dtype=np.int64).reshape(4, 6).T,
+        np.arange(12, dtype=">f4").reshape(3, 4),
+        np.arange(12, dtype=">i8").reshape(3, 4)[::-1],
+        np.arange(6, dtype=">u2"),
+        np.arange(6, dtype=">f2").reshape(2, 3)[:, 1:],
+        np.arange(6, dtype=">f8")[::3],
+    ],
+    ids=[
+        "strided",
+        "transposed",
+        "big-fp32",
+        "big-int64-reversed",
+        "big-u16",
+        "big-fp16",
+        "big-fp64",
+    ],
+)
+def test_encode_non_contiguous_and_big_endian(array: np.ndarray, raw: bool) -> None:
+    datatype = datatype_of(array)
+    decoded = round_trip([("X", array)], raw=raw)["X"]
+    assert decoded.dtype.isnative
+    assert_same(decoded, array, datatype)
+
+
+def test_raw_numeric_decode_is_zero_copy() -> None:
+    array = np.arange(32, dtype=np.float32)
+    request = raw_request(("INPUT0", "FP32", [2, 16], array.tobytes()))
+    decoded = decode_inputs(request)["INPUT0"]
+    assert not decoded.flags.owndata
+    assert not decoded.flags.writeable
+    base: Any = decoded
+    while isinstance(base, np.ndarray):
+        base = base.base
+    # The array is a view of the bytes protobuf handed out, not a copy of them.
+    assert isinstance(base, bytes)
+    assert len(base) == array.nbytes
+    assert np.shares_memory(decoded, np.frombuffer(base, dtype=np.uint8))
+    np.testing.assert_array_equal(decoded, array.reshape(2, 16))
+
+
+# --------------------------------------------------------------------------------------------
+# Property tests
+
+_numeric_dtypes = st.sampled_from([DATATYPES[name] for name in NUMERIC])
+_shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)
+
+
+@settings(database=None, max_examples=150, deadline=None)
+@given(data=st.data(), raw=st.booleans())
+def test_numeric_round_trip_property(data: st.DataObject, raw: bool) -> None:
+    dtype = data.draw(_numeric_dtypes)
+    order = data.draw(st.sampled_from("<>"))
+    array = data.draw(hnp.arrays(dtype.newbyteorder(order), _shapes))
+    datatype = datatype_of(array)
+    assert_same(round_trip([("X", array)], raw=raw)["X"], array, datatype)
+
+
+@settings(database=None, max_examples=100, deadline=None)
+@given(
+    elements=st.lists(st.binary(max_size=12), max_size=12),
+    raw=st.booleans(),
+)
+def test_bytes_round_trip_property(elements: list[bytes], raw: bool) -> None:
+    array = np.empty(len(elements), dtype=object)
+    array[:] = elements
+    assert_same(round_trip([("B", array)], raw=raw)["B"], array, "BYTES")
+
+
+# --------------------------------------------------------------------------------------------
+# Decode errors
+
+
+def decode_error(request: ModelInferRequest) -> str:
+    with pytest.raises(InvalidInput) as caught:
+        decode_inputs(request)
+    return caught.value.message
+
+
+def test_raw_size_mismatch_message() -> None:
+    request = raw_request(("INPUT0", "FP32", [2, 16], bytes(124)))
+    assert decode_error(request) == (
+        "input 'INPUT0': shape [2, 16] has 32 elements but raw_input_contents[0] holds "
+        "31 FP32 elements (124 bytes)"
+    )
+
+
+def test_raw_size_not_a_whole_number_of_elements() -> None:
+    request = raw_request(("X", "INT64", [2], bytes(17)))
+    assert "raw_input_contents[0] holds 17 bytes, not a whole number of 8-byte INT64" in (
+        decode_error(request)
+    )
+
+
+def test_raw_count_mismatch() -> None:
+    request = raw_request(("A", "INT32", [1], bytes(4)))
+    request.inputs.add(name="B", datatype="INT32", shape=[1])
+    assert "request has 2 inputs but 1 raw_input_contents entries" in decode_error(request)
+
+
+def test_raw_and_typed_mixed() -> None:
+    request = raw_request(("A", "FP32", [1], bytes(4)))
+    request.inputs[0].contents.fp32_contents.append(1.0)
+    assert "input 'A' has typed contents.fp32_contents but the request uses raw" in (
+        decode_error(request)
+    )
+
+
+def test_duplicate_input_names() -> None:
+    request = raw_request(("A", "INT8", [1], b"\x01"), ("A", "INT8", [1], b"\x02"))
+    assert decode_error(request) == "input 'A' appears more than once in the request"
+
+
+def test_unknown_datatype_lists_valid_ones() -> None:
+    message = decode_error(raw_request(("A", "FLOAT32", [1], bytes(4))))
+    assert "input 'A': unknown datatype 'FLOAT32'; valid datatypes are BOOL, UINT8," in message
+    assert all(name in message for name in DATATYPES)
+
+
+def test_negative_dimension() -> None:
+    message = decode_error(raw_request(("A", "FP32", [2, -1], bytes(8))))
+    assert "input 'A': shape [2, -1] has a negative dimension" in message
+
+
+def test_too_many_dimensions() -> None:
+    message = decode_error(raw_request(("A", "FP32", [1] * 33, bytes(4))))
+    assert "input 'A': shape has 33 dimensions; at most 32" in message
+
+
+def test_shape_too_large_for_numpy_even_when_empty() -> None:
+    message = decode_error(raw_request(("A", "FP32", [0, 2**62, 2**62], b"")))
+    assert "input 'A': shape [0, 4611686018427387904, 4611686018427387904] is too large" in message
+
+
+def test_huge_declared_shape_is_compared_before_allocating() -> None:
+    message = decode_error(raw_request(("A", "FP32", [2**40, 2**20], bytes(8))))
+    assert f"has {2**60} elements but raw_input_contents[0] holds 2 FP32 elements" in message
+    message = decode_error(raw_request(("B", "BYTES", [2**37, 2**20], length_prefixed(b"a"))))
+    assert f"too few for the {2**57} length-prefixed BYTES elements" in message
+    typed = typed_request("C", "INT32", [2**40, 2**20], int_contents=[1])
+    assert f"has {2**60} elements but contents.int_contents holds 1 values" in decode_error(typed)
+
+
+def test_raw_bool_must_be_zero_or_one() -> None:
+    message = decode_error(raw_request(("B", "BOOL", [3], b"\x01\x02\x00")))
+    assert "input 'B': raw BOOL element 1 is byte 2; BOOL elements must be 0 or 1" in message
+
+
+def test_raw_bytes_truncated_prefix() -> None:
+    data = length_prefixed(b"ab") + b"\x01\x00"
+    message = decode_error(raw_request(("S", "BYTES", [2], data)))
+    assert "runs out at the 4-byte length prefix of BYTES element 1 (offset 6, 8 bytes" in message
+
+
+def test_raw_bytes_truncated_element() -> None:
+    data = length_prefixed(b"ab") + (10).to_bytes(4, "little") + b"xyz"
+    message = decode_error(raw_request(("S", "BYTES", [2], data)))
+    assert "input 'S': raw_input_contents[0]: BYTES element 1 declares 10 bytes but only 3" in (
+        message
+    )
+
+
+def test_raw_bytes_trailing_data() -> None:
+    data = length_prefixed(b"ab", b"c") + b"\x00"
+    message = decode_error(raw_request(("S", "BYTES", [1], data)))
+    assert (
+        "raw_input_contents[0] has 6 bytes after the 1 BYTES elements that shape [1] declares"
+        in message
+    )
+
+
+def test_raw_bytes_too_few_elements() -> None:
+    message = decode_error(raw_request(("S", "BYTES", [3], length_prefixed(b"abcd", b""))))
+    assert "runs out at the 4-byte length prefix of BYTES element 2 (offset 12, 12 bytes" in (
+        message
+    )
+
+
+def test_typed_fp16_is_rejected() -> None:
+    request = typed_request("H", "FP16", [1], fp32_contents=[1.0])
+    assert "input 'H': FP16 has no typed contents field; send FP16 data in raw" in (
+        decode_error(request)
+    )
+
+
+@pytest.mark.parametrize(
+    ("datatype", "field", "values", "expected_field"),
+    [
+        ("INT32", "fp32_contents", [1.0], "int_contents"),
+        ("INT64", "int_contents", [1], "int64_contents"),
+        ("UINT64", "uint_contents", [1], "uint64_contents"),
+        ("BOOL", "int_contents", [1], "bool_contents"),
+        ("BYTES", "int_contents", [1], "bytes_contents"),
+        ("FP64", "fp32_contents", [1.0], "fp64_contents"),
+    ],
+)
+def test_typed_contents_in_the_wrong_field(
+    datatype: str, field: str, values: list[Any], expected_field: str
+) -> None:
+    request = typed_request("X", datatype, [1], **{field: values})
+    assert decode_error(request) == (
+        f"input 'X': datatype {datatype} takes its data in contents.{expected_field}, "
+        f"but contents.{field} is set"
+    )
+
+
+def test_typed_count_mismatch() -> None:
+    request = typed_request("X", "FP32", [2, 2], fp32_contents=[1.0, 2.0, 3.0])
+    assert decode_error(request) == (
+        "input 'X': shape [2, 2] has 4 elements but contents.fp32_contents holds 3 values"
+    )
+
+
+def test_typed_without_any_contents() -> None:
+    request = typed_request("X", "BYTES", [2])
+    assert "has 2 elements but contents.bytes_contents holds 0 values" in decode_error(request)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "field", "values", "fragment"),
+    [
+        ("INT8", "int_contents", [1, 300], "INT8 element 1 is 300, outside [-128, 127]"),
+        ("INT16", "int_contents", [-40000], "INT16 element 0 is -40000, outside [-32768, 32767]"),
+        ("UINT8", "uint_contents", [256], "UINT8 element 0 is 256, outside [0, 255]"),
+        ("UINT16", "uint_contents", [0, 70000], "UINT16 element 1 is 70000, outside [0, 65535]"),
+    ],
+)
+def test_typed_narrow_integers_out_of_range(
+    datatype: str, field: str, values: list[int], fragment: str
+) -> None:
+    request = typed_request("X", datatype, [len(values)], **{field: values})
+    assert f"input 'X': {fragment}" in decode_error(request)
+
+
+# --------------------------------------------------------------------------------------------
+# Encode errors and datatype_of
+
+
+@pytest.mark.parametrize(
+    ("dtype", "datatype"),
+    [
+        (np.bool_, "BOOL"),
+        (np.uint8, "UINT8"),
+        (">u4", "UINT32"),
+        (np.int16, "INT16"),
+        ("<i8", "INT64"),
+        (np.float16, "FP16"),
+        (">f4", "FP32"),
+        (np.float64, "FP64"),
+        (object, "BYTES"),
+        ("S3", "BYTES"),
+        ("U2", "BYTES"),
+    ],
+)
+def test_datatype_of(dtype: Any, datatype: str) -> None:
+    assert datatype_of(np.zeros(2, dtype=dtype)) == datatype
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.complex64, np.complex128, "datetime64[s]", "timedelta64[s]", "V4", "i4,f4"]
+)
+def test_datatype_of_rejects_unsupported_dtypes(dtype: Any) -> None:
+    array = np.zeros(2, dtype=dtype)
+    with pytest.raises(ModelFailed, match="has no Open Inference Protocol datatype"):
+        datatype_of(array)
+
+
+def test_encode_unsupported_dtype_names_the_output() -> None:
+    response = ModelInferResponse()
+    with pytest.raises(ModelFailed) as caught:
+        encode_outputs(response, [("OK", np.zeros(1)), ("Z", np.zeros(2, np.complex128))], raw=True)
+    assert caught.value.message.startswith(
+        "output 'Z': numpy dtype complex128 has no Open Inference Protocol datatype"
+    )
+    # The dtypes are all checked before anything is written.
+    assert not response.outputs
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_encode_bytes_with_a_non_string_element(raw: bool) -> None:
+    array = np.array([b"a", 7, None], dtype=object)
+    with pytest.raises(ModelFailed) as caught:
+        encode_outputs(ModelInferResponse(), [("B", array)], raw=raw)
+    assert caught.value.message == (
+        "output 'B': BYTES element 1 is int; BYTES outputs hold bytes or str"
+    )
+
+
+def test_encode_str_that_utf8_cannot_encode() -> None:
+    array = np.array(["ok", "bad\udcff"], dtype=object)
+    with pytest.raises(ModelFailed) as caught:
+        encode_outputs(ModelInferResponse(), [("B", array)], raw=False)
+    assert caught.value.message.startswith(
+        "output 'B': BYTES element 1 is a str that UTF-8 cannot encode (surrogates not allowed"
+    )
+
+
+def test_encode_numpy_scalar_output() -> None:
+    decoded = round_trip([("S", np.float32(2.5))], raw=True)  # type: ignore[list-item]
+    assert_same(decoded["S"], np.array(2.5, dtype=np.float32), "FP32")
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+
+
+def test_decode_parameters_every_kind() -> None:
+    request = ModelInferRequest()
+    request.parameters["b"].bool_param = False
+    request.parameters["i"].int64_param = -(2**63)
+    request.parameters["s"].string_param = "text"
+    request.parameters["d"].double_param = 0.25
+    request.parameters["u"].uint64_param = 2**64 - 1
+    decoded = decode_parameters(request.parameters)
+    assert decoded == {"b": False, "i": -(2**63), "s": "text", "d": 0.25, "u": 2**64 - 1}
+    assert type(decoded["b"]) is bool
+    assert type(decoded["i"]) is int
+
+
+def test_decode_parameter_without_value() -> None:
+    with pytest.raises(InvalidInput, match="parameter 'empty' has no value set"):
+        decode_parameters({"empty": InferParameter()})
+
+
+def test_encode_parameters() -> None:
+    response = ModelInferResponse()
+    encode_parameters(
+        response.parameters,
+        {
+            "flag": True,
+            "small": -5,
+            "big": 2**63,
+            "ratio": 1.5,
+            "name": "n",
+            "np_int": np.int32(3),  # type: ignore[dict-item]
+            "np_bool": np.bool_(False),  # type: ignore[dict-item]
+            "np_float": np.float32(0.5),  # type: ignore[dict-item]
+        },
+    )
+    kinds = {
+        key: value.WhichOneof("parameter_choice") for key, value in response.parameters.items()
+    }
+    assert kinds == {
+        "flag": "bool_param",
+        "small": "int64_param",
+        "big": "uint64_param",
+        "ratio": "double_param",
+        "name": "string_param",
+        "np_int": "int64_param",
+        "np_bool": "bool_param",
+        "np_float": "double_param",
+    }
+    assert decode_parameters(response.parameters) == {
+        "flag": True,
+        "small": -5,
+        "big": 2**63,
+        "ratio": 1.5,
+        "name": "n",
+        "np_int": 3,
+        "np_bool": False,
+        "np_float": 0.5,
+    }
+
+
+def test_encode_parameters_replaces_an_existing_value() -> None:
+    response = ModelInferResponse()
+    response.parameters["k"].string_param = "old"
+    encode_parameters(response.parameters, {"k": 7})
+    assert decode_parameters(response.parameters) == {"k": 7}
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (2**64, "parameter 'p': 18446744073709551616 does not fit in 64 bits"),
+        (-(2**63) - 1, "does not fit in 64 bits"),
+        ([1], "parameter 'p' is list; parameters are bool, int, float or str"),
+        (b"x", "parameter 'p' is bytes"),
+    ],
+)
+def test_encode_parameters_rejects(value: Any, fragment: str) -> None:
+    with pytest.raises(ModelFailed) as caught:
+        encode_parameters(ModelInferResponse().parameters, {"p": value})
+    assert fragment in caught.value.message
+
+
+# --------------------------------------------------------------------------------------------
+# validate_request
+
+
+SPECS = [TensorSpec("A", "FP32", (-1, 3)), TensorSpec("B", "BYTES", (1,))]
+
+
+def metadata_request(*tensors: tuple[str, str, Sequence[int]]) -> ModelInferRequest:
+    request = ModelInferRequest()
+    for name, datatype, shape in tensors:
+        request.inputs.add(name=name, datatype=datatype, shape=list(shape))
+    return request
+
+
+def validation_error(request: ModelInferRequest, specs: Sequence[TensorSpec] = SPECS) -> str:
+    with pytest.raises(InvalidInput) as caught:
+        validate_request(request, specs, "m")
+    return caught.value.message
+
+
+def test_validate_accepts_matching_request_in_any_order() -> None:
+    validate_request(metadata_request(("B", "BYTES", [1]), ("A", "FP32", [7, 3])), SPECS, "m")
+
+
+def test_validate_without_declared_inputs_accepts_anything() -> None:
+    validate_request(metadata_request(("anything", "WHATEVER", [-4])), [], "m")
+
+
+def test_validate_missing_input() -> None:
+    assert validation_error(metadata_request(("A", "FP32", [1, 3]))) == (
+        "model 'm': request is missing input(s) 'B'"
+    )
+
+
+def test_validate_unexpected_input() -> None:
+    request = metadata_request(("A", "FP32", [1, 3]), ("B", "BYTES", [1]), ("C", "FP32", [1]))
+    assert validation_error(request) == "model 'm' has no input 'C'; its inputs are 'A', 'B'"
+
+
+def test_validate_wrong_datatype() -> None:
+    request = metadata_request(("A", "FP64", [1, 3]), ("B", "BYTES", [1]))
+    assert validation_error(request) == ("model 'm' input 'A': expected datatype FP32, got FP64")
+
+
+def test_validate_wrong_rank() -> None:
+    request = metadata_request(("A", "FP32", [3]), ("B", "BYTES", [1]))
+    assert validation_error(request) == (
+        "model 'm' input 'A': expected shape [-1, 3] (rank 2), got [3] (rank 1)"
+    )
+
+
+def test_validate_mismatched_fixed_dimension() -> None:
+    request = metadata_request(("A", "FP32", [2, 4]), ("B", "BYTES", [1]))
+    assert validation_error(request) == (
+        "model 'm' input 'A': expected shape [-1, 3], got [2, 4] (dimension 1 must be 3)"
+    )
+
+
+def test_validate_duplicate_input() -> None:
+    request = metadata_request(("B", "BYTES", [1]), ("B", "BYTES", [1]))
+    assert validation_error(request) == "model 'm': input 'B' appears more than once"
+
+
+# --------------------------------------------------------------------------------------------
+# select_outputs
+
+
+OUTPUTS = {"x": np.zeros(1), "y": np.ones(1), "z": np.full(1, 2.0)}
+
+
+def test_select_all_outputs_in_model_order() -> None:
+    assert [name for name, _ in select_outputs(OUTPUTS, [], "m")] == ["x", "y", "z"]
+
+
+def test_select_requested_outputs_in_request_order() -> None:
+    selected = select_outputs(OUTPUTS, ["z", "x"], "m")
+    assert [name for name, _ in selected] == ["z", "x"]
+    assert selected[0][1] is OUTPUTS["z"]
+
+
+def test_select_unknown_output() -> None:
+    with pytest.raises(InvalidInput) as caught:
+        select_outputs(OUTPUTS, ["x", "w"], "m")
+    assert caught.value.message == "model 'm' has no output 'w'; its outputs are 'x', 'y', 'z'"
+
+
+def test_select_output_twice() -> None:
+    with pytest.raises(InvalidInput, match="model 'm': output 'x' is requested twice"):
+        select_outputs(OUTPUTS, ["x", "x"], "m")

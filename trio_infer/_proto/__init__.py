@@ -1,0 +1,1 @@
+"""Generated protocol modules; do not edit. Regenerate with ``python protos/generate.py``."""

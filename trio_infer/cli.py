@@ -1,0 +1,127 @@
+"""The ``trio-infer`` command.
+
+``trio-infer serve [REPOSITORY]`` serves a model repository (the built-in examples when none is
+given). The first SIGINT or SIGTERM starts a graceful shutdown; a second one exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from pathlib import Path
+
+import trio
+
+from trio_infer.server import RunningServer, ServerConfig, run_server
+from trio_infer.settings import SettingsError, load_repository
+
+logger = logging.getLogger("trio_infer")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trio-infer", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model repository over gRPC")
+    defaults = ServerConfig()
+    serve.add_argument(
+        "repository",
+        nargs="?",
+        type=Path,
+        default=defaults.repository,
+        help="folder with one subfolder per model (default: the built-in examples)",
+    )
+    serve.add_argument("--host", default=defaults.host, help="address to listen on")
+    serve.add_argument(
+        "--grpc-port",
+        type=int,
+        default=defaults.grpc_port,
+        help="gRPC port; 0 picks a free port and logs it (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=defaults.workers,
+        help="worker processes that run model code (default: CPU count, %(default)s)",
+    )
+    serve.add_argument(
+        "--grace-period",
+        type=float,
+        default=defaults.grace_period,
+        help="seconds in-flight calls get to finish on shutdown (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-message-size",
+        type=int,
+        default=defaults.max_message_size,
+        help="largest request message in bytes (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--debug", action="store_true", help="tracebacks in model error messages; debug logs"
+    )
+    return parser
+
+
+async def _serve_until_signalled(config: ServerConfig) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            server: RunningServer = await nursery.start(_serve_then_stop, config, nursery)
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if server.shutting_down:
+                    logger.warning("%s again: exiting now", name)
+                    nursery.cancel_scope.cancel()
+                    return
+                logger.warning(
+                    "%s: shutting down, finishing calls in flight for up to %.1f s "
+                    "(again to exit at once)",
+                    name,
+                    config.grace_period,
+                )
+                server.shutdown()
+
+
+async def _serve_then_stop(
+    config: ServerConfig,
+    nursery: trio.Nursery,
+    *,
+    task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await run_server(config, task_status=task_status)
+    # The server is done; stop listening for signals too.
+    nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``trio-infer`` command; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.workers < 1:
+        logger.error("--workers must be at least 1")
+        return 2
+    config = ServerConfig(
+        repository=args.repository,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        workers=args.workers,
+        grace_period=args.grace_period,
+        max_message_size=args.max_message_size,
+        debug=args.debug,
+    )
+    try:
+        # Checked before starting anything, so a typo in a settings file is one clear line.
+        load_repository(config.repository)
+    except SettingsError as exc:
+        logger.error("%s", exc)
+        return 2
+    status = 0
+    try:
+        trio.run(_serve_until_signalled, config)
+    except* OSError as group:
+        for exc in group.exceptions:
+            logger.error("cannot serve on %s:%d: %s", config.host, config.grpc_port, exc)
+        status = 1
+    return status

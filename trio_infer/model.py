@@ -1,0 +1,134 @@
+"""The model API: subclass ``Model``, override ``load()`` and ``predict()``.
+
+A model is a folder with a ``model-settings.json`` naming the class, and the code beside it::
+
+    # models/scale/model.py
+    import numpy as np
+    from trio_infer.model import Model, Parameters
+
+    class Scale(Model):
+        def load(self) -> None:
+            self.factor = np.float32(self.settings.parameters.extra.get("factor", 2.0))
+
+        def predict(
+            self, inputs: dict[str, np.ndarray], parameters: Parameters
+        ) -> dict[str, np.ndarray]:
+            factor = parameters.get("factor", self.factor)
+            return {"y": inputs["x"] * factor}
+
+    # models/scale/model-settings.json
+    {"implementation": "model.Scale", "parameters": {"extra": {"factor": 3.0}}}
+
+Each worker process creates the model once and calls ``load()`` once, before its first
+``predict()``; afterwards ``predict()`` is called for every request (or batch), one call at a time
+per process. The model's folder is on ``sys.path``, so ``model.Scale`` names the folder's own
+``model.py``.
+
+To fail a request with a status of your choice, raise
+``trio_infer.errors.InferError("message", StatusCode.X)``; any other exception fails the request
+with ``INTERNAL`` and the exception's type and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from trio_infer.settings import ModelSettings
+
+__all__ = ["Model", "ParameterValue", "Parameters"]
+
+#: The types a request parameter can have (the protocol's ``InferParameter`` choices).
+ParameterValue = bool | int | float | str
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class Parameters(Mapping[str, ParameterValue]):
+    """A request's parameters: a read-only mapping, plus per-tensor parameters and headers.
+
+    ``parameters["delay_ms"]`` and ``parameters.get("delay_ms", 100)`` read the request-level
+    parameters; ``parameters.inputs["INPUT0"]`` the parameters sent with one input tensor;
+    ``parameters.headers["x-user"]`` the request's metadata (header names are lower-case).
+    Picklable, so it crosses into worker processes.
+
+    Args:
+        values: The request-level parameters.
+        inputs: Per-input-tensor parameters, by tensor name.
+        headers: Request metadata; names are lower-cased here.
+    """
+
+    # Not named "values": that would hide Mapping.values().
+    _values: Mapping[str, ParameterValue]
+    inputs: Mapping[str, Mapping[str, ParameterValue]]
+    headers: Mapping[str, str]
+
+    # Mappings are not hashable; without this, dataclass would add a __hash__ that fails on
+    # the dict fields with a confusing message.
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        values: Mapping[str, ParameterValue] | None = None,
+        inputs: Mapping[str, Mapping[str, ParameterValue]] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        # Own plain-dict copies: a caller's mutable mapping must not change a request in flight,
+        # and a dict always pickles (a MappingProxyType, say, does not).
+        object.__setattr__(self, "_values", dict(values or {}))
+        object.__setattr__(self, "inputs", {k: dict(v) for k, v in (inputs or {}).items()})
+        object.__setattr__(self, "headers", {k.lower(): v for k, v in (headers or {}).items()})
+
+    def __getitem__(self, key: str) -> ParameterValue:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Parameters({self._values!r}, inputs={self.inputs!r}, headers={self.headers!r})"
+
+
+class Model:
+    """Base class for models. Subclass, override ``load()`` and ``predict()``.
+
+    Args:
+        settings: The model's settings, as read from its ``model-settings.json``; available as
+            ``self.settings`` (``self.settings.path`` is the model's folder).
+    """
+
+    def __init__(self, settings: ModelSettings) -> None:
+        self.settings = settings
+
+    def load(self) -> None:
+        """Prepare the model: read weights, build state. Called once per worker process.
+
+        Runs before the process's first ``predict()``. The default does nothing.
+
+        Raises:
+            Exception: Any exception fails the requests waiting for the model (``INTERNAL``);
+                the next request tries to load the model again.
+        """
+
+    def predict(
+        self, inputs: dict[str, np.ndarray], parameters: Parameters
+    ) -> dict[str, np.ndarray]:
+        """Compute the outputs of one request (or one batch) from its inputs.
+
+        Args:
+            inputs: The input tensors by name, as numpy arrays (``BYTES`` tensors are object
+                arrays of ``bytes``).
+            parameters: The request's parameters, per-tensor parameters and headers.
+
+        Returns:
+            The output tensors by name.
+
+        Raises:
+            trio_infer.errors.InferError: To end the request with the status it carries.
+            Exception: Anything else ends the request with ``INTERNAL`` and its message.
+        """
+        raise NotImplementedError(f"{type(self).__qualname__} does not override predict()")

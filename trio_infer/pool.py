@@ -1,0 +1,254 @@
+"""Worker processes for model code: a fixed number of them, on trio-parallel.
+
+Model code runs in worker processes so that it can use every core, block, crash or be killed
+without taking the server with it. Each worker keeps the models it has loaded
+(``trio_infer.worker``); the pool only decides how many processes run at once and turns
+process-level failures into the server's errors.
+
+Resource handling: the pool is an async context manager. Leaving it waits for running calls,
+asks idle workers to exit, and kills any that have not exited after ``GRACE_PERIOD`` seconds, so
+no worker outlives it. A cancelled ``predict`` (deadline passed, client gone, shutdown) kills its
+worker at once: the call's result would have no reader, and a model call cannot be interrupted
+any other way. The next call starts a replacement, which loads its models lazily.
+
+Error handling: a worker that dies mid-call fails that call with ``Unavailable`` naming the
+signal or exit code; the pool keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+import trio
+import trio_parallel
+
+from trio_infer import worker
+from trio_infer.errors import InferError, ModelFailed, Unavailable
+from trio_infer.model import Parameters
+from trio_infer.settings import ModelSettings
+
+__all__ = ["GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
+
+#: Seconds idle workers get to exit when the pool closes before they are killed.
+GRACE_PERIOD = 5.0
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+# Worker type. A replacement worker is started on the request path (after a crash or a
+# cancelled call), so its start-up cost is latency someone waits for. Measured on 2 cores,
+# Python 3.11, numpy 2.4 (time from the call to the first result of a fresh worker):
+#   SPAWN       ~170 ms: a fresh interpreter imports numpy, protobuf and this package each time.
+#   FORKSERVER  ~12 ms: a fork of a server process that imported trio_infer.worker (numpy and all)
+#               once; the fork shares those pages copy-on-write.
+#   FORK        not used: forking the Trio process copies its threads' locks in whatever state.
+# Either way multiprocessing re-runs the parent's __main__ script in each worker (as
+# __mp_main__), so the script that starts the server should import the server lazily.
+_PRELOAD = ["logging", "pkgutil", "_trio_parallel_workers", "trio_infer.worker"]
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    """A snapshot of a pool.
+
+    Attributes:
+        workers: The number of worker processes the pool runs at most.
+        busy: Calls running (or starting their worker) now.
+        idle: Live workers waiting for a call.
+        waiting: Calls waiting for a free worker.
+        crashed: Workers that died during a call since the pool opened (kills on cancel are
+            not crashes).
+    """
+
+    workers: int
+    busy: int
+    idle: int
+    waiting: int
+    crashed: int
+
+
+class WorkerPool:
+    """Runs model code in a fixed number of worker processes.
+
+    Create it with ``WorkerPool.open``; all methods must be called inside that block.
+    """
+
+    def __init__(self, context: Any, workers: int) -> None:
+        self._context = context
+        self._workers = workers
+        # One token per worker: a call holds a worker process for exactly as long as a token.
+        self._limiter = trio.CapacityLimiter(workers)
+        self._crashed = 0
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, workers: int, *, debug: bool = False, threads_per_worker: int = 1
+    ) -> AsyncIterator[WorkerPool]:
+        """Open a pool; workers start on first use (or ``warm_up``) and are stopped on exit.
+
+        Args:
+            workers: The number of worker processes (at least 1).
+            debug: Append the model's traceback to ``ModelFailed`` messages.
+            threads_per_worker: Threads each worker's BLAS / OpenMP libraries may use. Workers
+                share the machine's cores: keep ``workers * threads_per_worker`` at or below
+                the core count.
+
+        Yields:
+            The pool.
+
+        Raises:
+            ValueError: ``workers`` or ``threads_per_worker`` is less than 1.
+        """
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be at least 1, got {threads_per_worker}")
+        worker_type = _prepare_worker_type(threads_per_worker)
+        manager = trio_parallel.open_worker_context(
+            # Idle workers hold loaded models: never let them time out.
+            idle_timeout=math.inf,
+            init=partial(worker.configure, threads_per_worker, debug),
+            grace_period=GRACE_PERIOD,
+            worker_type=worker_type,
+        )
+        context = await manager.__aenter__()
+        try:
+            yield cls(context, workers)
+        finally:
+            # trio-parallel shields the shutdown; GRACE_PERIOD bounds it.
+            try:
+                await manager.__aexit__(None, None, None)
+            except trio_parallel.BrokenWorkerError as exc:
+                # Stragglers were killed, or an idle worker had died: nothing is left running,
+                # and the shutdown itself (or the error that caused it) matters more.
+                _log.warning("worker pool shut down uncleanly: %s", exc.args[0])
+
+    async def warm_up(self, models: Sequence[ModelSettings]) -> None:
+        """Start every worker process and load every model in each.
+
+        Args:
+            models: The models to load.
+
+        Raises:
+            InferError: A model failed to load (the first failure; the message names the
+                model). Workers that loaded every model stay warm.
+            Unavailable: A worker died while loading.
+        """
+        # `workers` concurrent jobs each hold a worker until their job is done, so each gets a
+        # worker of its own: a fresh one when the cache is empty.
+        errors: list[InferError] = []
+
+        async def warm_one() -> None:
+            try:
+                await self._run("loading models", worker.load_all, tuple(models))
+            except InferError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(self._workers):
+                nursery.start_soon(warm_one)
+        if errors:
+            raise errors[0]
+
+    async def predict(
+        self, settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+    ) -> dict[str, np.ndarray]:
+        """Run one model call in a worker, waiting for a free worker first.
+
+        Cancelling the call (a deadline, a client gone) kills the worker running it; the pool
+        starts a replacement on the next call.
+
+        Args:
+            settings: The model; a worker loads it on first use.
+            inputs: The input tensors by name.
+            parameters: The request's parameters.
+
+        Returns:
+            The model's outputs by name.
+
+        Raises:
+            InferError: The model raised one; its status is kept.
+            ModelFailed: The model raised anything else, or returned something other than
+                ``dict[str, numpy.ndarray]``.
+            Unavailable: The worker process died during the call.
+        """
+        what = f"running model {settings.name!r}"
+        return await self._run(what, worker.predict, settings, inputs, parameters)
+
+    def statistics(self) -> PoolStatistics:
+        """Return a snapshot of the pool's workers and calls."""
+        return PoolStatistics(
+            workers=self._workers,
+            busy=self._limiter.borrowed_tokens,
+            idle=self._context.statistics().idle_workers,
+            waiting=self._limiter.statistics().tasks_waiting,
+            crashed=self._crashed,
+        )
+
+    async def _run(self, what: str, fn: Callable[..., _T], *args: object) -> _T:
+        try:
+            result: _T = await self._context.run_sync(
+                fn, *args, kill_on_cancel=True, limiter=self._limiter
+            )
+        except InferError:
+            raise
+        except trio_parallel.BrokenWorkerError as exc:
+            self._crashed += 1
+            raise Unavailable(f"worker process died while {what} ({_exit_cause(exc)})") from exc
+        except Exception as exc:
+            # The job or its result could not cross the process boundary (trio-parallel has
+            # killed that worker): the model's doing, e.g. an unpicklable output.
+            raise ModelFailed(f"{type(exc).__name__}: {exc} (while {what})") from exc
+        return result
+
+
+def _exit_cause(exc: trio_parallel.BrokenWorkerError) -> str:
+    process = exc.args[-1] if exc.args else None
+    code = getattr(process, "exitcode", None)
+    if not isinstance(code, int):
+        return "cause unknown"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _prepare_worker_type(threads_per_worker: int) -> Any:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return trio_parallel.WorkerType.SPAWN
+    # The fork server is per process and starts once: the first pool's settings are what it
+    # preloads with. Workers apply their own thread limits at start (worker.configure), so a
+    # later pool with other limits still gets them.
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    with _environment(dict.fromkeys(worker.THREAD_VARIABLES, str(threads_per_worker))):
+        # numpy sizes its BLAS thread pool when imported, and the fork server imports it.
+        multiprocessing.forkserver.ensure_running()
+    return trio_parallel.WorkerType.FORKSERVER
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

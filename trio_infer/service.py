@@ -1,0 +1,156 @@
+"""The Open Inference Protocol and gRPC health services, as one transport handler.
+
+A call arrives as bytes (:class:`~trio_infer.transport.Call`); this module decodes it, routes it
+by method, runs it and encodes the answer. Inference requests flow on to the worker pool:
+request -> lookup -> validation -> decode -> worker -> select outputs -> encode -> response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from google.protobuf.message import DecodeError, Message
+
+from trio_infer._proto import grpc_predict_v2_pb2 as pb
+from trio_infer._proto import health_pb2
+from trio_infer.errors import InvalidInput, ModelNotFound, Unavailable, Unimplemented
+from trio_infer.model import Parameters
+from trio_infer.pool import WorkerPool
+from trio_infer.registry import ModelRegistry
+from trio_infer.tensors import (
+    TensorSpec,
+    decode_inputs,
+    decode_parameters,
+    encode_outputs,
+    select_outputs,
+    validate_request,
+)
+from trio_infer.transport import Call
+
+__all__ = ["SERVER_NAME", "SERVER_VERSION", "InferenceService"]
+
+SERVER_NAME = "trio-infer"
+try:
+    SERVER_VERSION = version("trio-infer")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    SERVER_VERSION = "0+unknown"
+
+_V2 = "/inference.GRPCInferenceService/"
+_HEALTH = "/grpc.health.v1.Health/"
+
+
+@dataclass(frozen=True)
+class _Route:
+    request_type: type[Message]
+    handler: Callable[[Any, Call], Awaitable[Message]]
+
+
+class InferenceService:
+    """Serves ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``.
+
+    Args:
+        registry: The served models and their readiness.
+        pool: Where model code runs.
+    """
+
+    def __init__(self, registry: ModelRegistry, pool: WorkerPool) -> None:
+        self.registry = registry
+        self.pool = pool
+        self.draining = False
+        """Set when the server shuts down: readiness turns false so load balancers move on."""
+        self._routes: dict[str, _Route] = {
+            _V2 + "ServerLive": _Route(pb.ServerLiveRequest, self._server_live),
+            _V2 + "ServerReady": _Route(pb.ServerReadyRequest, self._server_ready),
+            _V2 + "ModelReady": _Route(pb.ModelReadyRequest, self._model_ready),
+            _V2 + "ServerMetadata": _Route(pb.ServerMetadataRequest, self._server_metadata),
+            _V2 + "ModelMetadata": _Route(pb.ModelMetadataRequest, self._model_metadata),
+            _V2 + "ModelInfer": _Route(pb.ModelInferRequest, self._model_infer),
+            _HEALTH + "Check": _Route(health_pb2.HealthCheckRequest, self._health_check),
+        }
+
+    async def handle(self, call: Call) -> None:
+        """Serve one unary call: the transport's handler for every method."""
+        route = self._routes.get(call.method)
+        if route is None:
+            raise Unimplemented(f"method {call.method} is not served here")
+        data = await call.receive_message()
+        if data is None:
+            raise InvalidInput(f"{call.method} expects one request message and got none")
+        try:
+            request = route.request_type.FromString(data)
+        except DecodeError as exc:
+            name = route.request_type.DESCRIPTOR.full_name
+            raise InvalidInput(f"the request is not a valid {name}: {exc}") from None
+        response = await route.handler(request, call)
+        await call.send_message(response.SerializeToString())
+
+    def _server_is_ready(self) -> bool:
+        return not self.draining and self.registry.all_ready()
+
+    async def _server_live(self, request: pb.ServerLiveRequest, call: Call) -> Message:
+        return pb.ServerLiveResponse(live=True)
+
+    async def _server_ready(self, request: pb.ServerReadyRequest, call: Call) -> Message:
+        return pb.ServerReadyResponse(ready=self._server_is_ready())
+
+    async def _model_ready(self, request: pb.ModelReadyRequest, call: Call) -> Message:
+        settings = self.registry.lookup(request.name, request.version)
+        ready = not self.draining and self.registry.is_ready(settings.name)
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def _server_metadata(self, request: pb.ServerMetadataRequest, call: Call) -> Message:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
+
+    async def _model_metadata(self, request: pb.ModelMetadataRequest, call: Call) -> Message:
+        settings = self.registry.lookup(request.name, request.version)
+        versions = settings.versions or ((settings.version,) if settings.version else ())
+        return pb.ModelMetadataResponse(
+            name=settings.name,
+            versions=list(versions),
+            platform=settings.platform,
+            inputs=[_tensor_metadata(spec) for spec in settings.inputs],
+            outputs=[_tensor_metadata(spec) for spec in settings.outputs],
+        )
+
+    async def _model_infer(self, request: pb.ModelInferRequest, call: Call) -> Message:
+        settings = self.registry.lookup(request.model_name, request.model_version)
+        if self.draining or not self.registry.is_ready(settings.name):
+            raise Unavailable(f"model '{settings.name}' is not ready")
+        validate_request(request, settings.inputs, settings.name)
+        inputs = decode_inputs(request)
+        parameters = Parameters(
+            values=decode_parameters(request.parameters),
+            inputs={tensor.name: decode_parameters(tensor.parameters) for tensor in request.inputs},
+            headers={name: value for name, value in call.metadata if isinstance(value, str)},
+        )
+        outputs = await self.pool.predict(settings, inputs, parameters)
+        selected = select_outputs(
+            outputs, [output.name for output in request.outputs], settings.name
+        )
+        response = pb.ModelInferResponse(
+            model_name=settings.name, model_version=settings.version, id=request.id
+        )
+        encode_outputs(response, selected, raw=len(request.raw_input_contents) > 0)
+        return response
+
+    async def _health_check(self, request: health_pb2.HealthCheckRequest, call: Call) -> Message:
+        serving_status = health_pb2.HealthCheckResponse.ServingStatus
+        if request.service in ("", "inference.GRPCInferenceService"):
+            ready = self._server_is_ready()
+        else:
+            try:
+                settings = self.registry.lookup(request.service)
+            except ModelNotFound:
+                raise ModelNotFound(f"unknown service '{request.service}'") from None
+            ready = not self.draining and self.registry.is_ready(settings.name)
+        status = serving_status.SERVING if ready else serving_status.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(
+        name=spec.name, datatype=spec.datatype, shape=spec.shape
+    )

@@ -1,0 +1,232 @@
+"""Code that runs inside a worker process: the per-process model cache, load and predict.
+
+The parent (``trio_infer.pool``) sends ``configure``, ``load_all``, ``load`` and ``predict`` by
+reference to worker processes. This module must stay importable without Trio or the server: it is
+what every worker imports.
+
+Error contract (every exception leaving this module must unpickle in the parent):
+
+- an ``InferError`` raised by a model reaches the parent with its class, message and status;
+- any other exception from importing, creating, loading or calling a model becomes
+  ``ModelFailed("<Type>: <message>")`` here, in the child, because a model's own exception
+  classes may not be picklable or importable in the parent; with ``debug`` the traceback text is
+  appended to the message;
+- outputs that are not ``dict[str, numpy.ndarray]`` are a ``ModelFailed`` naming the problem.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from trio_infer import errors
+from trio_infer.errors import InferError, ModelFailed
+from trio_infer.model import Model, Parameters
+from trio_infer.settings import ModelSettings
+
+__all__ = ["THREAD_VARIABLES", "configure", "load", "load_all", "predict"]
+
+#: Environment variables that size the thread pools of BLAS / OpenMP libraries when they load.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+# Invariant: a cached model's load() has returned without raising.
+_models: dict[tuple[str, str], Model] = {}
+_threads = 1
+_debug = False
+
+
+def configure(threads_per_worker: int, debug: bool) -> None:
+    """Set up this worker process; trio-parallel calls it once, before the first job.
+
+    Workers on a machine share its cores: several workers each running a BLAS pool sized to
+    every core oversubscribe the CPU and turn sub-millisecond calls into tens of milliseconds.
+
+    Args:
+        threads_per_worker: Threads each BLAS / OpenMP library of this process may use.
+        debug: Append tracebacks to the messages of ``ModelFailed``.
+    """
+    global _threads, _debug
+    _threads, _debug = threads_per_worker, debug
+    # Libraries a model loads later (torch, onnxruntime's OpenMP) read these when they load;
+    # those already loaded (numpy's BLAS) are limited by threadpoolctl.
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(threads_per_worker)
+    threadpool_limits(limits=threads_per_worker)
+
+
+def load(settings: ModelSettings) -> None:
+    """Load a model into this process's cache unless it is there already.
+
+    Args:
+        settings: The model to load.
+
+    Raises:
+        InferError: The model's ``__init__`` or ``load()`` raised one.
+        ModelFailed: Importing, creating or loading the model failed otherwise.
+    """
+    _cached_model(settings)
+
+
+def load_all(models: Sequence[ModelSettings]) -> int:
+    """Load several models into this process's cache (the pool's warm-up job).
+
+    Args:
+        models: The models to load, in order.
+
+    Returns:
+        This process's id, so the caller can tell which worker did the job.
+
+    Raises:
+        InferError: As ``load``, for the first model that fails.
+    """
+    for settings in models:
+        _cached_model(settings)
+    return os.getpid()
+
+
+def predict(
+    settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+) -> dict[str, np.ndarray]:
+    """Run one model call, loading the model first if this process has not yet.
+
+    Args:
+        settings: The model to call.
+        inputs: The input tensors by name.
+        parameters: The request's parameters.
+
+    Returns:
+        The model's outputs, checked to be ``dict[str, numpy.ndarray]``.
+
+    Raises:
+        InferError: The model raised one (its class and status are kept).
+        ModelFailed: Loading or calling the model failed otherwise, or its outputs have the
+            wrong type.
+    """
+    model = _cached_model(settings)
+    error: InferError
+    try:
+        outputs = model.predict(inputs, parameters)
+    except InferError as exc:
+        error = _portable(exc)
+    except BaseException as exc:
+        # BaseException too: a model calling sys.exit() must fail its request, not have
+        # SystemExit re-raised in the server process.
+        error = _failed(exc)
+    else:
+        return _checked(settings, outputs)
+    # Raised outside the handler so the model's exception is not attached as __context__:
+    # trio-parallel pickles the whole chain, and the model's exception may not pickle.
+    raise error
+
+
+def _cached_model(settings: ModelSettings) -> Model:
+    key = (settings.name, settings.version)
+    model = _models.get(key)
+    # Equal settings, not identical: each job unpickles its own copy. Different settings under
+    # the same key mean the model was redefined (a repository reload), so it is built again.
+    if model is not None and model.settings == settings:
+        return model
+    error: InferError
+    try:
+        model = _import_class(settings)(settings)
+        model.load()
+    except InferError as exc:
+        error = _portable(exc)
+    except BaseException as exc:
+        error = _failed(exc)
+    else:
+        # A model may load a library with its own thread pool (torch, onnxruntime).
+        threadpool_limits(limits=_threads)
+        _models[key] = model
+        return model
+    raise error
+
+
+def _import_class(settings: ModelSettings) -> type[Model]:
+    module_name, _, class_name = settings.implementation.rpartition(".")
+    if settings.path is not None:
+        _prefer_folder(settings.path, module_name)
+    module = importlib.import_module(module_name)
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Model)):
+        found = "nothing" if cls is None else repr(cls)
+        raise TypeError(
+            f"implementation {settings.implementation!r} of model {settings.name!r} must name "
+            f"a subclass of trio_infer.model.Model, found {found}"
+        )
+    return cls
+
+
+def _prefer_folder(folder: Path, module_name: str) -> None:
+    # MLServer-style: the model's folder goes first on sys.path, so "model.MyModel" is the
+    # folder's own model.py. Kept there afterwards: the model may import siblings lazily.
+    entry = str(folder)
+    if entry in sys.path:
+        sys.path.remove(entry)
+    sys.path.insert(0, entry)
+    importlib.invalidate_caches()
+    top = module_name.partition(".")[0]
+    if not ((folder / top).is_dir() or (folder / f"{top}.py").is_file()):
+        return  # an installed module (e.g. trio_infer.examples): import it as usual
+    loaded = sys.modules.get(top)
+    if loaded is not None and not _defined_in(loaded, folder):
+        # Every model folder may have its own model.py; the one another folder imported earlier
+        # must not stand in for this folder's. Forgetting it leaves that model's class intact.
+        for name in [n for n in sys.modules if n == top or n.startswith(f"{top}.")]:
+            del sys.modules[name]
+
+
+def _defined_in(module: ModuleType, folder: Path) -> bool:
+    file = getattr(module, "__file__", None)
+    if file is None:
+        return False
+    return Path(file).resolve().is_relative_to(folder.resolve())
+
+
+def _portable(exc: InferError) -> InferError:
+    # A subclass defined in model code would not unpickle in the parent (its module is on the
+    # worker's sys.path only), and a custom __init__ would not unpickle at all: keep the class
+    # only when it is one of ours, and always keep the message and status.
+    cls = type(exc) if type(exc).__module__ == errors.__name__ else InferError
+    return cls(exc.message, exc.code)
+
+
+def _failed(exc: BaseException) -> ModelFailed:
+    message = f"{type(exc).__name__}: {exc}"
+    if _debug:
+        message += "\n" + "".join(traceback.format_exception(exc)).rstrip()
+    return ModelFailed(message)
+
+
+def _checked(settings: ModelSettings, outputs: object) -> dict[str, np.ndarray]:
+    where = f"model {settings.name!r}"
+    if not isinstance(outputs, dict):
+        raise ModelFailed(
+            f"{where}: predict() returned {type(outputs).__name__}, "
+            "expected dict[str, numpy.ndarray]"
+        )
+    for name, value in outputs.items():
+        if not isinstance(name, str):
+            raise ModelFailed(f"{where}: output name {name!r} is not a string")
+        if not isinstance(value, np.ndarray):
+            raise ModelFailed(
+                f"{where}: output {name!r} is {type(value).__name__}, expected numpy.ndarray"
+            )
+        if value.dtype == np.object_:
+            # An element of a model-defined class would fail to unpickle in the server process,
+            # which kills the worker; BYTES outputs hold bytes (or str, encoded as UTF-8).
+            for element in value.flat:
+                if not isinstance(element, bytes | str):
+                    raise ModelFailed(
+                        f"{where}: output {name!r} holds a {type(element).__name__}; object "
+                        "arrays (BYTES) must hold bytes or str"
+                    )
+    return outputs
