@@ -10,16 +10,23 @@ import argparse
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
-from trio_infer.server import RunningServer, ServerConfig, run_server
 from trio_infer.settings import SettingsError, load_repository
+
+# Worker processes re-import the main script, which for the installed command imports this
+# module: the server is imported inside functions so that each worker does not load it too.
+if TYPE_CHECKING:
+    from trio_infer.server import RunningServer, ServerConfig
 
 logger = logging.getLogger("trio_infer")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from trio_infer.server import ServerConfig
+
     parser = argparse.ArgumentParser(prog="trio-infer", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model repository over gRPC")
@@ -87,6 +94,8 @@ async def _serve_then_stop(
     *,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    from trio_infer.server import run_server
+
     await run_server(config, task_status=task_status)
     # The server is done; stop listening for signals too.
     nursery.cancel_scope.cancel()
@@ -102,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         logger.error("--workers must be at least 1")
         return 2
+    from trio_infer.server import ServerConfig
+
     config = ServerConfig(
         repository=args.repository,
         host=args.host,
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(_serve_until_signalled, config)
     except* OSError as group:
-        for exc in group.exceptions:
-            logger.error("cannot serve on %s:%d: %s", config.host, config.grpc_port, exc)
+        for error in group.exceptions:
+            logger.error("cannot serve on %s:%d: %s", config.host, config.grpc_port, error)
         status = 1
     return status

@@ -7,9 +7,10 @@ process-level failures into the server's errors.
 
 Resource handling: the pool is an async context manager. Leaving it waits for running calls,
 asks idle workers to exit, and kills any that have not exited after ``GRACE_PERIOD`` seconds, so
-no worker outlives it. A cancelled ``predict`` (deadline passed, client gone, shutdown) kills its
-worker at once: the call's result would have no reader, and a model call cannot be interrupted
-any other way. The next call starts a replacement, which loads its models lazily.
+no worker outlives it (an unclean shutdown is logged, not raised). A cancelled ``predict``
+(deadline passed, client gone, shutdown) kills its worker at once: the call's result would have
+no reader, and a model call cannot be interrupted any other way. The next call starts a
+replacement, which loads its models lazily.
 
 Error handling: a worker that dies mid-call fails that call with ``Unavailable`` naming the
 signal or exit code; the pool keeps serving.
@@ -46,15 +47,20 @@ GRACE_PERIOD = 5.0
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-# Worker type. A replacement worker is started on the request path (after a crash or a
-# cancelled call), so its start-up cost is latency someone waits for. Measured on 2 cores,
-# Python 3.11, numpy 2.4 (time from the call to the first result of a fresh worker):
-#   SPAWN       ~170 ms: a fresh interpreter imports numpy, protobuf and this package each time.
-#   FORKSERVER  ~12 ms: a fork of a server process that imported trio_infer.worker (numpy and all)
-#               once; the fork shares those pages copy-on-write.
-#   FORK        not used: forking the Trio process copies its threads' locks in whatever state.
-# Either way multiprocessing re-runs the parent's __main__ script in each worker (as
-# __mp_main__), so the script that starts the server should import the server lazily.
+# Worker type. A replacement worker starts on the request path (after a crash or a cancelled
+# call), so its start-up is latency someone waits for. Measured on 2 cores, Python 3.11,
+# numpy 2.4, from the call to the result of add_sub on a fresh worker (model loaded lazily):
+#   SPAWN       130-185 ms: a new interpreter imports numpy, protobuf and this package each time.
+#   FORKSERVER  13-15 ms: a fork of a server process that imported the _PRELOAD modules once
+#               (pages shared copy-on-write). Preloading trio_infer.worker alone gave 40 ms.
+#   FORK        not used: forking the Trio process copies its threads' locks in any state.
+# The first worker costs about the same either way (~150 ms; the fork server imports once).
+# Round trips are alike (add_sub 1x16: p50 230-330 us, p99 ~0.5 ms; trio-parallel alone 140 us).
+# Caveat: multiprocessing re-runs the parent's __main__ script in every worker (as __mp_main__;
+# "python -m pkg" with a pkg/__main__.py is exempt), so whatever that script imports at module
+# level is imported by each new worker: a script that imports the server costs ~120 ms more.
+
+# Modules every worker imports; multiprocessing's child set-up itself needs logging and pkgutil.
 _PRELOAD = ["logging", "pkgutil", "_trio_parallel_workers", "trio_infer.worker"]
 
 
@@ -204,6 +210,8 @@ class WorkerPool:
             )
         except InferError:
             raise
+        except trio.ClosedResourceError:
+            raise Unavailable(f"the worker pool is shut down (while {what})") from None
         except trio_parallel.BrokenWorkerError as exc:
             self._crashed += 1
             raise Unavailable(f"worker process died while {what} ({_exit_cause(exc)})") from exc
@@ -236,6 +244,8 @@ def _prepare_worker_type(threads_per_worker: int) -> Any:
     multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     with _environment(dict.fromkeys(worker.THREAD_VARIABLES, str(threads_per_worker))):
         # numpy sizes its BLAS thread pool when imported, and the fork server imports it.
+        # Blocking, but once per process and a few milliseconds (it does not wait for the
+        # preload; the first worker start does).
         multiprocessing.forkserver.ensure_running()
     return trio_parallel.WorkerType.FORKSERVER
 

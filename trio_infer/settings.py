@@ -118,8 +118,10 @@ def load_model_settings(path: Path) -> ModelSettings:
         raise SettingsError(f"{file}: cannot read: {exc.strerror or exc}") from None
     try:
         document = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-    except (ValueError, _DuplicateKey) as exc:
+    except ValueError as exc:
         raise SettingsError(f"{file}: not valid JSON: {exc}") from None
+    except _DuplicateKey as exc:
+        raise SettingsError(f"{file}: {exc}") from None
     try:
         return _parse_settings(document, path)
     except _FieldError as exc:

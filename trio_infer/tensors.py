@@ -3,17 +3,21 @@
 A request carries each input tensor's data in one of two ways: typed, in the repeated field of
 ``InferTensorContents`` that the datatype selects, or raw, as one little-endian byte string per
 input in ``raw_input_contents``. Responses are written the same two ways. This module converts
-both directions, checks requests against a model's declared inputs, and converts parameters.
+both directions on both sides of a call (the server decodes inputs and encodes outputs, the
+client encodes inputs and decodes outputs), checks requests against a model's declared inputs,
+and converts parameters.
 
 Every malformed request raises :class:`~trio_infer.errors.InvalidInput` with a message that
 names the tensor and says what was expected; every unencodable model output raises
-:class:`~trio_infer.errors.ModelFailed` naming the output.
+:class:`~trio_infer.errors.ModelFailed` naming the output. On the client side, an unencodable
+input raises ``InvalidInput`` and a malformed response an
+:class:`~trio_infer.errors.InferError` with status INTERNAL.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +29,16 @@ from trio_infer._proto.grpc_predict_v2_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
-from trio_infer.errors import InvalidInput, ModelFailed
+from trio_infer.errors import InferError, InvalidInput, ModelFailed
 
 __all__ = [
     "DATATYPES",
     "TensorSpec",
     "datatype_of",
     "decode_inputs",
+    "decode_outputs",
     "decode_parameters",
+    "encode_inputs",
     "encode_outputs",
     "encode_parameters",
     "select_outputs",
@@ -140,7 +146,40 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Decoding requests
+# Which side of a call a batch of tensors belongs to
+#
+# Requests and responses carry tensors the same way; only the names in messages and whose fault
+# malformed data is differ. One set of private functions serves all four directions.
+
+#: An input tensor of a request or an output tensor of a response: the same fields either way.
+_Tensor = ModelInferRequest.InferInputTensor | ModelInferResponse.InferOutputTensor
+
+
+@dataclass(frozen=True)
+class _Side:
+    message: str
+    """The message the tensors sit in, as named in errors: ``request`` or ``response``."""
+    role: str
+    """What one tensor is called in errors: ``input`` or ``output``."""
+    raw_field: str
+    """The message's field of raw tensor data."""
+    error: type[InferError]
+    """What malformed or unencodable data raises: whose fault it is decides the status."""
+
+
+#: A server reading a request: malformed inputs are the client's mistake.
+_REQUEST_IN = _Side("request", "input", "raw_input_contents", InvalidInput)
+#: A client reading a response: malformed outputs are the server's fault (INTERNAL, as gRPC
+#: clients report a response they cannot parse).
+_RESPONSE_IN = _Side("response", "output", "raw_output_contents", InferError)
+#: A server writing its model's outputs: an unencodable output is the model's fault.
+_RESPONSE_OUT = _Side("response", "output", "raw_output_contents", ModelFailed)
+#: A client writing its arrays: an unencodable input is the caller's own mistake.
+_REQUEST_OUT = _Side("request", "input", "raw_input_contents", InvalidInput)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding
 
 
 def decode_inputs(request: ModelInferRequest) -> dict[str, np.ndarray]:
@@ -164,56 +203,89 @@ def decode_inputs(request: ModelInferRequest) -> dict[str, np.ndarray]:
             data sits in the wrong typed field, or the data does not hold exactly the elements
             the shape declares.
     """
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(
-            f"request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents "
-            "entries; raw_input_contents needs exactly one entry per input, in input order"
+    return _decode_tensors(request.inputs, request.raw_input_contents, _REQUEST_IN)
+
+
+def decode_outputs(response: ModelInferResponse) -> dict[str, np.ndarray]:
+    """Decode every output tensor of a response into a numpy array (the client side).
+
+    The mirror of :func:`decode_inputs`, with the same checks: raw numeric outputs are
+    zero-copy, read-only views of the response's buffers; BYTES outputs are object arrays of
+    ``bytes``.
+
+    Args:
+        response: The response; its outputs carry data either all in ``raw_output_contents``
+            (one entry per output, in order) or all in their typed ``contents``.
+
+    Returns:
+        The arrays by output name, in the response's order, each with the datatype's dtype
+        (see :data:`DATATYPES`) and the declared shape.
+
+    Raises:
+        InferError: With status INTERNAL, if the response is malformed in any way
+            :func:`decode_inputs` checks for: a malformed response is the server's fault, not
+            the caller's.
+    """
+    return _decode_tensors(response.outputs, response.raw_output_contents, _RESPONSE_IN)
+
+
+def _decode_tensors(
+    tensors: Sequence[_Tensor], raw: Sequence[bytes], side: _Side
+) -> dict[str, np.ndarray]:
+    if raw and len(raw) != len(tensors):
+        raise side.error(
+            f"{side.message} has {len(tensors)} {side.role}s but {len(raw)} {side.raw_field} "
+            f"entries; {side.raw_field} needs exactly one entry per {side.role}, in "
+            f"{side.role} order"
         )
     decoded: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(request.inputs):
+    for index, tensor in enumerate(tensors):
         name = tensor.name
+        where = f"{side.role} '{name}'"
         if name in decoded:
-            raise InvalidInput(f"input '{name}' appears more than once in the request")
-        datatype = _checked_datatype(name, tensor.datatype)
-        shape = _checked_shape(name, tensor.shape, datatype)
+            raise side.error(f"{where} appears more than once in the {side.message}")
+        datatype = _checked_datatype(where, tensor.datatype, side)
+        shape = _checked_shape(where, tensor.shape, datatype, side)
         typed_fields = _set_fields(tensor.contents) if tensor.HasField("contents") else []
         if raw:
             if typed_fields:
-                raise InvalidInput(
-                    f"input '{name}' has typed contents.{typed_fields[0]} but the request uses "
-                    "raw_input_contents; send every input raw or every input typed, not both"
+                raise side.error(
+                    f"{where} has typed contents.{typed_fields[0]} but the {side.message} uses "
+                    f"{side.raw_field}; send every {side.role} raw or every {side.role} typed, "
+                    "not both"
                 )
-            decoded[name] = _decode_raw(name, datatype, shape, raw[index], index)
+            decoded[name] = _decode_raw(where, datatype, shape, raw[index], index, side)
         else:
-            decoded[name] = _decode_typed(name, datatype, shape, tensor.contents, typed_fields)
+            decoded[name] = _decode_typed(
+                where, datatype, shape, tensor.contents, typed_fields, side
+            )
     return decoded
 
 
-def _checked_datatype(name: str, datatype: str) -> str:
+def _checked_datatype(where: str, datatype: str, side: _Side) -> str:
     if datatype not in DATATYPES:
-        raise InvalidInput(
-            f"input '{name}': unknown datatype '{datatype}'; valid datatypes are {_VALID_DATATYPES}"
+        raise side.error(
+            f"{where}: unknown datatype '{datatype}'; valid datatypes are {_VALID_DATATYPES}"
         )
     return datatype
 
 
-def _checked_shape(name: str, dims: Sequence[int], datatype: str) -> tuple[int, ...]:
+def _checked_shape(where: str, dims: Sequence[int], datatype: str, side: _Side) -> tuple[int, ...]:
     shape = tuple(dims)
     if any(dim < 0 for dim in shape):
-        raise InvalidInput(
-            f"input '{name}': shape {_shape_text(shape)} has a negative dimension; "
-            "request shapes must be concrete"
+        raise side.error(
+            f"{where}: shape {_shape_text(shape)} has a negative dimension; "
+            f"{side.message} shapes must be concrete"
         )
     if len(shape) > _MAX_RANK:
-        raise InvalidInput(
-            f"input '{name}': shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
+        raise side.error(
+            f"{where}: shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
         )
     # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
     # dimension is 0, so bound that product too (Python ints cannot overflow here).
     nonzero = math.prod(dim for dim in shape if dim)
     if nonzero * DATATYPES[datatype].itemsize > np.iinfo(np.intp).max:
-        raise InvalidInput(f"input '{name}': shape {_shape_text(shape)} is too large")
+        raise side.error(f"{where}: shape {_shape_text(shape)} is too large")
     return shape
 
 
@@ -223,11 +295,11 @@ def _set_fields(contents: InferTensorContents) -> list[str]:
 
 
 def _decode_raw(
-    name: str, datatype: str, shape: tuple[int, ...], buffer: bytes, index: int
+    where: str, datatype: str, shape: tuple[int, ...], buffer: bytes, index: int, side: _Side
 ) -> np.ndarray:
     count = math.prod(shape)
     if datatype == "BYTES":
-        return _decode_raw_bytes(name, shape, count, buffer, index)
+        return _decode_raw_bytes(f"{where}: {side.raw_field}[{index}]", shape, count, buffer, side)
     dtype = DATATYPES[datatype].newbyteorder("<")
     itemsize = dtype.itemsize
     size = len(buffer)
@@ -236,9 +308,9 @@ def _decode_raw(
             held = f"{size} bytes, not a whole number of {itemsize}-byte {datatype} elements"
         else:
             held = f"{size // itemsize} {datatype} elements ({size} bytes)"
-        raise InvalidInput(
-            f"input '{name}': shape {_shape_text(shape)} has {count} elements but "
-            f"raw_input_contents[{index}] holds {held}"
+        raise side.error(
+            f"{where}: shape {_shape_text(shape)} has {count} elements but "
+            f"{side.raw_field}[{index}] holds {held}"
         )
     array = np.frombuffer(buffer, dtype=dtype)
     if datatype == "BOOL":
@@ -246,22 +318,21 @@ def _decode_raw(
         octets = array.view(np.uint8)
         if octets.size and octets.max() > 1:
             position = int(np.argmax(octets > 1))
-            raise InvalidInput(
-                f"input '{name}': raw BOOL element {position} is byte {int(octets[position])}; "
+            raise side.error(
+                f"{where}: raw BOOL element {position} is byte {int(octets[position])}; "
                 "BOOL elements must be 0 or 1"
             )
     return array.reshape(shape)
 
 
 def _decode_raw_bytes(
-    name: str, shape: tuple[int, ...], count: int, buffer: bytes, index: int
+    where: str, shape: tuple[int, ...], count: int, buffer: bytes, side: _Side
 ) -> np.ndarray:
-    where = f"input '{name}': raw_input_contents[{index}]"
     size = len(buffer)
     # Each element takes at least its prefix, so this bounds the loop by the data actually sent
     # before anything is allocated for a huge declared shape.
     if count * _LENGTH_PREFIX > size:
-        raise InvalidInput(
+        raise side.error(
             f"{where} holds {size} bytes, too few for the {count} length-prefixed BYTES "
             f"elements of shape {_shape_text(shape)}"
         )
@@ -269,7 +340,7 @@ def _decode_raw_bytes(
     offset = 0
     for position in range(count):
         if offset + _LENGTH_PREFIX > size:
-            raise InvalidInput(
+            raise side.error(
                 f"{where} runs out at the 4-byte length prefix of BYTES element {position} "
                 f"(offset {offset}, {size} bytes in all); shape {_shape_text(shape)} "
                 f"declares {count} elements"
@@ -278,14 +349,14 @@ def _decode_raw_bytes(
         start = offset + _LENGTH_PREFIX
         end = start + length
         if end > size:
-            raise InvalidInput(
+            raise side.error(
                 f"{where}: BYTES element {position} declares {length} bytes but only "
                 f"{size - start} remain"
             )
         elements.append(buffer[start:end])
         offset = end
     if offset != size:
-        raise InvalidInput(
+        raise side.error(
             f"{where} has {size - offset} bytes after the {count} BYTES elements that shape "
             f"{_shape_text(shape)} declares"
         )
@@ -300,29 +371,29 @@ def _object_array(elements: Sequence[object], shape: tuple[int, ...]) -> np.ndar
 
 
 def _decode_typed(
-    name: str,
+    where: str,
     datatype: str,
     shape: tuple[int, ...],
     contents: InferTensorContents,
     typed_fields: list[str],
+    side: _Side,
 ) -> np.ndarray:
     field = _CONTENTS_FIELD[datatype]
     if field is None:
-        raise InvalidInput(
-            f"input '{name}': FP16 has no typed contents field; send FP16 data in "
-            "raw_input_contents"
+        raise side.error(
+            f"{where}: FP16 has no typed contents field; send FP16 data in {side.raw_field}"
         )
     wrong = [other for other in typed_fields if other != field]
     if wrong:
-        raise InvalidInput(
-            f"input '{name}': datatype {datatype} takes its data in contents.{field}, "
+        raise side.error(
+            f"{where}: datatype {datatype} takes its data in contents.{field}, "
             f"but contents.{wrong[0]} is set"
         )
     values = getattr(contents, field)
     count = math.prod(shape)
     if len(values) != count:
-        raise InvalidInput(
-            f"input '{name}': shape {_shape_text(shape)} has {count} elements but "
+        raise side.error(
+            f"{where}: shape {_shape_text(shape)} has {count} elements but "
             f"contents.{field} holds {len(values)} values"
         )
     if datatype == "BYTES":
@@ -335,8 +406,8 @@ def _decode_typed(
         bad = (wide < low) | (wide > high)
         if bad.any():
             position = int(np.argmax(bad))
-            raise InvalidInput(
-                f"input '{name}': {datatype} element {position} is {int(wide[position])}, "
+            raise side.error(
+                f"{where}: {datatype} element {position} is {int(wide[position])}, "
                 f"outside [{low}, {high}]"
             )
         wide = wide.astype(DATATYPES[datatype])
@@ -344,7 +415,7 @@ def _decode_typed(
 
 
 # --------------------------------------------------------------------------------------------
-# Encoding responses
+# Encoding
 
 
 def datatype_of(array: np.ndarray) -> str:
@@ -401,30 +472,73 @@ def encode_outputs(
         ModelFailed: If an array's dtype has no datatype, a BYTES output holds an element that
             is neither ``bytes`` nor ``str``, or a raw BYTES element exceeds 4 GiB.
     """
+    _encode_tensors(
+        response.outputs.add, response.raw_output_contents.append, outputs, raw, _RESPONSE_OUT
+    )
+
+
+def encode_inputs(
+    request: ModelInferRequest,
+    inputs: Sequence[tuple[str, np.ndarray]],
+    *,
+    raw: bool,
+) -> None:
+    """Append one input tensor per ``(name, array)`` to a request, in order (the client side).
+
+    The mirror of :func:`encode_outputs`, encoding the same way: datatypes from
+    :func:`datatype_of`, raw data as little-endian C-order bytes, ``str`` elements of BYTES
+    inputs as UTF-8, and every input raw when any is FP16.
+
+    Bad arrays raise :class:`~trio_infer.errors.InvalidInput` rather than ``ModelFailed``: they
+    are the caller's mistake, and INVALID_ARGUMENT is what a server would answer for them.
+
+    Args:
+        request: The request to append to; it should hold no inputs yet. On error it may hold
+            some of the inputs and should be discarded.
+        inputs: The arrays to send, by name, in the order to send them.
+        raw: Whether to use ``raw_input_contents`` rather than typed contents.
+
+    Raises:
+        InvalidInput: If an array's dtype has no datatype, a BYTES input holds an element that
+            is neither ``bytes`` nor ``str``, or a raw BYTES element exceeds 4 GiB.
+    """
+    _encode_tensors(
+        request.inputs.add, request.raw_input_contents.append, inputs, raw, _REQUEST_OUT
+    )
+
+
+def _encode_tensors(
+    add_tensor: Callable[[], _Tensor],
+    add_raw: Callable[[bytes], None],
+    arrays: Sequence[tuple[str, np.ndarray]],
+    raw: bool,
+    side: _Side,
+) -> None:
     # asarray is free for arrays and lets a model return a numpy scalar.
-    outputs = [(name, np.asarray(array)) for name, array in outputs]
+    arrays = [(name, np.asarray(array)) for name, array in arrays]
     datatypes: list[str] = []
-    for name, array in outputs:
+    for name, array in arrays:
         try:
             datatypes.append(datatype_of(array))
         except ModelFailed as error:
-            raise ModelFailed(f"output '{name}': {error.message}") from None
+            raise side.error(f"{side.role} '{name}': {error.message}") from None
     raw = raw or "FP16" in datatypes
-    for (name, array), datatype in zip(outputs, datatypes, strict=True):
-        tensor = response.outputs.add()
+    for (name, array), datatype in zip(arrays, datatypes, strict=True):
+        where = f"{side.role} '{name}'"
+        tensor = add_tensor()
         tensor.name = name
         tensor.datatype = datatype
         tensor.shape.extend(array.shape)
         if datatype == "BYTES":
-            elements = _bytes_elements(name, array)
+            elements = _bytes_elements(where, array, side)
             if raw:
-                response.raw_output_contents.append(_pack_bytes(name, elements))
+                add_raw(_pack_bytes(where, elements, side))
             else:
                 tensor.contents.bytes_contents.extend(elements)
         elif raw:
             # astype is a no-op for little-endian arrays; tobytes makes C order from any strides.
             little = array.astype(DATATYPES[datatype].newbyteorder("<"), copy=False)
-            response.raw_output_contents.append(little.tobytes())
+            add_raw(little.tobytes())
         else:
             field = _CONTENTS_FIELD[datatype]
             assert field is not None  # FP16, the only datatype without one, forces raw above
@@ -432,7 +546,7 @@ def encode_outputs(
             getattr(tensor.contents, field).extend(array.ravel().tolist())
 
 
-def _bytes_elements(name: str, array: np.ndarray) -> list[bytes]:
+def _bytes_elements(where: str, array: np.ndarray, side: _Side) -> list[bytes]:
     elements: list[bytes] = []
     for position, element in enumerate(array.ravel().tolist()):
         if isinstance(element, bytes):
@@ -442,24 +556,24 @@ def _bytes_elements(name: str, array: np.ndarray) -> list[bytes]:
                 elements.append(element.encode("utf-8"))
             except UnicodeEncodeError as error:
                 # Lone surrogates, e.g. from os.fsdecode of undecodable bytes.
-                raise ModelFailed(
-                    f"output '{name}': BYTES element {position} is a str that UTF-8 cannot "
+                raise side.error(
+                    f"{where}: BYTES element {position} is a str that UTF-8 cannot "
                     f"encode ({error.reason} at index {error.start})"
                 ) from None
         else:
-            raise ModelFailed(
-                f"output '{name}': BYTES element {position} is {type(element).__name__}; "
-                "BYTES outputs hold bytes or str"
+            raise side.error(
+                f"{where}: BYTES element {position} is {type(element).__name__}; "
+                f"BYTES {side.role}s hold bytes or str"
             )
     return elements
 
 
-def _pack_bytes(name: str, elements: list[bytes]) -> bytes:
+def _pack_bytes(where: str, elements: list[bytes], side: _Side) -> bytes:
     parts: list[bytes] = []
     for position, element in enumerate(elements):
         if len(element) > _MAX_ELEMENT_BYTES:
-            raise ModelFailed(
-                f"output '{name}': BYTES element {position} has {len(element)} bytes; a raw "
+            raise side.error(
+                f"{where}: BYTES element {position} has {len(element)} bytes; a raw "
                 f"element holds at most {_MAX_ELEMENT_BYTES}"
             )
         parts.append(len(element).to_bytes(_LENGTH_PREFIX, "little"))

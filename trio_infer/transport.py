@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import struct
@@ -173,6 +174,8 @@ class Connection:
         self._window_updated = trio.Event()
         self._draining = False
         self._closing = False
+        #: The peer broke HTTP/2: a GOAWAY is queued to send before the socket closes.
+        self._goodbye_pending = False
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -192,18 +195,30 @@ class Connection:
         """Serve the connection until the client closes it or the caller cancels."""
         self.protocol.initiate_connection()
         self.flush()
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._writer)
-            try:
-                await self._reader()
-            finally:
-                # Calls still running have nobody to answer to: their client is gone.
-                for state in self._calls.values():
-                    state.reset = True
-                    state.call._inbound_send.close()
-                nursery.cancel_scope.cancel()
-        await trio.aclose_forcefully(self._stream)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._writer)
+                try:
+                    await self._reader()
+                finally:
+                    # Calls still running have nobody to answer to: their client is gone.
+                    for state in self._calls.values():
+                        state.reset = True
+                        state.call._inbound_send.close()
+                    nursery.cancel_scope.cancel()
+        finally:
+            if self._goodbye_pending:
+                await self._send_goodbye()
+            await trio.aclose_forcefully(self._stream)
+
+    async def _send_goodbye(self) -> None:
+        # The writer is gone (it may have been cut off mid-write), so this is best effort: the
+        # GOAWAY tells a well-behaved client why, and a broken one gets a closed socket anyway.
+        with trio.move_on_after(1) as scope:
+            scope.shield = True
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._stream.send_all(self.protocol.data_to_send())
 
     def drain(self) -> None:
         """Refuse new calls (GOAWAY) and let the calls in flight finish."""
@@ -247,8 +262,7 @@ class Connection:
                 events = self.protocol.receive_data(data)
             except ProtocolViolation as exc:
                 logger.warning("closing connection: %s", exc)
-                with trio.move_on_after(1):
-                    await self._stream.send_all(self.protocol.data_to_send())
+                self._goodbye_pending = True
                 return
             for event in events:
                 self._dispatch(event)
@@ -397,13 +411,15 @@ class GrpcServer:
         """Accept connections on ``listeners`` until :meth:`stop_accepting`; then wait for the
         open connections to close."""
         async with trio.open_nursery() as nursery:
-            with self._accepting:
-                async with trio.open_nursery() as accept_nursery:
-                    for listener in listeners:
-                        accept_nursery.start_soon(self._accept_loop, listener, nursery)
-                    task_status.started()
-            for listener in listeners:
-                await listener.aclose()
+            try:
+                with self._accepting:
+                    async with trio.open_nursery() as accept_nursery:
+                        for listener in listeners:
+                            accept_nursery.start_soon(self._accept_loop, listener, nursery)
+                        task_status.started()
+            finally:
+                for listener in listeners:
+                    await trio.aclose_forcefully(listener)
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         while True:

@@ -85,11 +85,19 @@ def load_all(models: Sequence[ModelSettings]) -> int:
         This process's id, so the caller can tell which worker did the job.
 
     Raises:
-        InferError: As ``load``, for the first model that fails.
+        InferError: As ``load``, for the first model that fails; the message starts with
+            ``loading model '<name>' failed:``.
     """
     for settings in models:
-        _cached_model(settings)
-    return os.getpid()
+        try:
+            _cached_model(settings)
+        except InferError as exc:
+            # One job loads many models: say which one failed. exc is already portable.
+            failed = type(exc)(f"loading model {settings.name!r} failed: {exc.message}", exc.code)
+            break
+    else:
+        return os.getpid()
+    raise failed
 
 
 def predict(

@@ -1,0 +1,437 @@
+"""The worker pool, with real worker processes: results, errors, crashes, kills and the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode, Unavailable
+from trio_infer.model import Parameters
+from trio_infer.pool import WorkerPool
+from trio_infer.settings import EXAMPLES, ModelSettings, load_model_settings, load_repository
+
+# Test models, written into a temporary repository: each model folder gets its own copy of
+# model.py and names its class as "model.<Class>", as a user's repository would.
+MODELS = '''
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import threadpoolctl
+
+from trio_infer.errors import InferError, StatusCode
+
+
+class QuotaError(InferError):
+    """Defined in model code, so the server process cannot import it."""
+
+    def __init__(self, user):
+        super().__init__(f"quota of {user} used up", StatusCode.RESOURCE_EXHAUSTED)
+
+
+class Base:
+    pass
+
+
+from trio_infer.model import Model
+
+
+class Pid(Model):
+    def load(self):
+        log = Path(self.settings.parameters.extra["log"])
+        with log.open("a") as f:
+            f.write(f"{os.getpid()}\\n")
+
+    def predict(self, inputs, parameters):
+        return {"pid": np.array([os.getpid()])}
+
+
+class Nap(Model):
+    def predict(self, inputs, parameters):
+        Path(parameters["pid_file"]).write_text(str(os.getpid()))
+        time.sleep(30)
+        return {}
+
+
+class Boom(Model):
+    def predict(self, inputs, parameters):
+        raise ValueError("boom 42")
+
+
+class BoomOnLoad(Model):
+    def load(self):
+        raise FileNotFoundError("weights.bin")
+
+
+class Quota(Model):
+    def predict(self, inputs, parameters):
+        raise QuotaError(parameters.headers["x-user"])
+
+
+class Unpicklable(Exception):
+    def __init__(self):
+        super().__init__("cannot cross")
+        self.lock = __import__("threading").Lock()
+
+
+class RaisesUnpicklable(Model):
+    def predict(self, inputs, parameters):
+        try:
+            raise Unpicklable()
+        except Unpicklable as exc:
+            raise RuntimeError("wrapped") from exc
+
+
+class ReturnsList(Model):
+    def predict(self, inputs, parameters):
+        return [1, 2]
+
+
+class ReturnsObjects(Model):
+    def predict(self, inputs, parameters):
+        return {"out": np.array([Base()], dtype=object)}
+
+
+class Exit(Model):
+    def predict(self, inputs, parameters):
+        os._exit(3)
+
+
+class Exits(Model):
+    def predict(self, inputs, parameters):
+        sys.exit(5)
+
+
+class Params(Model):
+    def predict(self, inputs, parameters):
+        return {
+            "k": np.array([parameters["k"]]),
+            "user": np.array([parameters.headers["x-user"].encode()], dtype=object),
+            "scale": np.array([parameters.inputs["x"]["scale"]]),
+            "trio_loaded": np.array(["trio" in sys.modules]),
+        }
+
+
+class Threads(Model):
+    def predict(self, inputs, parameters):
+        info = threadpoolctl.threadpool_info()
+        return {"threads": np.array([lib["num_threads"] for lib in info])}
+
+
+class Which(Model):
+    def predict(self, inputs, parameters):
+        return {"folder": np.array([Path(__file__).parent.name.encode()], dtype=object)}
+'''
+
+
+def write_model(root: Path, name: str, cls: str, source: str = MODELS, **settings: Any) -> None:
+    """Write <root>/<name>/model.py and a model-settings.json naming model.<cls>."""
+    folder = root / name
+    folder.mkdir()
+    (folder / "model.py").write_text(source)
+    (folder / "model-settings.json").write_text(
+        json.dumps({"implementation": f"model.{cls}", **settings})
+    )
+
+
+@pytest.fixture(scope="module")
+def examples() -> dict[str, ModelSettings]:
+    return {settings.name: settings for settings in load_repository(EXAMPLES)}
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> dict[str, ModelSettings]:
+    root = tmp_path / "repo"
+    root.mkdir()
+    log = str(tmp_path / "loads.txt")
+    write_model(root, "pid", "Pid", parameters={"extra": {"log": log}})
+    for name, cls in [
+        ("nap", "Nap"),
+        ("boom", "Boom"),
+        ("boom_on_load", "BoomOnLoad"),
+        ("quota", "Quota"),
+        ("unpicklable", "RaisesUnpicklable"),
+        ("returns_list", "ReturnsList"),
+        ("returns_objects", "ReturnsObjects"),
+        ("exit", "Exit"),
+        ("sys_exit", "Exits"),
+        ("params", "Params"),
+        ("threads", "Threads"),
+        ("which_a", "Which"),
+        ("which_b", "Which"),
+    ]:
+        write_model(root, name, cls)
+    return {settings.name: settings for settings in load_repository(root)}
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[WorkerPool]:
+    async with WorkerPool.open(1) as pool:
+        yield pool
+
+
+NO_PARAMETERS = Parameters()
+
+
+async def test_example_models_compute_exact_results(
+    pool: WorkerPool, examples: dict[str, ModelSettings]
+) -> None:
+    a = np.arange(32, dtype=np.float32).reshape(2, 16)
+    b = np.full((2, 16), 0.5, dtype=np.float32)
+    out = await pool.predict(examples["add_sub"], {"INPUT0": a, "INPUT1": b}, NO_PARAMETERS)
+    assert out.keys() == {"OUTPUT0", "OUTPUT1"}
+    assert out["OUTPUT0"].dtype == out["OUTPUT1"].dtype == np.float32
+    np.testing.assert_array_equal(out["OUTPUT0"], a + b)
+    np.testing.assert_array_equal(out["OUTPUT1"], a - b)
+
+    echoed = {
+        "text": np.array([[b"a", b""], [b"\x00\xff", b"longer"]], dtype=object),
+        "ints": np.array([-1, 2**40], dtype=np.int64),
+        "flags": np.array([True, False]),
+    }
+    out = await pool.predict(examples["echo"], echoed, NO_PARAMETERS)
+    assert out.keys() == echoed.keys()
+    for name, array in echoed.items():
+        assert out[name].dtype == array.dtype
+        np.testing.assert_array_equal(out[name], array)
+
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+    weights = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    out = await pool.predict(examples["dense"], {"x": x}, NO_PARAMETERS)
+    assert out["y"].dtype == np.float32
+    np.testing.assert_array_equal(out["y"], np.tanh(x @ weights))
+
+    start = time.monotonic()
+    out = await pool.predict(examples["sleep"], {"x": a}, Parameters({"delay_ms": 150}))
+    assert time.monotonic() - start >= 0.15
+    np.testing.assert_array_equal(out["x"], a)
+
+
+async def test_sleep_rejects_a_bad_delay_with_its_own_status(
+    pool: WorkerPool, examples: dict[str, ModelSettings]
+) -> None:
+    with pytest.raises(InvalidInput, match=r"^parameter 'delay_ms' must be a non-negative"):
+        await pool.predict(examples["sleep"], {}, Parameters({"delay_ms": "soon"}))
+
+
+async def test_model_sees_parameters_headers_and_tensor_parameters(
+    pool: WorkerPool, repo: dict[str, ModelSettings]
+) -> None:
+    parameters = Parameters({"k": 7}, inputs={"x": {"scale": 0.5}}, headers={"X-User": "ann"})
+    out = await pool.predict(repo["params"], {}, parameters)
+    assert out["k"].tolist() == [7]
+    assert out["user"].tolist() == [b"ann"]
+    assert out["scale"].tolist() == [0.5]
+    # Workers import the model code and what it needs, never Trio or the server.
+    assert out["trio_loaded"].tolist() == [False]
+
+
+async def test_model_exception_fails_the_call_with_its_type_and_message(
+    pool: WorkerPool, repo: dict[str, ModelSettings]
+) -> None:
+    with pytest.raises(ModelFailed) as caught:
+        await pool.predict(repo["boom"], {}, NO_PARAMETERS)
+    assert caught.value.message == "ValueError: boom 42"
+    assert caught.value.code == StatusCode.INTERNAL
+    # An exception the server process could not unpickle still arrives as its message.
+    with pytest.raises(ModelFailed, match=r"^RuntimeError: wrapped$"):
+        await pool.predict(repo["unpicklable"], {}, NO_PARAMETERS)
+    # The worker survived both.
+    assert pool.statistics().crashed == 0
+
+
+async def test_debug_appends_the_model_traceback(repo: dict[str, ModelSettings]) -> None:
+    async with WorkerPool.open(1, debug=True) as pool:
+        with pytest.raises(ModelFailed) as caught:
+            await pool.predict(repo["boom"], {}, NO_PARAMETERS)
+    first, _, rest = caught.value.message.partition("\n")
+    assert first == "ValueError: boom 42"
+    assert rest.startswith("Traceback (most recent call last):")
+    assert 'raise ValueError("boom 42")' in rest
+
+
+async def test_model_raised_infer_error_keeps_its_status(
+    pool: WorkerPool, repo: dict[str, ModelSettings]
+) -> None:
+    with pytest.raises(InferError) as caught:
+        await pool.predict(repo["quota"], {}, Parameters(headers={"x-user": "bob"}))
+    assert caught.value.code == StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.message == "quota of bob used up"
+
+
+async def test_a_load_failure_fails_the_call_and_is_retried(
+    pool: WorkerPool, repo: dict[str, ModelSettings]
+) -> None:
+    for _ in range(2):
+        with pytest.raises(ModelFailed, match=r"^FileNotFoundError: weights.bin$"):
+            await pool.predict(repo["boom_on_load"], {}, NO_PARAMETERS)
+
+
+async def test_warm_up_failure_names_the_model(
+    pool: WorkerPool, repo: dict[str, ModelSettings]
+) -> None:
+    with pytest.raises(ModelFailed) as caught:
+        await pool.warm_up([repo["boom"], repo["boom_on_load"]])
+    assert caught.value.message == (
+        "loading model 'boom_on_load' failed: FileNotFoundError: weights.bin"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("returns_list", "model 'returns_list': predict() returned list, expected dict"),
+        ("returns_objects", "model 'returns_objects': output 'out' holds a Base; object arrays"),
+        ("sys_exit", "SystemExit: 5"),
+    ],
+)
+async def test_wrong_outputs_and_sys_exit_fail_the_call(
+    pool: WorkerPool, repo: dict[str, ModelSettings], model: str, message: str
+) -> None:
+    with pytest.raises(ModelFailed) as caught:
+        await pool.predict(repo[model], {}, NO_PARAMETERS)
+    assert caught.value.message.startswith(message)
+    assert pool.statistics().crashed == 0
+
+
+async def test_killed_worker_fails_its_call_and_the_pool_recovers(
+    pool: WorkerPool, repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "nap.pid"
+
+    async def kill_when_running() -> None:
+        # The model writes its pid once it runs; it is another process, so poll (bounded).
+        for _ in range(1000):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            await trio.sleep(0.01)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(kill_when_running)
+        with pytest.raises(Unavailable) as caught:
+            await pool.predict(repo["nap"], {}, Parameters({"pid_file": str(pid_file)}))
+    assert caught.value.message == (
+        "worker process died while running model 'nap' (killed by signal SIGKILL)"
+    )
+    assert caught.value.code == StatusCode.UNAVAILABLE
+
+    out = await pool.predict(repo["pid"], {}, NO_PARAMETERS)
+    assert out["pid"].item() != int(pid_file.read_text())
+    assert pool.statistics().crashed == 1
+
+
+async def test_exiting_worker_fails_its_call_with_the_exit_code(
+    pool: WorkerPool, repo: dict[str, ModelSettings], examples: dict[str, ModelSettings]
+) -> None:
+    with pytest.raises(
+        Unavailable,
+        match=r"^worker process died while running model 'exit' "
+        r"\(exit code 3\)$",
+    ):
+        await pool.predict(repo["exit"], {}, NO_PARAMETERS)
+    out = await pool.predict(examples["echo"], {"a": np.ones(2)}, NO_PARAMETERS)
+    np.testing.assert_array_equal(out["a"], np.ones(2))
+
+
+async def test_cancelled_call_kills_its_worker_promptly_and_the_pool_serves_again(
+    pool: WorkerPool, examples: dict[str, ModelSettings]
+) -> None:
+    start = time.monotonic()
+    with trio.move_on_after(0.2) as scope:
+        await pool.predict(examples["sleep"], {}, Parameters({"delay_ms": 20_000}))
+    assert scope.cancelled_caught
+    assert time.monotonic() - start < 1.0
+    assert pool.statistics().busy == 0
+
+    out = await pool.predict(examples["sleep"], {"a": np.ones(1)}, Parameters({"delay_ms": 0}))
+    np.testing.assert_array_equal(out["a"], np.ones(1))
+    assert pool.statistics().crashed == 0
+
+
+async def test_each_worker_loads_a_model_once(
+    repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    async with WorkerPool.open(2) as pool:
+        await pool.warm_up([repo["pid"]])
+        loaded = [int(line) for line in (tmp_path / "loads.txt").read_text().split()]
+        assert len(set(loaded)) == 2
+        assert pool.statistics().idle == 2
+
+        seen: set[int] = set()
+
+        async def call() -> None:
+            out = await pool.predict(repo["pid"], {}, NO_PARAMETERS)
+            seen.add(out["pid"].item())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(20):
+                nursery.start_soon(call)
+        assert seen <= set(loaded)
+        assert sorted(int(x) for x in (tmp_path / "loads.txt").read_text().split()) == sorted(
+            loaded
+        )
+        stats = pool.statistics()
+        assert (stats.workers, stats.busy, stats.idle, stats.waiting) == (2, 0, 2, 0)
+
+    # Leaving the pool stops its workers.
+    for pid in loaded:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+async def test_each_model_folder_imports_its_own_model_module(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    root = tmp_path / "two"
+    root.mkdir()
+    source = textwrap.dedent(
+        """
+        import numpy as np
+        from trio_infer.model import Model
+
+        class Answer(Model):
+            def predict(self, inputs, parameters):
+                return {"answer": np.array([ANSWER])}
+        """
+    )
+    write_model(root, "one", "Answer", source.replace("ANSWER", "1"))
+    write_model(root, "two", "Answer", source.replace("ANSWER", "2"))
+    one, two = load_model_settings(root / "one"), load_model_settings(root / "two")
+    for settings, answer in [(one, 1), (two, 2), (one, 1), (two, 2)]:
+        out = await pool.predict(settings, {}, NO_PARAMETERS)
+        assert out["answer"].item() == answer
+
+
+async def test_workers_limit_blas_threads(repo: dict[str, ModelSettings]) -> None:
+    for threads in (1, 2):
+        async with WorkerPool.open(1, threads_per_worker=threads) as pool:
+            out = await pool.predict(repo["threads"], {}, NO_PARAMETERS)
+        assert set(out["threads"].tolist()) == {threads}
+
+
+async def test_open_rejects_a_pool_without_workers() -> None:
+    with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
+        async with WorkerPool.open(0):
+            pass
+
+
+async def test_a_call_after_the_pool_closed_is_unavailable(
+    examples: dict[str, ModelSettings],
+) -> None:
+    async with WorkerPool.open(1) as pool:
+        pass
+    with pytest.raises(Unavailable, match=r"^the worker pool is shut down"):
+        await pool.predict(examples["echo"], {}, NO_PARAMETERS)

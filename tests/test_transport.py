@@ -1,0 +1,250 @@
+"""The transport on its own: real sockets, a real grpcio client, handlers written for each test."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import urllib.parse
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+import trio
+
+from trio_infer.errors import InvalidInput, StatusCode
+from trio_infer.transport import Call, GrpcServer, ProtocolLimits
+
+MiB = 1024 * 1024
+
+
+class Harness:
+    """A GrpcServer on a loopback port whose handler records what each call saw."""
+
+    def __init__(self, port: int, server: GrpcServer) -> None:
+        self.port = port
+        self.server = server
+        self.cancelled: list[str] = []
+        self.sleeping = trio.Event()
+        self.cancel_seen = trio.Event()
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[
+                ("grpc.max_send_message_length", 128 * MiB),
+                ("grpc.max_receive_message_length", 128 * MiB),
+            ],
+        )
+
+    def method(self, name: str) -> grpc.UnaryUnaryMultiCallable:
+        return self.channel.unary_unary(f"/test.Service/{name}")
+
+    async def call(self, name: str, request: bytes, **kwargs: Any) -> Any:
+        return await trio.to_thread.run_sync(lambda: self.method(name).with_call(request, **kwargs))
+
+    async def error(self, name: str, request: bytes, **kwargs: Any) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as caught:
+            await self.call(name, request, **kwargs)
+        return caught.value
+
+
+def make_handler(harness_ref: list[Harness]) -> Callable[[Call], Any]:
+    async def handler(call: Call) -> None:
+        harness = harness_ref[0]
+        method = call.method.rsplit("/", 1)[1]
+        data = await call.receive_message()
+        assert data is not None
+        try:
+            if method == "Echo":
+                call.initial_metadata = tuple(
+                    (f"echo-{name}", value) for name, value in call.metadata
+                )
+                call.trailing_metadata = (("x-length", str(len(data))),)
+                await call.send_message(data)
+            elif method == "Invalid":
+                raise InvalidInput("input 'x' is wrong")
+            elif method == "Crash":
+                raise RuntimeError("a bug in the handler")
+            elif method == "Sleep":
+                harness.sleeping.set()
+                await trio.sleep_forever()
+        except trio.Cancelled:
+            harness.cancelled.append(method)
+            harness.cancel_seen.set()
+            raise
+
+    return handler
+
+
+@pytest.fixture
+async def harness(nursery: trio.Nursery) -> AsyncIterator[Harness]:
+    ref: list[Harness] = []
+    server = GrpcServer(make_handler(ref), ProtocolLimits(max_message_size=64 * MiB))
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(server.serve, listeners)
+    ref.append(Harness(listeners[0].socket.getsockname()[1], server))
+    yield ref[0]
+    ref[0].channel.close()
+
+
+async def test_a_call_returns_its_message_and_metadata_both_ways(harness: Harness) -> None:
+    response, call = await harness.call(
+        "Echo", b"hello", metadata=(("x-user", "alice"), ("x-token-bin", b"\x00\xff"))
+    )
+    assert response == b"hello"
+    initial = dict(call.initial_metadata())
+    assert initial["echo-x-user"] == "alice"
+    assert initial["echo-x-token-bin"] == b"\x00\xff"
+    assert dict(call.trailing_metadata())["x-length"] == "5"
+
+
+async def test_a_handler_error_is_the_call_status_and_the_connection_lives_on(
+    harness: Harness,
+) -> None:
+    error = await harness.error("Invalid", b"x")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "input 'x' is wrong"
+    error = await harness.error("Crash", b"x")
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert error.details() == "internal server error"
+    response, _ = await harness.call("Echo", b"still here")
+    assert response == b"still here"
+
+
+async def test_the_client_deadline_cancels_the_handler(harness: Harness) -> None:
+    start = trio.current_time()
+    error = await harness.error("Sleep", b"x", timeout=0.3)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert trio.current_time() - start < 2
+    assert harness.cancelled == ["Sleep"]
+    await harness.server.calls_in_flight.wait_idle()
+
+
+async def test_a_client_cancel_cancels_the_handler(harness: Harness) -> None:
+    future = harness.method("Sleep").future(b"x")
+    await harness.sleeping.wait()
+    future.cancel()
+    with trio.fail_after(5):
+        await harness.cancel_seen.wait()
+        await harness.server.calls_in_flight.wait_idle()
+    assert harness.cancelled == ["Sleep"]
+
+
+async def test_a_closed_connection_cancels_its_calls(harness: Harness) -> None:
+    future = harness.method("Sleep").future(b"x")
+    await harness.sleeping.wait()
+    harness.channel.close()
+    with trio.fail_after(5):
+        await harness.cancel_seen.wait()
+    assert harness.cancelled == ["Sleep"]
+    assert future.exception() is not None
+
+
+async def test_an_oversized_message_fails_only_its_own_call(harness: Harness) -> None:
+    other = harness.method("Sleep").future(b"x", timeout=20)
+    await harness.sleeping.wait()
+    error = await harness.error("Echo", b"x" * (65 * MiB))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in error.details()
+    assert not other.done()
+    response, _ = await harness.call("Echo", b"after")
+    assert response == b"after"
+    other.cancel()
+
+
+async def test_large_messages_cross_both_ways(harness: Harness) -> None:
+    for size in (16 * MiB, 40 * MiB):
+        payload = bytes(range(256)) * (size // 256)
+        response, _ = await harness.call("Echo", payload)
+        assert response == payload
+
+
+async def test_25_concurrent_256k_calls_keep_the_connection(harness: Harness) -> None:
+    # h2 3.2.0 used to answer the WINDOW_UPDATEs grpcio sends for just-closed streams with a
+    # GOAWAY, failing every call on the connection.
+    payload = b"\xab" * (256 * 1024)
+
+    def load() -> list[bytes]:
+        with concurrent.futures.ThreadPoolExecutor(25) as pool:
+            return list(pool.map(lambda _: harness.method("Echo")(payload), range(200)))
+
+    responses = await trio.to_thread.run_sync(load)
+    assert responses == [payload] * 200
+
+
+async def test_a_client_that_is_not_http2_is_dropped_and_others_served(harness: Harness) -> None:
+    def speak_http1() -> None:
+        with socket.create_connection(("127.0.0.1", harness.port)) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            raw.settimeout(5)
+            while raw.recv(4096):  # the server must close the connection
+                pass
+
+    await trio.to_thread.run_sync(speak_http1)
+    response, _ = await harness.call("Echo", b"ok")
+    assert response == b"ok"
+
+
+def _raw_h2_exchange(port: int, requests: list[list[tuple[str, str]]]) -> list[dict[str, str]]:
+    """Send each header list as a call with one empty message on ONE connection; return the
+    headers and trailers each stream got back."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    answers: dict[int, dict[str, str]] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        for headers in requests:
+            stream_id = connection.get_next_available_stream_id()
+            answers[stream_id] = {}
+            connection.send_headers(stream_id, headers)
+            connection.send_data(stream_id, b"\x00\x00\x00\x00\x01x", end_stream=True)
+        sock.sendall(connection.data_to_send())
+        ended: set[int] = set()
+        while len(ended) < len(requests):
+            for event in connection.receive_data(sock.recv(65536)):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    answers[event.stream_id].update(
+                        (name.decode(), value.decode()) for name, value in event.headers
+                    )
+                if isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    ended.add(event.stream_id)
+            sock.sendall(connection.data_to_send())
+    return [answers[stream_id] for stream_id in sorted(answers)]
+
+
+async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -> None:
+    good = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/test.Service/Echo"),
+        (":authority", "localhost"),
+        ("te", "trailers"),
+        ("content-type", "application/grpc"),
+    ]
+    bad_content_type = [(k, "text/plain" if k == "content-type" else v) for k, v in good]
+    bad_timeout = [*good, ("grpc-timeout", "soon")]
+    answers = await trio.to_thread.run_sync(
+        _raw_h2_exchange, harness.port, [bad_content_type, bad_timeout, good]
+    )
+    assert answers[0]["grpc-status"] == str(StatusCode.INTERNAL.value)
+    assert "Content type" in urllib.parse.unquote(answers[0]["grpc-message"])
+    assert answers[1]["grpc-status"] == str(StatusCode.INTERNAL.value)
+    assert answers[2]["grpc-status"] == "0"
+
+
+async def test_shutdown_lets_calls_finish_then_cancels_the_rest(harness: Harness) -> None:
+    future = harness.method("Sleep").future(b"x")
+    await harness.sleeping.wait()
+    await harness.server.shutdown(grace_period=0.2)
+    error = await trio.to_thread.run_sync(future.exception)
+    assert isinstance(error, grpc.RpcError)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shut down" in error.details()
+
+
+def test_status_codes_match_grpc() -> None:
+    for code in grpc.StatusCode:
+        assert StatusCode(code.value[0]).name == code.name
+
