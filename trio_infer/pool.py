@@ -96,6 +96,7 @@ class WorkerPool:
         # One token per worker: a call holds a worker process for exactly as long as a token.
         self._limiter = trio.CapacityLimiter(workers)
         self._crashed = 0
+        self._crash = trio.Event()
 
     @classmethod
     @asynccontextmanager
@@ -193,6 +194,10 @@ class WorkerPool:
         what = f"running model {settings.name!r}"
         return await self._run(what, worker.predict, settings, inputs, parameters)
 
+    async def wait_worker_crash(self) -> None:
+        """Wait until a worker process dies during a call (kills on cancel do not count)."""
+        await self._crash.wait()
+
     def statistics(self) -> PoolStatistics:
         """Return a snapshot of the pool's workers and calls."""
         return PoolStatistics(
@@ -214,6 +219,8 @@ class WorkerPool:
             raise Unavailable(f"the worker pool is shut down (while {what})") from None
         except trio_parallel.BrokenWorkerError as exc:
             self._crashed += 1
+            self._crash.set()
+            self._crash = trio.Event()
             raise Unavailable(f"worker process died while {what} ({_exit_cause(exc)})") from exc
         except Exception as exc:
             # The job or its result could not cross the process boundary (trio-parallel has

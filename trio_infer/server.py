@@ -6,7 +6,8 @@
     ├── WorkerPool                     worker processes; closed last, so no call outlives it
     └── server nursery
         ├── GrpcServer.serve           listeners and connections (see trio_infer.transport)
-        └── warm-up                    loads every model in every worker, then marks it ready
+        └── readiness keeper           loads every model in every worker, marks it ready; again
+                                       after a worker crash
 
 Shutdown (:meth:`RunningServer.shutdown`): readiness turns false, listeners close and every
 connection gets GOAWAY; calls in flight have the grace period to finish; the rest end with
@@ -23,11 +24,12 @@ from pathlib import Path
 
 import trio
 
+from trio_infer.errors import InferError
 from trio_infer.grpc_protocol import ProtocolLimits
 from trio_infer.pool import WorkerPool
 from trio_infer.registry import ModelRegistry
 from trio_infer.service import InferenceService
-from trio_infer.settings import EXAMPLES, load_repository
+from trio_infer.settings import EXAMPLES, ModelSettings, load_repository
 from trio_infer.transport import GrpcServer
 
 __all__ = ["RunningServer", "ServerConfig", "run_server"]
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 #: After the grace period, how long connections get to deliver their final statuses.
 _CLOSE_SLACK = 1.0
+#: Backoff between attempts to load a model that failed to load (seconds).
+_RETRY_FIRST = 1.0
+_RETRY_MAX = 30.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ class RunningServer:
         self._shutdown_requested.set()
 
     async def wait_ready(self) -> None:
-        """Wait until every model is loaded in the workers and the server reports ready."""
+        """Wait until every model has been loaded in the workers once."""
         await self._ready.wait()
 
 
@@ -115,26 +120,52 @@ async def run_server(
                 "serving %d model(s) from %s on %s:%d with %d worker(s)",
                 len(list(registry)), config.repository, config.host, port, config.workers,
             )
-            warm_up = trio.CancelScope()
-            nursery.start_soon(_warm_up, server, warm_up)
+            readiness = trio.CancelScope()
+            nursery.start_soon(_keep_models_ready, server, readiness)
             task_status.started(server)
 
             await server._shutdown_requested.wait()
             logger.info("shutting down: %d call(s) in flight, grace period %.1f s",
                         grpc.calls_in_flight.count, config.grace_period)
             service.draining = True
-            warm_up.cancel()
+            readiness.cancel()
             await grpc.shutdown(config.grace_period)
             nursery.cancel_scope.deadline = trio.current_time() + _CLOSE_SLACK
     logger.info("server stopped")
 
 
-async def _warm_up(server: RunningServer, scope: trio.CancelScope) -> None:
-    registry = server.service.registry
+async def _keep_models_ready(server: RunningServer, scope: trio.CancelScope) -> None:
+    """Load every model in every worker and keep the registry's readiness true to it.
+
+    A model that fails to load is not ready and is retried with backoff. After a worker process
+    crashes, the models are loaded again: that starts the replacement worker now rather than on
+    some caller's request path, and a model whose loading is what crashes workers turns not
+    ready instead of failing every call.
+    """
+    registry, pool = server.service.registry, server.service.pool
     with scope:
-        models = list(registry)
-        await server.service.pool.warm_up(models)
-        for settings in models:
-            registry.set_ready(settings.name, True)
-        server._ready.set()
-        logger.info("ready: %s", ", ".join(settings.name for settings in models))
+        while True:
+            failing = list(registry)
+            backoff = _RETRY_FIRST
+            while failing:
+                failing = [s for s in failing if not await _load_everywhere(pool, registry, s)]
+                if failing:
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, _RETRY_MAX)
+            if not server._ready.is_set():
+                logger.info("ready: %s", ", ".join(settings.name for settings in registry))
+                server._ready.set()
+            await pool.wait_worker_crash()
+
+
+async def _load_everywhere(
+    pool: WorkerPool, registry: ModelRegistry, settings: ModelSettings
+) -> bool:
+    try:
+        await pool.warm_up([settings])
+    except InferError as exc:
+        logger.error("model '%s' is not ready: %s", settings.name, exc.message)
+        registry.set_ready(settings.name, False)
+        return False
+    registry.set_ready(settings.name, True)
+    return True

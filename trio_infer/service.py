@@ -12,14 +12,24 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import numpy as np
+import trio
 from google.protobuf.message import DecodeError, Message
 
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer._proto import health_pb2
-from trio_infer.errors import InvalidInput, ModelNotFound, Unavailable, Unimplemented
+from trio_infer.errors import (
+    InferError,
+    InvalidInput,
+    ModelNotFound,
+    StatusCode,
+    Unavailable,
+    Unimplemented,
+)
 from trio_infer.model import Parameters
 from trio_infer.pool import WorkerPool
 from trio_infer.registry import ModelRegistry
+from trio_infer.settings import ModelSettings
 from trio_infer.tensors import (
     TensorSpec,
     decode_inputs,
@@ -126,7 +136,7 @@ class InferenceService:
             inputs={tensor.name: decode_parameters(tensor.parameters) for tensor in request.inputs},
             headers={name: value for name, value in call.metadata if isinstance(value, str)},
         )
-        outputs = await self.pool.predict(settings, inputs, parameters)
+        outputs = await self._predict(settings, inputs, parameters, call.deadline)
         selected = select_outputs(
             outputs, [output.name for output in request.outputs], settings.name
         )
@@ -135,6 +145,25 @@ class InferenceService:
         )
         encode_outputs(response, selected, raw=len(request.raw_input_contents) > 0)
         return response
+
+    async def _predict(
+        self,
+        settings: ModelSettings,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        deadline: float,
+    ) -> dict[str, np.ndarray]:
+        # The caller's deadline is already the call's cancel scope. A model's own timeout
+        # bounds callers that set none (or a later one), so a hung model cannot hold a worker
+        # and a caller forever.
+        if settings.timeout is None or trio.current_time() + settings.timeout >= deadline:
+            return await self.pool.predict(settings, inputs, parameters)
+        with trio.move_on_after(settings.timeout):
+            return await self.pool.predict(settings, inputs, parameters)
+        raise InferError(
+            f"model '{settings.name}' did not answer within its timeout of {settings.timeout:g} s",
+            StatusCode.DEADLINE_EXCEEDED,
+        )
 
     async def _health_check(self, request: health_pb2.HealthCheckRequest, call: Call) -> Message:
         serving_status = health_pb2.HealthCheckResponse.ServingStatus
