@@ -17,14 +17,20 @@ MiB = 1024 * 1024
 
 
 async def start_server(
-    nursery: trio.Nursery, repository: Path | None = None, **overrides: Any
+    nursery: trio.Nursery,
+    repository: Path | None = None,
+    *,
+    wait_ready: bool = True,
+    **overrides: Any,
 ) -> RunningServer:
-    """Start a server on a free loopback port and wait until its models are ready."""
+    """Start a server on a free loopback port and (by default) wait until its models are ready."""
+    settings: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "workers": 2}
     if repository is not None:
-        overrides["repository"] = repository
-    config = ServerConfig(host="127.0.0.1", grpc_port=0, workers=2, **overrides)
+        settings["repository"] = repository
+    config = ServerConfig(**(settings | overrides))
     server: RunningServer = await nursery.start(run_server, config)
-    await server.wait_ready()
+    if wait_ready:
+        await server.wait_ready()
     return server
 
 
