@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import pytest
 import trio
@@ -187,19 +188,33 @@ async def test_a_client_that_is_not_http2_is_dropped_and_others_served(harness: 
     assert response == b"ok"
 
 
-def _raw_h2_exchange(port: int, requests: list[list[tuple[str, str]]]) -> list[dict[str, str]]:
-    """Send each header list as a call with one empty message on ONE connection; return the
-    headers and trailers each stream got back."""
+def _raw_h2_exchange(
+    port: int, requests: list[list[tuple[str, str]]], message: bytes = b"x"
+) -> list[dict[str, str]]:
+    """Send each header list as a call carrying ``message`` on ONE connection; return the
+    headers and trailers each stream got back (``reset`` when it was reset instead).
+
+    Received data is never acknowledged, so the server can send at most the default 64 KiB
+    window per stream: a client that stops reading."""
     connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     connection.initiate_connection()
     answers: dict[int, dict[str, str]] = {}
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(5)
+        sock.sendall(connection.data_to_send())
+        settings_seen = False
+        while not settings_seen:  # the server's windows, before sending large messages
+            for event in connection.receive_data(sock.recv(65536)):
+                settings_seen |= isinstance(event, h2.events.RemoteSettingsChanged)
         for headers in requests:
             stream_id = connection.get_next_available_stream_id()
             answers[stream_id] = {}
             connection.send_headers(stream_id, headers)
-            connection.send_data(stream_id, b"\x00\x00\x00\x00\x01x", end_stream=True)
+            framed = b"\x00" + len(message).to_bytes(4, "big") + message
+            step = connection.max_outbound_frame_size
+            for offset in range(0, len(framed), step):
+                last = offset + step >= len(framed)
+                connection.send_data(stream_id, framed[offset : offset + step], end_stream=last)
         sock.sendall(connection.data_to_send())
         ended: set[int] = set()
         while len(ended) < len(requests):
@@ -208,6 +223,8 @@ def _raw_h2_exchange(port: int, requests: list[list[tuple[str, str]]]) -> list[d
                     answers[event.stream_id].update(
                         (name.decode(), value.decode()) for name, value in event.headers
                     )
+                if isinstance(event, h2.events.StreamReset):
+                    answers[event.stream_id]["reset"] = str(event.error_code)
                 if isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
                     ended.add(event.stream_id)
             sock.sendall(connection.data_to_send())
@@ -234,6 +251,23 @@ async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -
     assert answers[2]["grpc-status"] == "0"
 
 
+async def test_a_deadline_that_passes_while_sending_ends_the_call(harness: Harness) -> None:
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/test.Service/Echo"),
+        (":authority", "localhost"),
+        ("te", "trailers"),
+        ("content-type", "application/grpc"),
+        ("grpc-timeout", "300m"),
+    ]
+    # A 1 MiB answer to a client that reads only 64 KiB: the server waits for window until the
+    # deadline, then abandons the half-sent message with RST_STREAM rather than hanging.
+    answers = await trio.to_thread.run_sync(_raw_h2_exchange, harness.port, [headers], b"y" * MiB)
+    assert answers[0]["reset"] == str(h2.errors.ErrorCodes.CANCEL)
+    await harness.server.calls_in_flight.wait_idle()
+
+
 async def test_shutdown_lets_calls_finish_then_cancels_the_rest(harness: Harness) -> None:
     future = harness.method("Sleep").future(b"x")
     await harness.sleeping.wait()
@@ -247,4 +281,3 @@ async def test_shutdown_lets_calls_finish_then_cancels_the_rest(harness: Harness
 def test_status_codes_match_grpc() -> None:
     for code in grpc.StatusCode:
         assert StatusCode(code.value[0]).name == code.name
-
