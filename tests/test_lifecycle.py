@@ -14,146 +14,22 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import trio
 
-from tests.conftest import GrpcioClient, start_server
+from tests.probe import (
+    Probe,
+    eventually,
+    probe_request,
+    process_exists,
+    start_probe,
+    write_probe_repository,
+)
+from tests.support import start_server
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
-from trio_infer.server import RunningServer
-from trio_infer.tensors import decode_outputs, encode_inputs, encode_parameters
-
-PROBE = """
-import ctypes
-import os
-import time
-from pathlib import Path
-
-import numpy as np
-
-from trio_infer import Model
-
-
-class Probe(Model):
-    def predict(self, inputs, parameters):
-        tag = parameters.get("tag")
-        if tag:
-            log = Path(self.settings.parameters.extra["log_dir"]) / f"{tag}.start"
-            log.write_text(str(os.getpid()))
-        action = parameters.get("action", "ok")
-        if action == "sleep":
-            time.sleep(parameters.get("delay_ms", 100) / 1000)
-        elif action == "hang":
-            while True:
-                time.sleep(1)
-        elif action == "segfault":
-            ctypes.string_at(0)
-        elif action == "exit":
-            os._exit(3)
-        return {"pid": np.array([os.getpid()], dtype=np.int64)}
-"""
-
-
-def write_probe_repository(root: Path, **settings: object) -> Path:
-    folder = root / "repository" / "probe"
-    folder.mkdir(parents=True)
-    (folder / "probe_model.py").write_text(PROBE)
-    log_dir = root / "log"
-    log_dir.mkdir()
-    document = {
-        "name": "probe",
-        "implementation": "probe_model.Probe",
-        "parameters": {"extra": {"log_dir": str(log_dir)}},
-        **settings,
-    }
-    (folder / "model-settings.json").write_text(json.dumps(document))
-    return root / "repository"
-
-
-def probe_request(**parameters: bool | int | float | str) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name="probe")
-    encode_inputs(request, [("x", np.zeros(1, np.float32))], raw=True)
-    encode_parameters(request.parameters, parameters)
-    return request
-
-
-class Probe:
-    """A server running the probe model, a grpcio client, and the probe's start log."""
-
-    def __init__(self, server: RunningServer, log_dir: Path) -> None:
-        self.server = server
-        self.client = GrpcioClient(server.port)
-        self.log_dir = log_dir
-
-    def started(self, tag: str) -> bool:
-        return (self.log_dir / f"{tag}.start").exists()
-
-    def pid(self, tag: str) -> int:
-        return int((self.log_dir / f"{tag}.start").read_text())
-
-    async def wait_started(self, tag: str) -> int:
-        await eventually(lambda: self.started(tag) and bool(self.pid_text(tag)))
-        return self.pid(tag)
-
-    def pid_text(self, tag: str) -> str:
-        return (self.log_dir / f"{tag}.start").read_text()
-
-    async def call(
-        self, deadline: float | None = None, **parameters: bool | int | float | str
-    ) -> int:
-        response = await self.client.call(
-            "ModelInfer", probe_request(**parameters), timeout=deadline
-        )
-        return int(decode_outputs(response)["pid"][0])
-
-    async def error(
-        self, deadline: float | None = None, **parameters: bool | int | float | str
-    ) -> grpc.RpcError:
-        return await self.client.error("ModelInfer", probe_request(**parameters), timeout=deadline)
-
-    async def wait_idle(self) -> None:
-        """The server has no call in flight and no worker busy."""
-        await eventually(
-            lambda: (
-                self.server.service.pool.statistics().busy == 0
-                and self.server.service.pool.statistics().waiting == 0
-            )
-        )
-
-
-async def eventually(condition: Callable[[], bool], within: float = 10.0) -> None:
-    """Wait for state owned by another process or thread to satisfy ``condition``."""
-    with trio.fail_after(within):
-        while not condition():  # noqa: ASYNC110 - the state lives outside this Trio run
-            await trio.sleep(0.01)
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A killed child of the fork server stays a zombie until reaped; it runs no code.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(") ", 1)[1][0] != "Z"
-
-
-async def start_probe(
-    nursery: trio.Nursery, tmp_path: Path, workers: int = 2, **settings: object
-) -> Probe:
-    repository = write_probe_repository(tmp_path, **settings)
-    server = await start_server(nursery, repository, workers=workers)
-    return Probe(server, tmp_path / "log")
-
-
-@pytest.fixture
-async def probe(nursery: trio.Nursery, tmp_path: Path) -> Probe:
-    return await start_probe(nursery, tmp_path)
-
 
 # -- deadlines --------------------------------------------------------------------------------
 

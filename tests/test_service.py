@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 
-from tests.conftest import GrpcioClient, MiB, start_server
+from tests.support import GrpcioClient, MiB, start_server
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer._proto import health_pb2
 from trio_infer.server import RunningServer

@@ -64,6 +64,19 @@ def _parser() -> argparse.ArgumentParser:
         help="largest request message in bytes (default: %(default)s)",
     )
     serve.add_argument(
+        "--memory-budget",
+        type=int,
+        default=defaults.memory_budget,
+        help="bytes all requests in flight may hold together (default: a quarter of RAM, "
+        "%(default)s)",
+    )
+    serve.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=defaults.max_concurrent_streams,
+        help="calls one client connection may have open at once (default: %(default)s)",
+    )
+    serve.add_argument(
         "--debug", action="store_true", help="tracebacks in model error messages; debug logs"
     )
     return parser
@@ -111,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         logger.error("--workers must be at least 1")
         return 2
+    if not 0 <= args.grpc_port <= 65535:
+        # The OS would take the port modulo 65536 and serve somewhere nobody asked for.
+        logger.error("--grpc-port must be between 0 and 65535")
+        return 2
+    if not args.grace_period >= 0:  # also catches NaN
+        # Otherwise the shutdown itself fails, with a traceback, when the first signal comes.
+        logger.error("--grace-period must be a number of seconds, at least 0")
+        return 2
     from trio_infer.server import ServerConfig
 
     config = ServerConfig(
@@ -120,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         grace_period=args.grace_period,
         max_message_size=args.max_message_size,
+        memory_budget=args.memory_budget,
+        max_concurrent_streams=args.max_concurrent_streams,
         debug=args.debug,
     )
     try:

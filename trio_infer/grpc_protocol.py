@@ -9,19 +9,23 @@ What purerpc 0.8.0 gets wrong for a server, and what this module changes:
   ``receive_data`` and so takes the whole connection down; here it fails only its own stream
   (:class:`CallRejected`).
 - A message over the size limit likewise killed the connection; here it is
-  :class:`MessageTooLarge` for its stream only, and the stream's buffer is dropped at once.
+  :class:`MessageRefused` for its stream only, and the stream's buffer is dropped at once.
 - RST_STREAM and GOAWAY from the client were swallowed; here they are :class:`StreamReset` and
   :class:`ConnectionTerminated`, so the transport can cancel the work they orphan.
 - h2 3.2.0 (which purerpc pins) treats a WINDOW_UPDATE or RST_STREAM for a stream it has already
   cleaned up as a connection error and sends GOAWAY. RFC 9113 §5.1 says both may arrive shortly
   after a stream closes and must be ignored; grpcio clients send them under load (25 concurrent
   256 KiB calls reproduce it). :class:`_H2Connection` ignores them.
-- Windows and stream counts come from :class:`ProtocolLimits` instead of 64 MiB per stream and
-  1 GiB per connection, so a client cannot make the server buffer without bound.
+- purerpc opened 64 MiB per stream and 1 GiB per connection. Here a stream's window is 64 KiB
+  until its call admits a message: each message is announced (:class:`MessageAnnounced`) as soon
+  as its 5-byte prefix arrives, and the client may send the rest only after
+  :meth:`ServerProtocol.admit`. A request the server cannot take yet is not read, let alone
+  buffered; per connection, unadmitted data is at most 64 KiB times the stream limit.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -32,16 +36,9 @@ import h2.settings
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from hyperframe.frame import GoAwayFrame
-from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
-from purerpc.grpclib.events import (
-    MessageReceived,
-    RequestEnded,
-    RequestReceived,
-    WindowUpdated,
-)
-from purerpc.grpclib.exceptions import MessageTooLargeError
+from purerpc.grpclib.events import RequestEnded, RequestReceived, WindowUpdated
 from purerpc.grpclib.exceptions import ProtocolError as _PurerpcProtocolError
 from purerpc.grpclib.headers import HeaderDict
 from purerpc.grpclib.status import Status
@@ -51,8 +48,9 @@ from trio_infer.errors import StatusCode
 __all__ = [
     "CallRejected",
     "ConnectionTerminated",
+    "MessageAnnounced",
     "MessageReceived",
-    "MessageTooLarge",
+    "MessageRefused",
     "ProtocolLimits",
     "ProtocolViolation",
     "RequestEnded",
@@ -68,6 +66,12 @@ Metadata = tuple[tuple[str, str | bytes], ...]
 _MAX_HEADER_LIST_SIZE = 16 * 1024
 #: The HTTP/2 default; larger inbound frames cost more memory per read for no gain on loopback.
 _MAX_INBOUND_FRAME_SIZE = 16 * 1024
+#: Request bytes a client may send on a stream before its call admits them (the HTTP/2 default
+#: window): enough for a small request to arrive whole with its headers.
+_STREAM_WINDOW = 65_535
+#: When less unadmitted room than this is left, admitting a message tops the window back up.
+_STREAM_WINDOW_LOW = 16 * 1024
+_MESSAGE_PREFIX = struct.Struct(">?I")
 
 
 class ProtocolViolation(Exception):
@@ -82,13 +86,14 @@ class ProtocolLimits:
         max_message_size: The largest request message accepted, in bytes.
         max_concurrent_streams: Calls one connection may have open at once (advertised as
             SETTINGS_MAX_CONCURRENT_STREAMS).
-        connection_window: Connection-level receive window in bytes: the most request data in
-            flight on one connection before the server has consumed it.
+        connection_window: Connection-level receive window in bytes. It is returned to the
+            client as data arrives (streams' windows are what bound buffering), so it only
+            needs to cover one round trip's worth of data.
     """
 
     max_message_size: int = 64 * 1024 * 1024
     max_concurrent_streams: int = 100
-    connection_window: int = 256 * 1024 * 1024
+    connection_window: int = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -101,10 +106,31 @@ class CallRejected:
 
 
 @dataclass(frozen=True)
-class MessageTooLarge:
-    """A stream's request message exceeds :attr:`ProtocolLimits.max_message_size`."""
+class MessageAnnounced:
+    """The prefix of a stream's next request message arrived: the message has ``length`` bytes.
+
+    The client may send more than the first 64 KiB of it only once the call admits it.
+    """
 
     stream_id: int
+    length: int
+
+
+@dataclass(frozen=True)
+class MessageReceived:
+    """A whole request message arrived on a stream."""
+
+    stream_id: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class MessageRefused:
+    """A stream's request message cannot be taken (too large, compressed); the call must end
+    with ``status``. Other streams are unaffected."""
+
+    stream_id: int
+    status: StatusCode
     message: str
 
 
@@ -126,7 +152,8 @@ Event: TypeAlias = (
     | RequestEnded
     | WindowUpdated
     | CallRejected
-    | MessageTooLarge
+    | MessageAnnounced
+    | MessageRefused
     | StreamReset
     | ConnectionTerminated
 )
@@ -153,6 +180,59 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         return super()._receive_rst_stream_frame(frame)
 
 
+class _InboundStream:
+    """One stream's request side: reassembles its messages and tracks its receive window."""
+
+    def __init__(self, stream_id: int, max_message_size: int) -> None:
+        self.stream_id = stream_id
+        self.max_message_size = max_message_size
+        self.buffer = bytearray()
+        #: The length of the message being received, once its prefix has arrived.
+        self.length: int | None = None
+        #: Bytes the client may send in all: the initial window plus every grant since.
+        self.allowed = _STREAM_WINDOW
+        #: Bytes of messages (with their prefixes) the call has admitted.
+        self.admitted = 0
+
+    def feed(self, data: bytes) -> list[Event]:
+        self.buffer += data
+        events: list[Event] = []
+        while True:
+            if self.length is None:
+                if len(self.buffer) < _MESSAGE_PREFIX.size:
+                    return events
+                compressed, length = _MESSAGE_PREFIX.unpack_from(self.buffer)
+                del self.buffer[: _MESSAGE_PREFIX.size]
+                if compressed:
+                    events.append(
+                        self._refuse(
+                            StatusCode.INTERNAL, "compressed message without a grpc-encoding"
+                        )
+                    )
+                    return events
+                if length > self.max_message_size:
+                    events.append(
+                        self._refuse(
+                            StatusCode.RESOURCE_EXHAUSTED,
+                            f"request message of {length} bytes is larger than the maximum of "
+                            f"{self.max_message_size} bytes",
+                        )
+                    )
+                    return events
+                self.length = length
+                events.append(MessageAnnounced(self.stream_id, length))
+            if len(self.buffer) < self.length:
+                return events
+            message = bytes(self.buffer[: self.length])
+            del self.buffer[: self.length]
+            self.length = None
+            events.append(MessageReceived(self.stream_id, message))
+
+    def _refuse(self, status: StatusCode, message: str) -> MessageRefused:
+        self.buffer = bytearray()
+        return MessageRefused(self.stream_id, status, message)
+
+
 class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     """One server-side gRPC connection's protocol state. Feed it bytes, send what it queues.
 
@@ -170,19 +250,20 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         self.h2_connection: Any = _H2Connection(self.h2_connection.config)
         self.h2_connection.clear_outbound_data_buffer()
         self._set_h2_connection_local_settings()
+        # Invariant: a stream is here while the client may still send on it and no status has
+        # been sent for it.
+        self._inbound: dict[int, _InboundStream] = {}
+        #: Connection-window bytes received but not yet returned to the client.
+        self._unreturned = 0
 
     # -- purerpc hooks -------------------------------------------------------------------------
 
     def _set_h2_connection_local_settings(self) -> None:
-        # A stream's window must hold a whole message: data is acknowledged only once the call
-        # has taken the message, which is what bounds a stream's buffered bytes.
         self.h2_connection.local_settings = h2.settings.Settings(
             client=False,
             initial_values={
                 SettingCodes.MAX_CONCURRENT_STREAMS: self.limits.max_concurrent_streams,
-                SettingCodes.INITIAL_WINDOW_SIZE: min(
-                    self.limits.max_message_size + 5, 2**31 - 1
-                ),
+                SettingCodes.INITIAL_WINDOW_SIZE: _STREAM_WINDOW,
                 SettingCodes.MAX_FRAME_SIZE: _MAX_INBOUND_FRAME_SIZE,
                 SettingCodes.MAX_HEADER_LIST_SIZE: _MAX_HEADER_LIST_SIZE,
             },
@@ -216,40 +297,34 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                 ]
         except (_PurerpcProtocolError, KeyError, ValueError) as exc:
             return [CallRejected(stream_id, StatusCode.INTERNAL, f"malformed gRPC request: {exc}")]
-        self.message_read_buffers[stream_id] = MessageReadBuffer(
-            None, self.limits.max_message_size
-        )
+        self._inbound[stream_id] = _InboundStream(stream_id, self.limits.max_message_size)
         return [request]
 
     def _data_received(self, event: h2.events.DataReceived) -> list[Event]:
-        buffer = self.message_read_buffers.get(event.stream_id)
-        if buffer is None:
-            # Data for a call already answered (e.g. after MessageTooLarge): drop it, but hand
-            # its bytes back or the connection window shrinks for every other call.
-            self.h2_connection.acknowledge_received_data(
-                event.flow_controlled_length, event.stream_id
-            )
-            return []
-        try:
-            buffer.data_received(event.data, event.flow_controlled_length)
-        except MessageTooLargeError as exc:
-            del self.message_read_buffers[event.stream_id]
-            self.h2_connection.acknowledge_received_data(
-                event.flow_controlled_length, event.stream_id
-            )
-            return [MessageTooLarge(event.stream_id, str(exc))]
-        return [
-            MessageReceived(event.stream_id, message, flow_controlled_length)
-            for message, flow_controlled_length in buffer.read_all_complete_messages_flowcontrol()
-        ]
+        self._return_connection_window(event.flow_controlled_length)
+        inbound = self._inbound.get(event.stream_id)
+        if inbound is None:
+            return []  # a call already answered (e.g. its message was refused): drop the data
+        events = inbound.feed(event.data)
+        if events and isinstance(events[-1], MessageRefused):
+            del self._inbound[event.stream_id]
+        return events
+
+    def _return_connection_window(self, nbytes: int) -> None:
+        # Streams' windows bound what is buffered; the connection window is handed back as
+        # data arrives, in batches so that large requests do not cost a frame per frame.
+        self._unreturned += nbytes
+        if self._unreturned >= self.limits.connection_window // 4:
+            self.h2_connection.increment_flow_control_window(self._unreturned)
+            self._unreturned = 0
 
     def _stream_ended(self, event: h2.events.StreamEnded) -> list[Event]:
-        if self.message_read_buffers.pop(event.stream_id, None) is None:
+        if self._inbound.pop(event.stream_id, None) is None:
             return []
         return [RequestEnded(event.stream_id)]
 
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Event]:
-        self.message_read_buffers.pop(event.stream_id, None)
+        self._inbound.pop(event.stream_id, None)
         return [StreamReset(event.stream_id)]
 
     def _connection_terminated(self, event: h2.events.ConnectionTerminated) -> list[Event]:
@@ -298,20 +373,31 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             super().end_response(stream_id, grpc_status, metadata)
         else:
             self.respond_status(stream_id, grpc_status, "", metadata)
-        if stream_id in self.message_read_buffers:
-            del self.message_read_buffers[stream_id]
+        if self._inbound.pop(stream_id, None) is not None:
             self.h2_connection.reset_stream(stream_id, ErrorCodes.NO_ERROR)
 
     def reset(self, stream_id: int) -> None:
         """Abandon a stream with RST_STREAM CANCEL, if it is still open."""
-        self.message_read_buffers.pop(stream_id, None)
+        self._inbound.pop(stream_id, None)
         stream = self.h2_connection.streams.get(stream_id)
         if stream is not None and not stream.closed:
             self.h2_connection.reset_stream(stream_id, ErrorCodes.CANCEL)
 
-    def acknowledge(self, stream_id: int, flow_controlled_length: int) -> None:
-        """Return a consumed message's bytes to the client's send window."""
-        self.h2_connection.acknowledge_received_data(flow_controlled_length, stream_id)
+    def admit(self, stream_id: int, length: int) -> None:
+        """Let the client send the rest of an announced message of ``length`` bytes.
+
+        Keeps up to 64 KiB of unadmitted room open beyond it, so the prefix of the next message
+        (on a streaming call) can arrive and be announced.
+        """
+        inbound = self._inbound.get(stream_id)
+        if inbound is None:
+            return  # the client has sent everything already
+        inbound.admitted += _MESSAGE_PREFIX.size + length
+        room = inbound.allowed - inbound.admitted
+        if room < _STREAM_WINDOW_LOW:
+            grant = _STREAM_WINDOW - room
+            self.h2_connection.increment_flow_control_window(grant, stream_id=stream_id)
+            inbound.allowed += grant
 
     def go_away(self) -> None:
         """Queue a GOAWAY: the client must start no new calls here (graceful shutdown).

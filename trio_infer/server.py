@@ -24,15 +24,16 @@ from pathlib import Path
 
 import trio
 
+from trio_infer.admission import Admission, AdmissionStatistics
 from trio_infer.errors import InferError
 from trio_infer.grpc_protocol import ProtocolLimits
-from trio_infer.pool import WorkerPool
+from trio_infer.pool import PoolStatistics, WorkerPool
 from trio_infer.registry import ModelRegistry
 from trio_infer.service import InferenceService
 from trio_infer.settings import EXAMPLES, ModelSettings, load_repository
 from trio_infer.transport import GrpcServer
 
-__all__ = ["RunningServer", "ServerConfig", "run_server"]
+__all__ = ["RunningServer", "ServerConfig", "ServerStatistics", "run_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class ServerConfig:
         workers: Worker processes that run model code.
         grace_period: Seconds in-flight calls get to finish once shutdown starts.
         max_message_size: The largest request message accepted, in bytes.
+        memory_budget: The most bytes requests in flight may reserve together (see
+            :mod:`trio_infer.admission`); default a quarter of the machine's memory.
+        max_concurrent_streams: Calls one client connection may have open at once.
         debug: Include tracebacks in the messages of model errors.
     """
 
@@ -63,7 +67,17 @@ class ServerConfig:
     workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     grace_period: float = 30.0
     max_message_size: int = 64 * 1024 * 1024
+    memory_budget: int = field(default_factory=lambda: _physical_memory() // 4)
+    max_concurrent_streams: int = 100
     debug: bool = False
+
+
+@dataclass(frozen=True)
+class ServerStatistics:
+    """A snapshot of a running server (the numbers a metrics endpoint will expose)."""
+
+    admission: AdmissionStatistics
+    pool: PoolStatistics
 
 
 class RunningServer:
@@ -82,6 +96,13 @@ class RunningServer:
     def shutting_down(self) -> bool:
         """Whether :meth:`shutdown` has been called."""
         return self._shutdown_requested.is_set()
+
+    def statistics(self) -> ServerStatistics:
+        """Return a snapshot of admission control and the worker pool."""
+        return ServerStatistics(
+            admission=self.service.admission.statistics(),
+            pool=self.service.pool.statistics(),
+        )
 
     def shutdown(self) -> None:
         """Start a graceful shutdown; ``run_server`` returns when it is complete."""
@@ -109,8 +130,12 @@ async def run_server(
     """
     registry = ModelRegistry(load_repository(config.repository))
     async with WorkerPool.open(config.workers, debug=config.debug) as pool:
-        service = InferenceService(registry, pool)
-        grpc = GrpcServer(service.handle, ProtocolLimits(max_message_size=config.max_message_size))
+        service = InferenceService(registry, pool, Admission(config.memory_budget))
+        limits = ProtocolLimits(
+            max_message_size=config.max_message_size,
+            max_concurrent_streams=config.max_concurrent_streams,
+        )
+        grpc = GrpcServer(service.handle, limits)
         listeners = await trio.open_tcp_listeners(config.grpc_port, host=config.host)
         port: int = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
@@ -118,15 +143,22 @@ async def run_server(
             server = RunningServer(config.host, port, service)
             logger.info(
                 "serving %d model(s) from %s on %s:%d with %d worker(s)",
-                len(list(registry)), config.repository, config.host, port, config.workers,
+                len(list(registry)),
+                config.repository,
+                config.host,
+                port,
+                config.workers,
             )
             readiness = trio.CancelScope()
             nursery.start_soon(_keep_models_ready, server, readiness)
             task_status.started(server)
 
             await server._shutdown_requested.wait()
-            logger.info("shutting down: %d call(s) in flight, grace period %.1f s",
-                        grpc.calls_in_flight.count, config.grace_period)
+            logger.info(
+                "shutting down: %d call(s) in flight, grace period %.1f s",
+                grpc.calls_in_flight.count,
+                config.grace_period,
+            )
             service.draining = True
             readiness.cancel()
             await grpc.shutdown(config.grace_period)
@@ -169,3 +201,7 @@ async def _load_everywhere(
         return False
     registry.set_ready(settings.name, True)
     return True
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

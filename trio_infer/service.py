@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError, Message
 
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer._proto import health_pb2
+from trio_infer.admission import Admission, Reservation, estimate_output_bytes
 from trio_infer.errors import (
     InferError,
     InvalidInput,
@@ -55,7 +56,7 @@ _HEALTH = "/grpc.health.v1.Health/"
 @dataclass(frozen=True)
 class _Route:
     request_type: type[Message]
-    handler: Callable[[Any, Call], Awaitable[Message]]
+    handler: Callable[[Any, Call, Reservation], Awaitable[Message]]
 
 
 class InferenceService:
@@ -66,9 +67,10 @@ class InferenceService:
         pool: Where model code runs.
     """
 
-    def __init__(self, registry: ModelRegistry, pool: WorkerPool) -> None:
+    def __init__(self, registry: ModelRegistry, pool: WorkerPool, admission: Admission) -> None:
         self.registry = registry
         self.pool = pool
+        self.admission = admission
         self.draining = False
         """Set when the server shuts down: readiness turns false so load balancers move on."""
         self._routes: dict[str, _Route] = {
@@ -86,35 +88,51 @@ class InferenceService:
         route = self._routes.get(call.method)
         if route is None:
             raise Unimplemented(f"method {call.method} is not served here")
-        data = await call.receive_message()
-        if data is None:
+        length = await call.receive_message_length()
+        if length is None:
             raise InvalidInput(f"{call.method} expects one request message and got none")
-        try:
-            request = route.request_type.FromString(data)
-        except DecodeError as exc:
-            name = route.request_type.DESCRIPTOR.full_name
-            raise InvalidInput(f"the request is not a valid {name}: {exc}") from None
-        response = await route.handler(request, call)
-        await call.send_message(response.SerializeToString())
+        # Room for the request and for an answer of the same size is reserved before the body
+        # is read: the decoded tensors are views of the request's bytes.
+        async with self.admission.reserve(2 * length, call.deadline) as reservation:
+            data = await call.receive_message()
+            assert data is not None, "an announced message arrives or the call fails"
+            try:
+                request = route.request_type.FromString(data)
+            except DecodeError as exc:
+                name = route.request_type.DESCRIPTOR.full_name
+                raise InvalidInput(f"the request is not a valid {name}: {exc}") from None
+            del data  # the parsed request holds its own copy; drop this one early
+            response = await route.handler(request, call, reservation)
+            await call.send_message(response.SerializeToString())
 
     def _server_is_ready(self) -> bool:
         return not self.draining and self.registry.all_ready()
 
-    async def _server_live(self, request: pb.ServerLiveRequest, call: Call) -> Message:
+    async def _server_live(
+        self, request: pb.ServerLiveRequest, call: Call, reservation: Reservation
+    ) -> Message:
         return pb.ServerLiveResponse(live=True)
 
-    async def _server_ready(self, request: pb.ServerReadyRequest, call: Call) -> Message:
+    async def _server_ready(
+        self, request: pb.ServerReadyRequest, call: Call, reservation: Reservation
+    ) -> Message:
         return pb.ServerReadyResponse(ready=self._server_is_ready())
 
-    async def _model_ready(self, request: pb.ModelReadyRequest, call: Call) -> Message:
+    async def _model_ready(
+        self, request: pb.ModelReadyRequest, call: Call, reservation: Reservation
+    ) -> Message:
         settings = self.registry.lookup(request.name, request.version)
         ready = not self.draining and self.registry.is_ready(settings.name)
         return pb.ModelReadyResponse(ready=ready)
 
-    async def _server_metadata(self, request: pb.ServerMetadataRequest, call: Call) -> Message:
+    async def _server_metadata(
+        self, request: pb.ServerMetadataRequest, call: Call, reservation: Reservation
+    ) -> Message:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
 
-    async def _model_metadata(self, request: pb.ModelMetadataRequest, call: Call) -> Message:
+    async def _model_metadata(
+        self, request: pb.ModelMetadataRequest, call: Call, reservation: Reservation
+    ) -> Message:
         settings = self.registry.lookup(request.name, request.version)
         versions = settings.versions or ((settings.version,) if settings.version else ())
         return pb.ModelMetadataResponse(
@@ -125,11 +143,22 @@ class InferenceService:
             outputs=[_tensor_metadata(spec) for spec in settings.outputs],
         )
 
-    async def _model_infer(self, request: pb.ModelInferRequest, call: Call) -> Message:
+    async def _model_infer(
+        self, request: pb.ModelInferRequest, call: Call, reservation: Reservation
+    ) -> Message:
         settings = self.registry.lookup(request.model_name, request.model_version)
         if self.draining or not self.registry.is_ready(settings.name):
             raise Unavailable(f"model '{settings.name}' is not ready")
         validate_request(request, settings.inputs, settings.name)
+        extra = estimate_output_bytes(request, settings.outputs) - reservation.nbytes // 2
+        if extra > 0:
+            reservation.grow_nowait(extra, f"the outputs of model '{settings.name}'")
+        with self.admission.model_slot(settings):
+            return await self._run_model(settings, request, call)
+
+    async def _run_model(
+        self, settings: ModelSettings, request: pb.ModelInferRequest, call: Call
+    ) -> Message:
         inputs = decode_inputs(request)
         parameters = Parameters(
             values=decode_parameters(request.parameters),
@@ -165,7 +194,9 @@ class InferenceService:
             StatusCode.DEADLINE_EXCEEDED,
         )
 
-    async def _health_check(self, request: health_pb2.HealthCheckRequest, call: Call) -> Message:
+    async def _health_check(
+        self, request: health_pb2.HealthCheckRequest, call: Call, reservation: Reservation
+    ) -> Message:
         serving_status = health_pb2.HealthCheckResponse.ServingStatus
         if request.service in ("", "inference.GRPCInferenceService"):
             ready = self._server_is_ready()

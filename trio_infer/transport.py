@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 import trio
 
-from trio_infer.errors import InferError, Overloaded, StatusCode
+from trio_infer.errors import InferError, StatusCode
 from trio_infer.grpc_protocol import (
     CallRejected,
     ConnectionTerminated,
+    MessageAnnounced,
     MessageReceived,
-    MessageTooLarge,
+    MessageRefused,
     Metadata,
     ProtocolLimits,
     ProtocolViolation,
@@ -91,30 +92,63 @@ class Call:
         """Sent with the status that ends the call."""
         self._connection = connection
         self._stream_id = stream_id
-        # Unbounded in count, yet bounded in bytes: a message is acknowledged only when taken,
-        # so the client cannot send more than its stream window ahead of the handler.
-        self._inbound_send, self._inbound = trio.open_memory_channel[
-            tuple[bytes, int] | InferError
-        ](math.inf)
+        # What the client sent, in order: a message's announced length, then the message. The
+        # count is unbounded, the bytes are not: the client can send no more than its stream
+        # window ahead of what the handler has admitted.
+        self._inbound_send, self._inbound = trio.open_memory_channel[int | bytes | InferError](
+            math.inf
+        )
+        self._announced: int | None = None
         self._headers_sent = False
         self._message_half_sent = False
 
-    async def receive_message(self) -> bytes | None:
-        """Wait for the next request message; ``None`` once the client has sent its last one.
+    async def receive_message_length(self) -> int | None:
+        """Wait for the prefix of the next request message and return the message's length,
+        before its body is read; ``None`` once the client has sent its last message.
+
+        Until :meth:`receive_message` admits it, the client can send no more of the message
+        than its 64 KiB stream window: a handler that cannot take it yet holds nothing.
 
         Raises:
-            InferError: the message broke a transport limit (RESOURCE_EXHAUSTED).
+            InferError: the message cannot be taken (too large: RESOURCE_EXHAUSTED).
         """
+        if self._announced is None:
+            item = await self._next_item()
+            if item is None:
+                return None
+            assert isinstance(item, int), "a message is always announced first"
+            self._announced = item
+        return self._announced
+
+    async def receive_message(self) -> bytes | None:
+        """Admit the next request message and wait for all of it; ``None`` once the client
+        has sent its last one.
+
+        Raises:
+            InferError: the message cannot be taken (too large: RESOURCE_EXHAUSTED).
+        """
+        length = await self.receive_message_length()
+        if length is None:
+            return None
+        self._connection.protocol.admit(self._stream_id, length)
+        self._connection.flush()
+        item = await self._next_item()
+        if item is None:
+            raise InferError(
+                "the client ended the call in the middle of a message", StatusCode.INVALID_ARGUMENT
+            )
+        assert isinstance(item, bytes), "an announced message is followed by its bytes"
+        self._announced = None
+        return item
+
+    async def _next_item(self) -> int | bytes | None:
         try:
             item = await self._inbound.receive()
         except trio.EndOfChannel:
             return None
         if isinstance(item, InferError):
             raise item
-        data, flow_controlled_length = item
-        self._connection.protocol.acknowledge(self._stream_id, flow_controlled_length)
-        self._connection.flush()
-        return data
+        return item
 
     async def send_message(self, data: bytes) -> None:
         """Send one response message, waiting for the client's flow-control window as needed."""
@@ -247,7 +281,9 @@ class Connection:
                 # Everything queued since the last send goes out in one write: many small
                 # frames from many calls cost one syscall per scheduling tick, not per frame.
                 await self._stream.send_all(data)
-            if self._closing and not self._calls:
+            # A call that ended during send_all queued its status and asked for a flush: send
+            # that before closing, or its status is lost with the connection.
+            if self._closing and not self._calls and not self._flush_needed.is_set():
                 self._nursery.cancel_scope.cancel()
 
     async def _reader(self) -> None:
@@ -271,20 +307,22 @@ class Connection:
     def _dispatch(self, event: object) -> None:
         if isinstance(event, RequestReceived):
             self._start_call(event)
+        elif isinstance(event, MessageAnnounced):
+            state = self._calls.get(event.stream_id)
+            if state is not None:
+                state.call._inbound_send.send_nowait(event.length)
         elif isinstance(event, MessageReceived):
             state = self._calls.get(event.stream_id)
-            if state is None:
-                self.protocol.acknowledge(event.stream_id, event.flow_controlled_length)
-            else:
-                state.call._inbound_send.send_nowait((event.data, event.flow_controlled_length))
+            if state is not None:
+                state.call._inbound_send.send_nowait(event.data)
         elif isinstance(event, RequestEnded):
             state = self._calls.get(event.stream_id)
             if state is not None:
                 state.call._inbound_send.close()
-        elif isinstance(event, MessageTooLarge):
+        elif isinstance(event, MessageRefused):
             state = self._calls.get(event.stream_id)
             if state is not None:
-                state.call._inbound_send.send_nowait(Overloaded(event.message))
+                state.call._inbound_send.send_nowait(InferError(event.message, event.status))
                 state.call._inbound_send.close()
         elif isinstance(event, StreamReset):
             state = self._calls.get(event.stream_id)
@@ -305,7 +343,10 @@ class Connection:
         stream_id: int = event.stream_id
         if self._draining:
             self.protocol.end_response(
-                stream_id, StatusCode.UNAVAILABLE, "server is shutting down", (),
+                stream_id,
+                StatusCode.UNAVAILABLE,
+                "server is shutting down",
+                (),
                 headers_sent=False,
             )
             return
@@ -358,7 +399,10 @@ class Connection:
             self.protocol.reset(stream_id)
         else:
             self.protocol.end_response(
-                stream_id, status, message, call.trailing_metadata,
+                stream_id,
+                status,
+                message,
+                call.trailing_metadata,
                 headers_sent=call._headers_sent,
             )
         self.flush()

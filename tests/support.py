@@ -1,0 +1,72 @@
+"""Helpers for tests: a server on a free loopback port, a grpcio client, polling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import trio
+
+from trio_infer._proto import grpc_predict_v2_pb2_grpc, health_pb2_grpc
+from trio_infer.server import RunningServer, ServerConfig, run_server
+
+MiB = 1024 * 1024
+
+
+async def start_server(
+    nursery: trio.Nursery,
+    repository: Path | None = None,
+    *,
+    wait_ready: bool = True,
+    **overrides: Any,
+) -> RunningServer:
+    """Start a server on a free loopback port and (by default) wait until its models are ready."""
+    settings: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "workers": 2}
+    if repository is not None:
+        settings["repository"] = repository
+    config = ServerConfig(**(settings | overrides))
+    server: RunningServer = await nursery.start(run_server, config)
+    if wait_ready:
+        await server.wait_ready()
+    return server
+
+
+class GrpcioClient:
+    """grpcio stubs generated from protos/, called from a thread so Trio keeps running."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[
+                ("grpc.max_send_message_length", 128 * MiB),
+                ("grpc.max_receive_message_length", 128 * MiB),
+            ],
+        )
+        self.stub = grpc_predict_v2_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def call(self, method: str, request: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on the V2 service; kwargs go to grpcio (timeout, metadata)."""
+        return await trio.to_thread.run_sync(lambda: getattr(self.stub, method)(request, **kwargs))
+
+    async def call_with_metadata(self, method: str, request: Any, **kwargs: Any) -> Any:
+        """Like :meth:`call`, returning ``(response, grpc.Call)`` for the call's metadata."""
+        return await trio.to_thread.run_sync(
+            lambda: getattr(self.stub, method).with_call(request, **kwargs)
+        )
+
+    async def error(self, method: str, request: Any, **kwargs: Any) -> grpc.RpcError:
+        """Call ``method``, which must fail; return the error (its code() and details())."""
+        with pytest.raises(grpc.RpcError) as caught:
+            await self.call(method, request, **kwargs)
+        return caught.value
+
+
+async def eventually(condition: Callable[[], bool], within: float = 10.0) -> None:
+    """Wait for state owned by another process or thread to satisfy ``condition``."""
+    with trio.fail_after(within):
+        while not condition():  # noqa: ASYNC110 - the state lives outside this Trio run
+            await trio.sleep(0.01)

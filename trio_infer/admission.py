@@ -1,0 +1,221 @@
+"""Admission control: what a request must be granted before the server holds its data.
+
+Two bounds, checked in order as a request's data becomes known:
+
+1. The **memory budget** (server-wide, ``--memory-budget``). A request announces its size in
+   the 5-byte gRPC prefix before its body is read; it reserves room for that message and a
+   response of the same size before the transport lets the client send the body. A request
+   larger than the whole budget is refused at once; others wait, first come first served, until
+   room frees up, for at most their deadline (or ``max_wait`` when they set none).
+2. The **per-model queue** (``max_queue_size`` in model settings): once the request is parsed and
+   its model known, it takes one of the model's slots, or is refused at once when all are taken.
+   A slot is held while the request waits for and runs on a worker. Refusing at once rather
+   than queueing longer keeps latency bounded and lets a load balancer send the request to a
+   replica with room.
+
+Every refusal is ``Overloaded`` (RESOURCE_EXHAUSTED) naming the bound, and is counted. Both
+grants are context managers: whatever way a request ends, its bytes and slot are given back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+
+import trio
+
+from trio_infer._proto.grpc_predict_v2_pb2 import ModelInferRequest
+from trio_infer.errors import Overloaded
+from trio_infer.settings import ModelSettings
+from trio_infer.tensors import DATATYPES, TensorSpec
+
+__all__ = ["Admission", "AdmissionStatistics", "Reservation", "estimate_output_bytes"]
+
+
+@dataclass(frozen=True)
+class AdmissionStatistics:
+    """A snapshot of admission control.
+
+    Attributes:
+        budget_bytes: The memory budget.
+        reserved_bytes: Bytes reserved by requests in flight now.
+        waiting: Requests waiting for room in the budget.
+        in_flight: Requests holding a slot, by model.
+        rejected: Refusals since start, by the name of the bound that refused them.
+    """
+
+    budget_bytes: int
+    reserved_bytes: int
+    waiting: int
+    in_flight: dict[str, int]
+    rejected: dict[str, int]
+
+
+class Reservation:
+    """Bytes of the memory budget held by one request; see :meth:`Admission.reserve`."""
+
+    def __init__(self, admission: Admission, nbytes: int) -> None:
+        self._admission = admission
+        self.nbytes = nbytes
+
+    def grow_nowait(self, nbytes: int, what: str) -> None:
+        """Reserve ``nbytes`` more, if there is room now.
+
+        Holding bytes while waiting for more could deadlock the budget, so this never waits.
+
+        Raises:
+            Overloaded: the budget has no room for ``nbytes`` more now.
+        """
+        admission = self._admission
+        if admission._waiters or admission._reserved + nbytes > admission.budget_bytes:
+            raise admission._refuse(
+                "memory_budget",
+                f"memory budget full: {what} needs {nbytes} more bytes, "
+                f"{admission.budget_bytes - admission._reserved} of "
+                f"{admission.budget_bytes} are free (--memory-budget)",
+            )
+        admission._reserved += nbytes
+        self.nbytes += nbytes
+
+
+@dataclass
+class _Waiter:
+    nbytes: int
+    granted: trio.Event
+
+
+class Admission:
+    """The server's memory budget and the per-model queue bounds.
+
+    Args:
+        budget_bytes: The most bytes requests in flight may reserve together.
+        max_wait: How long a request with no deadline may wait for room in the budget.
+    """
+
+    def __init__(self, budget_bytes: int, max_wait: float = 10.0) -> None:
+        self.budget_bytes = budget_bytes
+        self.max_wait = max_wait
+        self._reserved = 0
+        # Invariant: a waiter is in this queue exactly until it is granted or gives up, and the
+        # head waiter is granted as soon as its bytes fit.
+        self._waiters: deque[_Waiter] = deque()
+        self._in_flight: Counter[str] = Counter()
+        self._rejected: Counter[str] = Counter()
+
+    def statistics(self) -> AdmissionStatistics:
+        """Return a snapshot of reservations, waiters, slots and refusals."""
+        return AdmissionStatistics(
+            budget_bytes=self.budget_bytes,
+            reserved_bytes=self._reserved,
+            waiting=len(self._waiters),
+            in_flight={name: n for name, n in self._in_flight.items() if n},
+            rejected=dict(self._rejected),
+        )
+
+    @asynccontextmanager
+    async def reserve(self, nbytes: int, deadline: float) -> AsyncIterator[Reservation]:
+        """Hold ``nbytes`` of the budget for the duration of the ``async with`` block.
+
+        Waits first come, first served for room until ``deadline`` (the caller's cancel scope
+        enforces it) or, with no deadline, for at most ``max_wait`` seconds.
+
+        Raises:
+            Overloaded: ``nbytes`` exceeds the whole budget, or no room came within
+                ``max_wait``.
+        """
+        if nbytes > self.budget_bytes:
+            raise self._refuse(
+                "memory_budget",
+                f"request needs {nbytes} bytes, more than the whole memory budget of "
+                f"{self.budget_bytes} bytes (--memory-budget)",
+            )
+        reservation: Reservation | None = None
+        with trio.move_on_after(self.max_wait if math.isinf(deadline) else math.inf):
+            reservation = await self._acquire(nbytes)
+        if reservation is None:
+            raise self._refuse(
+                "memory_budget",
+                f"memory budget full: waited {self.max_wait:g} s for {nbytes} bytes "
+                "(--memory-budget)",
+            )
+        try:
+            yield reservation
+        finally:
+            self._release(reservation.nbytes)
+
+    @contextmanager
+    def model_slot(self, settings: ModelSettings) -> Iterator[None]:
+        """Hold one of the model's ``max_queue_size`` slots for the ``with`` block.
+
+        Raises:
+            Overloaded: every slot of the model is taken.
+        """
+        name = settings.name
+        if self._in_flight[name] >= settings.max_queue_size:
+            raise self._refuse(
+                "max_queue_size",
+                f"model '{name}' has {settings.max_queue_size} requests in flight, its "
+                "max_queue_size",
+            )
+        self._in_flight[name] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[name] -= 1
+
+    async def _acquire(self, nbytes: int) -> Reservation:
+        if not self._waiters and self._reserved + nbytes <= self.budget_bytes:
+            self._reserved += nbytes
+            await trio.lowlevel.checkpoint()
+            return Reservation(self, nbytes)
+        waiter = _Waiter(nbytes, trio.Event())
+        self._waiters.append(waiter)
+        try:
+            await waiter.granted.wait()
+        except BaseException:
+            if waiter.granted.is_set():
+                # Granted in the same tick as cancelled: give the bytes back.
+                self._release(nbytes)
+            else:
+                self._waiters.remove(waiter)
+                # A large waiter leaving the head may let smaller ones behind it in.
+                self._grant_waiters()
+            raise
+        return Reservation(self, nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self._reserved -= nbytes
+        self._grant_waiters()
+
+    def _grant_waiters(self) -> None:
+        while self._waiters and self._reserved + self._waiters[0].nbytes <= self.budget_bytes:
+            waiter = self._waiters.popleft()
+            self._reserved += waiter.nbytes
+            waiter.granted.set()
+
+    def _refuse(self, bound: str, message: str) -> Overloaded:
+        self._rejected[bound] += 1
+        return Overloaded(message)
+
+
+def estimate_output_bytes(request: ModelInferRequest, outputs: Sequence[TensorSpec]) -> int:
+    """Estimate the bytes of a request's outputs from the model's declared outputs.
+
+    A ``-1`` in an output's first dimension is taken as the request's batch size (the first
+    dimension of its first input). Returns 0 when any declared output's size cannot be known
+    (no declared outputs, BYTES, or another free dimension): the caller then assumes an answer
+    as large as the request.
+    """
+    rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
+    total = 0
+    for spec in outputs:
+        if spec.datatype == "BYTES" or not spec.shape:
+            return 0
+        dims = [rows if index == 0 and dim == -1 else dim for index, dim in enumerate(spec.shape)]
+        if any(dim < 0 for dim in dims):
+            return 0
+        total += math.prod(dims) * DATATYPES[spec.datatype].itemsize
+    return total
