@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -129,8 +130,14 @@ def process_exists(pid: int) -> bool:
 
 
 async def start_probe(
-    nursery: trio.Nursery, tmp_path: Path, workers: int = 2, **settings: object
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    *,
+    server: dict[str, Any] | None = None,
+    **settings: object,
 ) -> Probe:
+    """Serve the probe model; ``settings`` go to its model-settings.json, ``server`` to the
+    server's configuration (two workers unless it says otherwise)."""
     repository = write_probe_repository(tmp_path, **settings)
-    server = await start_server(nursery, repository, workers=workers)
-    return Probe(server, tmp_path / "log")
+    running = await start_server(nursery, repository, **({"workers": 2} | (server or {})))
+    return Probe(running, tmp_path / "log")

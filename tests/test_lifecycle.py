@@ -48,7 +48,7 @@ async def test_a_deadline_that_passes_while_running_kills_the_worker(probe: Prob
 async def test_a_deadline_that_passes_while_queued_never_reaches_a_worker(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    probe = await start_probe(nursery, tmp_path, workers=1)
+    probe = await start_probe(nursery, tmp_path, server={"workers": 1})
     busy = probe.client.stub.ModelInfer.future(
         probe_request(tag="busy", action="sleep", delay_ms=1000), timeout=10
     )

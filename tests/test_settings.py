@@ -258,4 +258,11 @@ def test_the_examples_repository_has_four_models() -> None:
     assert models["dense"].inputs == (TensorSpec("x", "FP32", (-1, 256)),)
     assert models["dense"].outputs == (TensorSpec("y", "FP32", (-1, 256)),)
     assert models["echo"].inputs == models["sleep"].inputs == ()
-    assert all(m.max_batch_size == 0 for m in models.values())
+    batching = {name: (m.max_batch_size, m.max_batch_time) for name, m in models.items()}
+    unbatched = (0, 0.0)
+    assert batching == {
+        "add_sub": (64, 0.0),
+        "dense": (64, 0.0),
+        "echo": unbatched,
+        "sleep": unbatched,
+    }

@@ -16,13 +16,15 @@ from trio_infer._proto.grpc_predict_v2_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
-from trio_infer.errors import InvalidInput, ModelFailed
+from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode
 from trio_infer.tensors import (
     DATATYPES,
     TensorSpec,
     datatype_of,
     decode_inputs,
+    decode_outputs,
     decode_parameters,
+    encode_inputs,
     encode_outputs,
     encode_parameters,
     select_outputs,
@@ -670,3 +672,172 @@ def test_select_unknown_output() -> None:
 def test_select_output_twice() -> None:
     with pytest.raises(InvalidInput, match="model 'm': output 'x' is requested twice"):
         select_outputs(OUTPUTS, ["x", "x"], "m")
+
+
+# --------------------------------------------------------------------------------------------
+# The client side: encode_inputs and decode_outputs
+
+
+def through_the_wire(message: Any) -> Any:
+    return type(message).FromString(message.SerializeToString())
+
+
+def client_round_trip(
+    inputs: Sequence[tuple[str, np.ndarray]], *, raw: bool
+) -> dict[str, np.ndarray]:
+    """A client's inputs through a server that echoes them, and back to the client."""
+    request = ModelInferRequest()
+    encode_inputs(request, inputs, raw=raw)
+    received = decode_inputs(through_the_wire(request))
+    response = ModelInferResponse()
+    encode_outputs(response, list(received.items()), raw=raw)
+    return decode_outputs(through_the_wire(response))
+
+
+@pytest.mark.parametrize("raw", [True, False])
+@pytest.mark.parametrize("datatype", list(DATATYPES))
+def test_encode_inputs_every_datatype(datatype: str, raw: bool) -> None:
+    array = sample(datatype)
+    request = ModelInferRequest()
+    encode_inputs(request, [("IN", array)], raw=raw)
+    [tensor] = request.inputs
+    assert (tensor.name, tensor.datatype, list(tensor.shape)) == ("IN", datatype, [2, 3])
+    # FP16 has no typed field, so it travels raw whatever was asked.
+    travels_raw = raw or datatype == "FP16"
+    assert len(request.raw_input_contents) == (1 if travels_raw else 0)
+    assert tensor.HasField("contents") == (not travels_raw)
+    assert_same(decode_inputs(through_the_wire(request))["IN"], array, datatype)
+
+
+@pytest.mark.parametrize("raw", [True, False])
+@pytest.mark.parametrize("datatype", list(DATATYPES))
+def test_decode_outputs_every_datatype(datatype: str, raw: bool) -> None:
+    array = sample(datatype)
+    response = ModelInferResponse()
+    encode_outputs(response, [("OUT", array)], raw=raw)
+    assert_same(decode_outputs(through_the_wire(response))["OUT"], array, datatype)
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_client_round_trip_keeps_order_and_every_datatype(raw: bool) -> None:
+    inputs = [(f"T_{name}", sample(name)) for name in reversed(DATATYPES)]
+    decoded = client_round_trip(inputs, raw=raw)
+    assert list(decoded) == [name for name, _ in inputs]
+    for name, array in inputs:
+        assert_same(decoded[name], array, name.removeprefix("T_"))
+
+
+@pytest.mark.parametrize("raw", [True, False])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2)])
+def test_client_round_trip_scalar_and_empty_shapes(raw: bool, shape: tuple[int, ...]) -> None:
+    numbers = np.arange(int(np.prod(shape)), dtype=np.uint16).reshape(shape)
+    strings = np.empty(shape, dtype=object)
+    strings.fill(b"\x00y\x00")
+    decoded = client_round_trip([("N", numbers), ("S", strings)], raw=raw)
+    assert_same(decoded["N"], numbers, "UINT16")
+    assert_same(decoded["S"], strings, "BYTES")
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_encode_inputs_str_and_numpy_strings_become_utf8_bytes(raw: bool) -> None:
+    decoded = client_round_trip(
+        [("U", np.array(["h\u00e9", ""])), ("S", np.array([b"a\x00", b"b"], dtype="S2"))],
+        raw=raw,
+    )
+    assert decoded["U"].tolist() == ["h\u00e9".encode(), b""]
+    assert decoded["S"].tolist() == [b"a", b"b"]  # numpy's S dtype drops trailing NULs itself
+
+
+def test_encode_inputs_big_endian_and_strided_arrays() -> None:
+    big = np.arange(6, dtype=">i4").reshape(2, 3)
+    strided = np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2]
+    decoded = client_round_trip([("B", big), ("S", strided)], raw=True)
+    assert_same(decoded["B"], big.astype("<i4"), "INT32")
+    assert_same(decoded["S"], strided, "FP64")
+
+
+@settings(database=None, max_examples=100, deadline=None)
+@given(data=st.data(), raw=st.booleans())
+def test_client_numeric_round_trip_property(data: st.DataObject, raw: bool) -> None:
+    dtype = data.draw(_numeric_dtypes)
+    array = data.draw(hnp.arrays(dtype, _shapes))
+    assert_same(client_round_trip([("X", array)], raw=raw)["X"], array, datatype_of(array))
+
+
+def test_encode_inputs_rejects_unsupported_dtype_as_invalid_input() -> None:
+    request = ModelInferRequest()
+    with pytest.raises(InvalidInput) as caught:
+        encode_inputs(request, [("OK", np.zeros(1)), ("C", np.zeros(2, np.complex64))], raw=True)
+    assert caught.value.code == StatusCode.INVALID_ARGUMENT
+    assert caught.value.message.startswith(
+        "input 'C': numpy dtype complex64 has no Open Inference Protocol datatype"
+    )
+    assert not request.inputs
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_encode_inputs_rejects_non_string_bytes_elements(raw: bool) -> None:
+    array = np.array([b"a", 3.5], dtype=object)
+    with pytest.raises(InvalidInput) as caught:
+        encode_inputs(ModelInferRequest(), [("B", array)], raw=raw)
+    assert caught.value.message == (
+        "input 'B': BYTES element 1 is float; BYTES inputs hold bytes or str"
+    )
+
+
+def test_encode_inputs_rejects_str_that_utf8_cannot_encode() -> None:
+    with pytest.raises(InvalidInput, match=r"^input 'B': BYTES element 0 is a str that UTF-8"):
+        encode_inputs(ModelInferRequest(), [("B", np.array(["\udcff"], dtype=object))], raw=True)
+
+
+def malformed_response(response: ModelInferResponse) -> InferError:
+    """decode_outputs must fail with INTERNAL: a malformed response is the server's fault."""
+    with pytest.raises(InferError) as caught:
+        decode_outputs(response)
+    assert type(caught.value) is InferError
+    assert caught.value.code == StatusCode.INTERNAL
+    return caught.value
+
+
+def test_decode_outputs_raw_size_mismatch() -> None:
+    response = ModelInferResponse(raw_output_contents=[bytes(12)])
+    response.outputs.add(name="OUT", datatype="FP32", shape=[2, 2])
+    assert malformed_response(response).message == (
+        "output 'OUT': shape [2, 2] has 4 elements but raw_output_contents[0] holds "
+        "3 FP32 elements (12 bytes)"
+    )
+
+
+def test_decode_outputs_raw_count_mismatch() -> None:
+    response = ModelInferResponse(raw_output_contents=[bytes(4)])
+    response.outputs.add(name="A", datatype="INT32", shape=[1])
+    response.outputs.add(name="B", datatype="INT32", shape=[1])
+    assert malformed_response(response).message == (
+        "response has 2 outputs but 1 raw_output_contents entries; raw_output_contents needs "
+        "exactly one entry per output, in output order"
+    )
+
+
+def test_decode_outputs_typed_errors_name_the_output() -> None:
+    response = ModelInferResponse()
+    response.outputs.add(name="Y", datatype="INT8", shape=[2]).contents.int_contents.extend(
+        [1, 300]
+    )
+    assert malformed_response(response).message == (
+        "output 'Y': INT8 element 1 is 300, outside [-128, 127]"
+    )
+    unknown = ModelInferResponse()
+    unknown.outputs.add(name="Z", datatype="FLOAT", shape=[0])
+    assert malformed_response(unknown).message.startswith("output 'Z': unknown datatype 'FLOAT'")
+
+
+def test_decode_outputs_raw_bytes_truncated() -> None:
+    response = ModelInferResponse(raw_output_contents=[length_prefixed(b"ab")[:-1]])
+    response.outputs.add(name="S", datatype="BYTES", shape=[1])
+    assert malformed_response(response).message == (
+        "output 'S': raw_output_contents[0]: BYTES element 0 declares 2 bytes but only 1 remain"
+    )
+
+
+def test_decode_outputs_of_an_empty_response() -> None:
+    assert decode_outputs(ModelInferResponse()) == {}

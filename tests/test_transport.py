@@ -244,15 +244,18 @@ def _raw_h2_exchange(
     return [answers[stream_id] for stream_id in sorted(answers)]
 
 
+GOOD_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/test.Service/Echo"),
+    (":authority", "localhost"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+]
+
+
 async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -> None:
-    good = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", "/test.Service/Echo"),
-        (":authority", "localhost"),
-        ("te", "trailers"),
-        ("content-type", "application/grpc"),
-    ]
+    good = GOOD_HEADERS
     bad_content_type = [(k, "text/plain" if k == "content-type" else v) for k, v in good]
     bad_timeout = [*good, ("grpc-timeout", "soon")]
     answers = await trio.to_thread.run_sync(
@@ -264,16 +267,25 @@ async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -
     assert answers[2]["grpc-status"] == "0"
 
 
+async def test_streams_over_the_limit_are_refused_not_the_connection(
+    nursery: trio.Nursery,
+) -> None:
+    async def echo(call: Call) -> None:
+        data = await call.receive_message()
+        assert data is not None
+        await call.send_message(data)
+
+    server = GrpcServer(echo, ProtocolLimits(max_concurrent_streams=2))
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(server.serve, listeners)
+    port = listeners[0].socket.getsockname()[1]
+    answers = await trio.to_thread.run_sync(_raw_h2_exchange, port, [GOOD_HEADERS] * 3)
+    assert [answer.get("grpc-status") for answer in answers[:2]] == ["0", "0"]
+    assert answers[2] == {"reset": str(h2.errors.ErrorCodes.REFUSED_STREAM)}
+
+
 async def test_a_deadline_that_passes_while_sending_ends_the_call(harness: Harness) -> None:
-    headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", "/test.Service/Echo"),
-        (":authority", "localhost"),
-        ("te", "trailers"),
-        ("content-type", "application/grpc"),
-        ("grpc-timeout", "300m"),
-    ]
+    headers = [*GOOD_HEADERS, ("grpc-timeout", "300m")]
     # A 1 MiB answer to a client that reads only 64 KiB: the server waits for window until the
     # deadline, then abandons the half-sent message with RST_STREAM rather than hanging.
     answers = await trio.to_thread.run_sync(_raw_h2_exchange, harness.port, [headers], b"y" * MiB)

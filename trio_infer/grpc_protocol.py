@@ -12,6 +12,8 @@ What purerpc 0.8.0 gets wrong for a server, and what this module changes:
   :class:`MessageRefused` for its stream only, and the stream's buffer is dropped at once.
 - RST_STREAM and GOAWAY from the client were swallowed; here they are :class:`StreamReset` and
   :class:`ConnectionTerminated`, so the transport can cancel the work they orphan.
+- A client opening more streams than SETTINGS_MAX_CONCURRENT_STREAMS made h2 close the whole
+  connection; here only the extra stream is refused (RST_STREAM REFUSED_STREAM).
 - h2 3.2.0 (which purerpc pins) treats a WINDOW_UPDATE or RST_STREAM for a stream it has already
   cleaned up as a connection error and sends GOAWAY. RFC 9113 §5.1 says both may arrive shortly
   after a stream closes and must be ignored; grpcio clients send them under load (25 concurrent
@@ -33,9 +35,11 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+from h2.connection import _decode_headers
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
-from hyperframe.frame import GoAwayFrame
+from h2.stream import StreamClosedBy
+from hyperframe.frame import GoAwayFrame, RstStreamFrame
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 from purerpc.grpclib.events import RequestEnded, RequestReceived, WindowUpdated
@@ -162,12 +166,30 @@ Event: TypeAlias = (
 class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     """h2's connection, tolerant of the late frames RFC 9113 §5.1 allows on closed streams."""
 
+    highest_inbound_stream_id: int
+
     def _is_cleaned_up(self, stream_id: int) -> bool:
         return (
             stream_id != 0
             and stream_id not in self.streams
             and stream_id <= self.highest_inbound_stream_id
         )
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        if (
+            frame.stream_id > self.highest_inbound_stream_id
+            and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
+        ):
+            # RFC 9113 §5.1.2: a stream over the limit is refused, not the whole connection
+            # (h2 raises a connection error). Its header block is still decoded, because HPACK
+            # state is shared by every stream of the connection.
+            _decode_headers(self.decoder, frame.data)
+            self.highest_inbound_stream_id = frame.stream_id
+            self._closed_streams[frame.stream_id] = StreamClosedBy.SEND_RST_STREAM
+            refusal = RstStreamFrame(frame.stream_id)
+            refusal.error_code = ErrorCodes.REFUSED_STREAM
+            return [refusal], []
+        return super()._receive_headers_frame(frame)
 
     def _receive_window_update_frame(self, frame: Any) -> Any:
         if self._is_cleaned_up(frame.stream_id):

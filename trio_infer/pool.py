@@ -41,8 +41,10 @@ from trio_infer.settings import ModelSettings
 
 __all__ = ["GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
 
-#: Seconds idle workers get to exit when the pool closes before they are killed.
-GRACE_PERIOD = 5.0
+#: Seconds idle workers get to exit when the pool closes before they are killed. A healthy idle
+#: worker exits within milliseconds; this only bounds how long a stuck one can delay the
+#: server's exit, which must come within its own grace period plus a second.
+GRACE_PERIOD = 0.5
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -61,7 +63,13 @@ _T = TypeVar("_T")
 # level is imported by each new worker: a script that imports the server costs ~120 ms more.
 
 # Modules every worker imports; multiprocessing's child set-up itself needs logging and pkgutil.
-_PRELOAD = ["logging", "pkgutil", "_trio_parallel_workers", "trio_infer.worker"]
+_PRELOAD = [
+    "trio_infer._forkserver",
+    "logging",
+    "pkgutil",
+    "_trio_parallel_workers",
+    "trio_infer.worker",
+]
 
 
 @dataclass(frozen=True)

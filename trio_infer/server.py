@@ -139,6 +139,7 @@ async def run_server(
         listeners = await trio.open_tcp_listeners(config.grpc_port, host=config.host)
         port: int = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
+            await nursery.start(service.batching.run)
             await nursery.start(grpc.serve, listeners)
             server = RunningServer(config.host, port, service)
             logger.info(
@@ -162,6 +163,7 @@ async def run_server(
             service.draining = True
             readiness.cancel()
             await grpc.shutdown(config.grace_period)
+            service.batching.stop()
             nursery.cancel_scope.deadline = trio.current_time() + _CLOSE_SLACK
     logger.info("server stopped")
 

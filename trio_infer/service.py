@@ -7,6 +7,7 @@ request -> lookup -> validation -> decode -> worker -> select outputs -> encode 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -19,6 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer._proto import health_pb2
 from trio_infer.admission import Admission, Reservation, estimate_output_bytes
+from trio_infer.batching import Batching
 from trio_infer.errors import (
     InferError,
     InvalidInput,
@@ -71,6 +73,8 @@ class InferenceService:
         self.registry = registry
         self.pool = pool
         self.admission = admission
+        self.batching = Batching(registry, pool, batchers=pool.statistics().workers)
+        """The batchers of the models that batch; the server runs and stops them."""
         self.draining = False
         """Set when the server shuts down: readiness turns false so load balancers move on."""
         self._routes: dict[str, _Route] = {
@@ -147,7 +151,8 @@ class InferenceService:
         self, request: pb.ModelInferRequest, call: Call, reservation: Reservation
     ) -> Message:
         settings = self.registry.lookup(request.model_name, request.model_version)
-        if self.draining or not self.registry.is_ready(settings.name):
+        # Draining is not checked here: a call accepted before GOAWAY is served to the end.
+        if not self.registry.is_ready(settings.name):
             raise Unavailable(f"model '{settings.name}' is not ready")
         validate_request(request, settings.inputs, settings.name)
         extra = estimate_output_bytes(request, settings.outputs) - reservation.nbytes // 2
@@ -185,10 +190,16 @@ class InferenceService:
         # The caller's deadline is already the call's cancel scope. A model's own timeout
         # bounds callers that set none (or a later one), so a hung model cannot hold a worker
         # and a caller forever.
-        if settings.timeout is None or trio.current_time() + settings.timeout >= deadline:
-            return await self.pool.predict(settings, inputs, parameters)
-        with trio.move_on_after(settings.timeout):
-            return await self.pool.predict(settings, inputs, parameters)
+        limit = deadline
+        if settings.timeout is not None:
+            limit = min(deadline, trio.current_time() + settings.timeout)
+        batcher = self.batching.get(settings.name)
+        # Only a limit before the call's deadline needs a scope (and a message) of its own.
+        with trio.move_on_at(limit if limit < deadline else math.inf):
+            if batcher is None:
+                return await self.pool.predict(settings, inputs, parameters)
+            # The batch is dispatched in time for whichever limit comes first.
+            return await batcher.predict(inputs, parameters, limit)
         raise InferError(
             f"model '{settings.name}' did not answer within its timeout of {settings.timeout:g} s",
             StatusCode.DEADLINE_EXCEEDED,

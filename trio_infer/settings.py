@@ -76,6 +76,15 @@ class ModelSettings:
     it on ``sys.path`` so a folder's own ``model.py`` can be named ``"model.MyModel"``.
     ``max_batch_time`` and ``timeout`` are in seconds; ``timeout`` bounds a model call for callers
     that have no deadline of their own.
+
+    Batching (``trio_infer.batching``) is on when ``max_batch_size`` is more than 1 and every
+    declared input has ``-1`` as its first dimension, the batch dimension. Requests with the
+    same input names, datatypes and trailing dimensions and equal parameters then run as one
+    model call, their inputs concatenated along dimension 0; every output must have the batch's
+    total rows as its first dimension and is cut back into each request's rows. A batch is filled
+    to ``max_batch_size`` rows (a larger request runs alone) and leaves when full, when its
+    oldest request has waited ``max_batch_time`` (0: take what is waiting and go), or earlier
+    if a member's deadline (or ``timeout``) requires it.
     """
 
     name: str

@@ -208,6 +208,9 @@ class Connection:
         self._window_updated = trio.Event()
         self._draining = False
         self._closing = False
+        #: Streams the client reset in the read being dispatched: refused calls among them are
+        #: already closed, and get no status.
+        self._reset_in_read: set[int] = set()
         #: The peer broke HTTP/2: a GOAWAY is queued to send before the socket closes.
         self._goodbye_pending = False
         self._nursery: trio.Nursery | None = None
@@ -300,6 +303,7 @@ class Connection:
                 logger.warning("closing connection: %s", exc)
                 self._goodbye_pending = True
                 return
+            self._reset_in_read = {e.stream_id for e in events if isinstance(e, StreamReset)}
             for event in events:
                 self._dispatch(event)
             self.flush()
@@ -333,22 +337,14 @@ class Connection:
             self._window_updated.set()
             self._window_updated = trio.Event()
         elif isinstance(event, CallRejected):
-            self.protocol.end_response(
-                event.stream_id, event.status, event.message, (), headers_sent=False
-            )
+            self._refuse(event.stream_id, event.status, event.message)
         elif isinstance(event, ConnectionTerminated):
             self._draining = True
 
     def _start_call(self, event: RequestReceived) -> None:
         stream_id: int = event.stream_id
         if self._draining:
-            self.protocol.end_response(
-                stream_id,
-                StatusCode.UNAVAILABLE,
-                "server is shutting down",
-                (),
-                headers_sent=False,
-            )
+            self._refuse(stream_id, StatusCode.UNAVAILABLE, "server is shutting down")
             return
         deadline = math.inf
         if event.timeout is not None:
@@ -365,6 +361,13 @@ class Connection:
         self._calls_in_flight.increment()
         assert self._nursery is not None
         self._nursery.start_soon(self._run_call, state)
+
+    def _refuse(self, stream_id: int, status: StatusCode, message: str) -> None:
+        # A client that started a call just before our GOAWAY reached it resets the call when
+        # the GOAWAY arrives, often in the same packet: h2 has closed the stream by now, and
+        # answering it would raise.
+        if stream_id not in self._reset_in_read:
+            self.protocol.end_response(stream_id, status, message, (), headers_sent=False)
 
     async def _run_call(self, state: _CallState) -> None:
         call = state.call

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -55,6 +56,9 @@ def configure(threads_per_worker: int, debug: bool) -> None:
     """
     global _threads, _debug
     _threads, _debug = threads_per_worker, debug
+    # Spawned workers (where there is no fork server) do what trio_infer._forkserver does:
+    # the server, not a stop signal sent to its process group, decides when workers stop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Libraries a model loads later (torch, onnxruntime's OpenMP) read these when they load;
     # those already loaded (numpy's BLAS) are limited by threadpoolctl.
     for name in THREAD_VARIABLES:

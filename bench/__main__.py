@@ -1,0 +1,209 @@
+"""``python -m bench``: run the scenarios against every server, then print and save the table.
+
+Each server is installed (first use), started, measured scenario by scenario, and stopped
+before the next one starts, so the servers never compete for the two cores. Results go to
+``bench/results/<timestamp>/`` (and ``bench/results/latest``): ``table.md``,
+``results.jsonl``, ``chart.png`` and the servers' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from bench import report, scenarios, servers
+from bench.scenarios import Result, Scenario, Timing
+from bench.servers import PeerUnavailable, ServerKind, ServerProcess
+
+#: What the chart needs when this interpreter has no matplotlib (``pip install -e .[bench]``).
+CHART_REQUIREMENTS = ("matplotlib>=3.8",)
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout holds only the table."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--servers",
+        default=",".join(servers.SERVERS),
+        help="comma-separated servers (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--scenarios",
+        default="all",
+        help="comma-separated scenario names or prefixes: live, dense, dense-n64, sleep, "
+        "kill, storm, dense-n1-raw-c25, ... (default: all)",
+    )
+    parser.add_argument(
+        "--duration", type=float, help="measured seconds per load scenario (default 5; 0.8 quick)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="short windows: every server in under 2 minutes"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="worker processes per server (default: 2)"
+    )
+    return parser
+
+
+def _summary_line(result: Result) -> str:
+    numbers = (
+        f"{result.throughput:,.0f} req/s p50 {result.p50_ms:.2f} p99 {result.p99_ms:.2f} ms"
+        if result.throughput is not None and result.p50_ms is not None and result.p99_ms is not None
+        else "-"
+    )
+    errors = sum(result.errors.values())
+    tail = f" errors {errors}" if errors else ""
+    check = f" CHECK {result.check}" if result.check not in ("", "ok") else ""
+    notes = f" ({result.notes})" if result.notes else ""
+    return f"{result.server} {result.scenario}: {numbers}{tail}{check}{notes}"
+
+
+def _missing(kind: ServerKind, why: str) -> Result:
+    log(f"{kind.name} is missing: {why}")
+    return Result(kind.name, "(all)", "missing", 0, notes=f"missing: {why}")
+
+
+def run_server(
+    kind: ServerKind,
+    chosen: Sequence[Scenario],
+    timing: Timing,
+    workers: int,
+    run_dir: Path,
+) -> list[Result]:
+    """Install, start, measure and stop one server; a failure becomes a ``missing`` row."""
+    mine = [s for s in chosen if s.kind in kind.serves]
+    if not mine:
+        return []
+    try:
+        python = servers.ensure_installed(kind, log)
+    except PeerUnavailable as error:
+        return [_missing(kind, str(error))]
+    server = ServerProcess(kind, python, workers, run_dir)
+    results: list[Result] = []
+    try:
+        try:
+            took = server.start()
+        except PeerUnavailable as error:
+            return [_missing(kind, str(error))]
+        log(f"{kind.name} ready on {server.target} in {took:.1f} s (pid {server.pid})")
+        for index, scenario in enumerate(mine):
+            if not server.alive():
+                log(f"{kind.name} died (see {server.log_path}); restarting it")
+                results.append(
+                    Result(kind.name, scenario.name, "crash", 0, notes="server died before this")
+                )
+                server.start()
+            result = scenarios.run(server, scenario, timing)
+            results.append(result)
+            log(_summary_line(result))
+            if result.restart and index + 1 < len(mine):
+                log(f"{kind.name} left degraded by {scenario.name}: restarting it")
+                server.start()
+    except PeerUnavailable as error:
+        results.append(_missing(kind, f"restart failed: {error}"))
+    finally:
+        server.stop()
+    return results
+
+
+def _chart(results_path: Path, chart_path: Path) -> str:
+    """Draw the chart here, or in a small matplotlib venv; returns what happened."""
+    if importlib.util.find_spec("matplotlib") is None:
+        try:
+            python = servers.ensure_venv("chart", CHART_REQUIREMENTS, log)
+        except PeerUnavailable as error:
+            return f"no chart: {error}"
+        done = subprocess.run(
+            [str(python), "-m", "bench.chart", str(results_path), str(chart_path)],
+            cwd=servers.REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            return f"no chart: {done.stderr.strip().splitlines()[-1:]}"
+        return f"chart: {chart_path}"
+    from bench.chart import render
+
+    render(results_path, chart_path)
+    return f"chart: {chart_path}"
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM and SIGHUP act as Ctrl+C (asyncio.run then cancels the running scenario)."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        kinds = servers.select([n.strip() for n in args.servers.split(",") if n.strip()])
+        chosen = scenarios.select(args.scenarios)
+    except ValueError as error:
+        log(str(error))
+        return 2
+    if args.workers < 1:
+        log("--workers must be at least 1")
+        return 2
+    timing = Timing.choose(args.duration, args.quick)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = servers.RESULTS / stamp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Ctrl+C raises KeyboardInterrupt even where the shell started us with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
+    began = time.monotonic()
+    results: list[Result] = []
+    interrupted = False
+    try:
+        for kind in kinds:
+            results += run_server(kind, chosen, timing, args.workers, run_dir)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted: servers stopped; reporting what was measured")
+    finally:
+        servers.stop_all()
+    meta = {
+        "stamp": stamp,
+        "servers": [kind.name for kind in kinds],
+        "scenarios": [s.name for s in chosen],
+        "timing": vars(timing),
+        "workers": args.workers,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "interrupted": interrupted,
+        "seconds": round(time.monotonic() - began, 1),
+    }
+    table = report.table(results)
+    results_path = run_dir / "results.jsonl"
+    report.write_jsonl(results, results_path, meta)
+    (run_dir / "table.md").write_text(table + "\n")
+    chart = _chart(results_path, run_dir / "chart.png") if results else "no chart: no results"
+    latest = servers.RESULTS / "latest"
+    if results and (latest.is_symlink() or not latest.exists()):
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(stamp)
+    print(table)
+    log(f"{len(results)} rows in {meta['seconds']} s; {results_path}; {chart}")
+    return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The PNG chart: p99 latency against throughput, one line per server.
+
+``python -m bench.chart RESULTS.jsonl CHART.png`` needs only matplotlib (it imports nothing
+else from the project), so it can run in the small ``bench/.venvs/chart`` venv when the
+benchmark's own interpreter lacks matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+#: One panel per family of scenarios; each line joins a server's points in concurrency order.
+PANELS = [
+    ("dense-n1-raw", "dense, 1 row, raw"),
+    ("dense-n1-typed", "dense, 1 row, typed"),
+    ("dense-n64-raw", "dense, 64 rows, raw"),
+    ("dense-n64-typed", "dense, 64 rows, typed"),
+    ("live", "ServerLive (transport ceiling)"),
+    ("sleep10", "sleep 10 ms, C=25"),
+]
+
+
+def _family(scenario: str) -> str:
+    return scenario.rsplit("-c", 1)[0]
+
+
+def render(results_path: Path, chart_path: Path) -> None:
+    """Draw the chart of a results file's load scenarios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    rows: list[dict[str, Any]] = [
+        json.loads(line) for line in results_path.read_text().splitlines() if line.strip()
+    ]
+    points = [
+        row
+        for row in rows
+        if row.get("type") == "result" and row.get("throughput") and row.get("p99_ms")
+    ]
+    servers = sorted({row["server"] for row in points}, key=lambda s: (s != "trio-infer", s))
+    colors = {server: f"C{index}" for index, server in enumerate(servers)}
+    figure, axes = plt.subplots(2, 3, figsize=(15, 9), squeeze=False)
+    for axis, (family, title) in zip(axes.flat, PANELS, strict=True):
+        for server in servers:
+            mine = sorted(
+                (
+                    row
+                    for row in points
+                    if row["server"] == server and _family(row["scenario"]) == family
+                ),
+                key=lambda row: row["concurrency"],
+            )
+            if not mine:
+                continue
+            xs = [row["throughput"] for row in mine]
+            ys = [row["p99_ms"] for row in mine]
+            axis.plot(xs, ys, "o-", color=colors[server], label=server)
+            for row, x, y in zip(mine, xs, ys, strict=True):
+                axis.annotate(
+                    f"C={row['concurrency']}",
+                    (x, y),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                )
+        axis.set_title(title)
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        for scale in (axis.xaxis, axis.yaxis):
+            scale.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            scale.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            scale.set_minor_formatter(NullFormatter())
+        axis.set_xlabel("throughput, req/s")
+        axis.set_ylabel("p99 latency, ms")
+        axis.grid(True, which="both", alpha=0.3)
+        if axis.lines:
+            axis.legend(fontsize=8)
+        else:
+            axis.text(0.5, 0.5, "not measured", ha="center", transform=axis.transAxes)
+    figure.suptitle("p99 latency against throughput (closed loop, 127.0.0.1)")
+    figure.tight_layout()
+    figure.savefig(chart_path, dpi=100)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    render(Path(sys.argv[1]), Path(sys.argv[2]))

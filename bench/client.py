@@ -1,0 +1,238 @@
+"""The one load generator used for every server: grpc.aio, closed loop.
+
+``concurrency`` coroutines share one channel (one HTTP/2 connection); each sends a call, waits
+for its answer, and sends the next, so exactly ``concurrency`` calls are in flight. Calls that
+end during the warm-up are discarded. Requests are built once per scenario, so the client's own
+cost is the same for every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from trio_infer._proto import grpc_predict_v2_pb2 as pb
+from trio_infer._proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from trio_infer.tensors import decode_outputs, encode_inputs
+
+#: Upper bound on calls one coroutine sends in one run, whatever the duration.
+MAX_CALLS_PER_CLIENT = 2_000_000
+#: Channel options: large messages allowed, no transparent retries (errors must show).
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.enable_retries", 0),
+]
+#: The dense model's weights, as every server computes them.
+WEIGHTS = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+
+Call = Callable[[float], Awaitable[object]]
+"""Sends one call with the given timeout (seconds) and returns its response."""
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What one window of calls comes to."""
+
+    throughput: float
+    """Successful calls per second."""
+    p50_ms: float
+    p99_ms: float
+    """Latency percentiles over successful calls (over every call when none succeeded)."""
+    requests: int
+    """Calls that ended in the window, whatever their status."""
+    errors: dict[str, int]
+    """Failed calls by status name."""
+
+
+@dataclass
+class Samples:
+    """Calls that ended after the warm-up: start and end (seconds from the end of the warm-up,
+    so the measured window is ``[0, duration)``) and status name (``OK`` or a gRPC code)."""
+
+    duration: float
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    statuses: list[str] = field(default_factory=list)
+
+    def in_window(self, start: float, end: float) -> list[int]:
+        """Indices of the calls that ended in ``[start, end)``."""
+        return [i for i, t in enumerate(self.ends) if start <= t < end]
+
+    def summary(self, start: float = 0.0, end: float | None = None) -> Summary:
+        """Throughput, latency percentiles and errors of the calls that ended in a window."""
+        end = self.duration if end is None else end
+        chosen = self.in_window(start, end)
+        statuses = Counter(self.statuses[i] for i in chosen)
+        ok = [self.ends[i] - self.starts[i] for i in chosen if self.statuses[i] == "OK"]
+        latencies = ok or [self.ends[i] - self.starts[i] for i in chosen]
+        p50, p99 = (
+            (float(np.percentile(latencies, 50)) * 1e3, float(np.percentile(latencies, 99)) * 1e3)
+            if latencies
+            else (float("nan"), float("nan"))
+        )
+        return Summary(
+            throughput=len(ok) / (end - start) if end > start else 0.0,
+            p50_ms=p50,
+            p99_ms=p99,
+            requests=len(chosen),
+            errors={status: n for status, n in sorted(statuses.items()) if status != "OK"},
+        )
+
+
+def status_of(error: BaseException) -> str:
+    """The status name a failed call ends with, as the table shows it."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return str(error.code().name)
+    return f"CLIENT_{type(error).__name__}"
+
+
+def open_channel(target: str) -> grpc.aio.Channel:
+    """A fresh channel (one connection) to ``target``."""
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def stub_for(channel: grpc.aio.Channel) -> pb_grpc.GRPCInferenceServiceStub:
+    """The V2 stub on a channel."""
+    return pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+# ------------------------------------------------------------------------------------------
+# Requests
+
+
+def dense_input(rows: int) -> np.ndarray:
+    """The dense model's input for a scenario: ``rows`` x 256 FP32, seed 1."""
+    return np.random.default_rng(1).standard_normal((rows, 256)).astype(np.float32)
+
+
+def infer_request(
+    model: str, x: np.ndarray, *, raw: bool, delay_ms: int | None = None
+) -> pb.ModelInferRequest:
+    """A ModelInfer request with input ``x``, raw or typed, and an optional ``delay_ms``."""
+    request = pb.ModelInferRequest(model_name=model)
+    encode_inputs(request, [("x", x)], raw=raw)
+    if delay_ms is not None:
+        request.parameters["delay_ms"].int64_param = delay_ms
+    return request
+
+
+def check_dense(response: object, x: np.ndarray) -> str:
+    """``ok`` when a dense response holds ``tanh(x @ W)``, else what is wrong."""
+    assert isinstance(response, pb.ModelInferResponse)
+    try:
+        y = decode_outputs(response)["y"]
+    except Exception as error:
+        return f"undecodable: {error}"
+    expected = np.tanh(x @ WEIGHTS)
+    if y.shape != expected.shape:
+        return f"shape {y.shape} != {expected.shape}"
+    if not np.allclose(y, expected, rtol=1e-3, atol=1e-4):
+        return f"values differ by up to {float(np.abs(y - expected).max()):.3g}"
+    return "ok"
+
+
+def check_echo(response: object, x: np.ndarray) -> str:
+    """``ok`` when a sleep response echoes ``x`` as output ``x``."""
+    assert isinstance(response, pb.ModelInferResponse)
+    try:
+        outputs = decode_outputs(response)
+    except Exception as error:
+        return f"undecodable: {error}"
+    if "x" not in outputs or not np.array_equal(outputs["x"].reshape(x.shape), x):
+        return f"echo differs (outputs {list(outputs)})"
+    return "ok"
+
+
+# ------------------------------------------------------------------------------------------
+# Load
+
+
+@dataclass(frozen=True)
+class Action:
+    """Something to do once while the load runs, ``at`` seconds after the warm-up."""
+
+    at: float
+    run: Callable[[], None]
+
+
+async def closed_loop(
+    call: Call,
+    *,
+    concurrency: int,
+    warmup: float,
+    duration: float,
+    call_timeout: float,
+    actions: Sequence[Action] = (),
+) -> Samples:
+    """Run ``concurrency`` closed-loop clients for ``warmup + duration`` seconds.
+
+    No call starts after the window ends; calls in flight then are awaited (each is bounded by
+    ``call_timeout``) and, ending after the window, not counted in it.
+    """
+    samples = Samples(duration)
+    origin = time.perf_counter() + warmup
+    stop = origin + duration
+
+    async def client() -> None:
+        for _ in range(MAX_CALLS_PER_CLIENT):
+            started = time.perf_counter()
+            if started >= stop:
+                return
+            try:
+                await call(call_timeout)
+                status = "OK"
+            except Exception as error:
+                status = status_of(error)
+            ended = time.perf_counter()
+            if ended >= origin:
+                samples.starts.append(started - origin)
+                samples.ends.append(ended - origin)
+                samples.statuses.append(status)
+
+    async def act(action: Action) -> None:
+        await asyncio.sleep(max(0.0, origin + action.at - time.perf_counter()))
+        action.run()
+
+    async with asyncio.TaskGroup() as group:
+        for _ in range(concurrency):
+            group.create_task(client())
+        for action in actions:
+            group.create_task(act(action))
+    return samples
+
+
+async def first_fast_call(
+    call: Call, *, fast: float, call_timeout: float, limit: float
+) -> tuple[float | None, Counter[str]]:
+    """Send one call at a time until one succeeds in under ``fast`` seconds.
+
+    Returns:
+        Seconds from now until that call ended (None if none did within ``limit`` seconds),
+        and the statuses of the calls sent meanwhile.
+    """
+    begin = time.perf_counter()
+    statuses: Counter[str] = Counter()
+    for _ in range(1_000_000):
+        started = time.perf_counter()
+        if started - begin >= limit:
+            break
+        try:
+            await call(min(call_timeout, max(0.001, begin + limit - started)))
+            status = "OK"
+        except Exception as error:
+            status = status_of(error)
+        ended = time.perf_counter()
+        statuses[status] += 1
+        if status == "OK" and ended - started < fast:
+            return ended - begin, statuses
+        if status != "OK":
+            # A server that refuses at once (UNAVAILABLE) must not turn this into a busy loop.
+            await asyncio.sleep(0.005)
+    return None, statuses

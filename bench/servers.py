@@ -1,0 +1,487 @@
+"""The servers under test: how to install, start, find the workers of, and stop each one.
+
+Every server runs as a subprocess on 127.0.0.1 with free ports, in its own session (so its own
+process group): stopping one sends SIGTERM to the server, then SIGKILL to its whole group and to
+any descendant that left it, so no process outlives the benchmark, on errors and Ctrl+C too
+(:func:`stop_all` runs from ``finally`` and ``atexit``).
+
+Peers are installed on first use into their own virtual environments under ``bench/.venvs/``;
+a peer that cannot be installed or started is reported as missing with the reason.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from trio_infer._proto import grpc_predict_v2_pb2 as pb
+from trio_infer._proto import grpc_predict_v2_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+PEERS = BENCH / "peers"
+VENVS = BENCH / ".venvs"
+RESULTS = BENCH / "results"
+
+#: Seconds a pip install may take before the peer is declared missing.
+INSTALL_TIMEOUT = 1200.0
+#: Seconds a server gets to answer ServerLive and report its models ready.
+START_TIMEOUT = 90.0
+#: Seconds a server gets to exit after SIGTERM before its process group is killed.
+STOP_TIMEOUT = 8.0
+
+
+class PeerUnavailable(Exception):
+    """A server could not be installed or started; the message says why."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    """The ports one server instance listens on (only ``grpc`` is benchmarked)."""
+
+    grpc: int
+    http: int
+    metrics: int
+
+
+@dataclass(frozen=True)
+class ServerKind:
+    """One kind of server: its environment, command line and how to find its workers.
+
+    Attributes:
+        name: The name used in ``--servers`` and the table.
+        requirements: pip requirements of its own venv; empty to run in this interpreter.
+        serves: Scenario kinds it can run (``live``, ``dense``, ``sleep``, ``storm``, ``kill``).
+        command: Builds the command line from (python, ports, workers).
+        environment: Extra environment variables from (ports, workers).
+        find_workers: Worker pids from the server's pid; None when it has no worker processes.
+        workers_note: How workers are found, or why there are none (README and table).
+        models: Models to wait for before the server counts as started.
+    """
+
+    name: str
+    requirements: tuple[str, ...]
+    serves: frozenset[str]
+    command: Callable[[Path, Ports, int], list[str]]
+    environment: Callable[[Ports, int], dict[str, str]]
+    find_workers: Callable[[int], list[int]] | None
+    workers_note: str
+    models: tuple[str, ...] = ("dense", "sleep")
+
+
+# ------------------------------------------------------------------------------------------
+# /proc: process trees
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """One process as /proc shows it."""
+
+    pid: int
+    ppid: int
+    start_ticks: int
+    cmdline: str
+
+
+def process_table() -> dict[int, ProcInfo]:
+    """Every live process's parent, start time and command line (Linux /proc)."""
+    table: dict[int, ProcInfo] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            raw_cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cmdline = raw_cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
+        table[pid] = ProcInfo(pid, int(fields[1]), int(fields[19]), cmdline)
+    return table
+
+
+def descendants(root: int, table: Mapping[int, ProcInfo] | None = None) -> list[ProcInfo]:
+    """Every process below ``root`` in the process tree, parents before children."""
+    table = process_table() if table is None else table
+    children: dict[int, list[ProcInfo]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info)
+    found: list[ProcInfo] = []
+    frontier = [root]
+    while frontier and len(found) < 10_000:
+        pid = frontier.pop()
+        for child in sorted(children.get(pid, []), key=lambda info: info.pid):
+            found.append(child)
+            frontier.append(child.pid)
+    return found
+
+
+def _is_resource_tracker(info: ProcInfo) -> bool:
+    return "multiprocessing.resource_tracker" in info.cmdline
+
+
+def trio_infer_workers(server_pid: int) -> list[int]:
+    """trio-infer's workers: the children of its multiprocessing fork server.
+
+    trio-parallel's FORKSERVER workers are forked by the fork server (a child of the server
+    whose command line names ``multiprocessing.forkserver``), so they share its command line;
+    the resource tracker (``multiprocessing.resource_tracker``) is a helper, not a worker.
+    """
+    table = process_table()
+    below = descendants(server_pid, table)
+    forkservers = {
+        info.pid
+        for info in below
+        if info.ppid == server_pid and "multiprocessing.forkserver" in info.cmdline
+    }
+    return [info.pid for info in below if info.ppid in forkservers]
+
+
+def mlserver_workers(server_pid: int) -> list[int]:
+    """MLServer's parallel workers: the server's children started by multiprocessing spawn.
+
+    Their command lines name ``multiprocessing.spawn``; the resource tracker is excluded.
+    """
+    return [
+        info.pid
+        for info in descendants(server_pid)
+        if info.ppid == server_pid
+        and "multiprocessing.spawn" in info.cmdline
+        and not _is_resource_tracker(info)
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# The servers
+
+
+def _thread_env(workers: int) -> dict[str, str]:
+    """One BLAS/OpenMP thread pool per worker sized like trio-infer's (cores // workers)."""
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    return {
+        name: threads for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    }
+
+
+def _trio_infer_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    script = python.parent / "trio-infer"
+    start = [str(script)] if script.exists() else [str(python), "-m", "trio_infer"]
+    return [
+        *start, "serve", "--host", "127.0.0.1", "--grpc-port", str(ports.grpc),
+        "--workers", str(workers), "--grace-period", "2",
+    ]  # fmt: skip
+
+
+def _mlserver_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    return [str(python.parent / "mlserver"), "start", str(PEERS / "mlserver_repo")]
+
+
+def _mlserver_env(ports: Ports, workers: int) -> dict[str, str]:
+    return {
+        "MLSERVER_HOST": "127.0.0.1",
+        "MLSERVER_GRPC_PORT": str(ports.grpc),
+        "MLSERVER_HTTP_PORT": str(ports.http),
+        "MLSERVER_METRICS_PORT": str(ports.metrics),
+        "MLSERVER_PARALLEL_WORKERS": str(workers),
+        "PYTHONPATH": str(PEERS / "mlserver_repo"),
+        **_thread_env(workers),
+    }
+
+
+def _kserve_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    return [
+        str(python), str(PEERS / "kserve_server.py"), "--grpc_port", str(ports.grpc),
+        "--http_port", str(ports.http), "--workers", str(workers),
+        "--enable_latency_logging", "false",
+    ]  # fmt: skip
+
+
+def _grpcio_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    return [str(python), "-m", "bench.peers.grpcio_server", str(ports.grpc)]
+
+
+def _no_env(ports: Ports, workers: int) -> dict[str, str]:
+    return {}
+
+
+ALL_KINDS = frozenset({"live", "dense", "sleep", "storm", "kill"})
+
+SERVERS: dict[str, ServerKind] = {
+    kind.name: kind
+    for kind in (
+        ServerKind(
+            name="trio-infer",
+            requirements=(),
+            serves=ALL_KINDS,
+            command=_trio_infer_command,
+            environment=_no_env,
+            find_workers=trio_infer_workers,
+            workers_note="children of the multiprocessing fork server",
+        ),
+        ServerKind(
+            name="mlserver",
+            # uvloop 0.22+ kills MLServer 1.7.1's parallel workers at start
+            # ("There is no current event loop").
+            requirements=("mlserver==1.7.1", "uvloop==0.21.0"),
+            serves=ALL_KINDS,
+            command=_mlserver_command,
+            environment=_mlserver_env,
+            find_workers=mlserver_workers,
+            workers_note="children started by multiprocessing spawn (parallel_workers)",
+        ),
+        ServerKind(
+            name="kserve",
+            requirements=("kserve==0.21.0",),
+            serves=ALL_KINDS,
+            command=_kserve_command,
+            environment=_no_env,
+            find_workers=None,
+            workers_note="no worker processes: V2 gRPC runs every model in the main process",
+        ),
+        ServerKind(
+            name="grpcio",
+            requirements=(),
+            serves=frozenset({"live"}),
+            command=_grpcio_command,
+            environment=_no_env,
+            find_workers=None,
+            workers_note="bare grpc.aio server, ServerLive only",
+            models=(),
+        ),
+    )
+}
+
+
+# ------------------------------------------------------------------------------------------
+# Installing
+
+
+def _tail(path: Path, lines: int = 2, width: int = 240) -> str:
+    """The last error lines of a log (or its last lines), short enough for a table cell."""
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in text if "ERROR" in line or "Error" in line]
+    tail = " | ".join(line.strip() for line in (errors or text)[-lines:])
+    return tail if len(tail) <= width else tail[: width - 3] + "..."
+
+
+def ensure_installed(kind: ServerKind, log: Callable[[str], None]) -> Path:
+    """The Python interpreter that runs ``kind``, installing its venv on first use.
+
+    Raises:
+        PeerUnavailable: pip failed or timed out; the message quotes pip's last error.
+    """
+    if not kind.requirements:
+        return Path(sys.executable)
+    return ensure_venv(kind.name, kind.requirements, log)
+
+
+def ensure_venv(name: str, requirements: Sequence[str], log: Callable[[str], None]) -> Path:
+    """The Python of ``bench/.venvs/NAME`` with ``requirements``, created on first use.
+
+    A venv is reused while its marker file lists the same requirements.
+
+    Raises:
+        PeerUnavailable: pip failed or timed out; the message quotes pip's last error.
+    """
+    venv = VENVS / name
+    python = venv / "bin" / "python"
+    marker = venv / ".bench-requirements"
+    wanted = "\n".join(requirements)
+    if python.exists() and marker.exists() and marker.read_text() == wanted:
+        return python
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    install_log = RESULTS / f"install-{name}.log"
+    log(f"installing {name} ({', '.join(requirements)}) into {venv} ...")
+    steps = [
+        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
+        [str(python), "-m", "pip", "install", *requirements],
+    ]
+    deadline = time.monotonic() + INSTALL_TIMEOUT
+    with install_log.open("w") as out:
+        for step in steps:
+            try:
+                subprocess.run(
+                    step, stdout=out, stderr=subprocess.STDOUT, check=True,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                )  # fmt: skip
+            except subprocess.TimeoutExpired:
+                raise PeerUnavailable(f"install timed out ({install_log})") from None
+            except subprocess.CalledProcessError:
+                out.flush()
+                raise PeerUnavailable(f"install failed: {_tail(install_log)}") from None
+    marker.write_text(wanted)
+    return python
+
+
+# ------------------------------------------------------------------------------------------
+# Running
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+_RUNNING: set[ServerProcess] = set()
+
+
+@dataclass(eq=False)
+class ServerProcess:
+    """One running server; :meth:`start`, then :meth:`stop` (idempotent)."""
+
+    kind: ServerKind
+    python: Path
+    workers: int
+    log_dir: Path
+    ports: Ports = field(init=False)
+    process: subprocess.Popen[bytes] | None = field(init=False, default=None)
+    starts: int = field(init=False, default=0)
+
+    @property
+    def target(self) -> str:
+        """The gRPC address, host:port."""
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    @property
+    def pid(self) -> int:
+        """The server's process id (also its process group id)."""
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def log_path(self) -> Path:
+        """Where the server's stdout and stderr go."""
+        return self.log_dir / f"server-{self.kind.name}.log"
+
+    def alive(self) -> bool:
+        """Whether the server process is still running."""
+        return self.process is not None and self.process.poll() is None
+
+    def worker_pids(self) -> list[int]:
+        """The server's worker processes now (empty when it has none)."""
+        if self.kind.find_workers is None or not self.alive():
+            return []
+        return self.kind.find_workers(self.pid)
+
+    def start(self, timeout: float = START_TIMEOUT) -> float:
+        """Start the server and wait until it is live with its models ready.
+
+        Returns:
+            Seconds from launch to ready.
+
+        Raises:
+            PeerUnavailable: It exited or was not ready in time; the message quotes its log.
+        """
+        self.stop()
+        self.ports = Ports(free_port(), free_port(), free_port())
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.kind.environment(self.ports, self.workers)}
+        env["PYTHONUNBUFFERED"] = "1"
+        self.starts += 1
+        launched = time.monotonic()
+        with self.log_path.open("ab") as log:
+            log.write(f"\n==== start {self.starts} ====\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.kind.command(self.python, self.ports, self.workers),
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        _RUNNING.add(self)
+        try:
+            self._wait_ready(launched + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return time.monotonic() - launched
+
+    def _wait_ready(self, deadline: float) -> None:
+        with grpc.insecure_channel(self.target) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise PeerUnavailable(f"exited at start: {_tail(self.log_path)}")
+                try:
+                    if stub.ServerLive(pb.ServerLiveRequest(), timeout=1.0).live and all(
+                        stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=1.0).ready
+                        for name in self.kind.models
+                    ):
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise PeerUnavailable(f"not ready after {START_TIMEOUT:.0f} s: {_tail(self.log_path)}")
+
+    def stop(self) -> None:
+        """Stop the server and every process below it; safe to call any number of times."""
+        process, self.process = self.process, None
+        _RUNNING.discard(self)
+        if process is None:
+            return
+        # Remember the tree first: a process that left the group is still killed by pid.
+        tree = descendants(process.pid) if process.poll() is None else []
+        # SIGTERM to the server alone lets it shut its workers down itself (a signal to the
+        # whole group would reach the workers at the same moment); the group gets SIGKILL.
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=STOP_TIMEOUT)
+        _signal_group(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=STOP_TIMEOUT)
+        now = process_table()
+        for info in tree:
+            current = now.get(info.pid)
+            if current is not None and current.start_ticks == info.start_ticks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(info.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def stop_all() -> None:
+    """Stop every server still running (called on exit, errors and Ctrl+C)."""
+    for server in list(_RUNNING):
+        server.stop()
+
+
+atexit.register(stop_all)
+
+
+def select(names: Sequence[str]) -> list[ServerKind]:
+    """The server kinds named, in the order given.
+
+    Raises:
+        ValueError: A name is not a known server.
+    """
+    unknown = [name for name in names if name not in SERVERS]
+    if unknown:
+        raise ValueError(f"unknown server(s) {', '.join(unknown)}; known: {', '.join(SERVERS)}")
+    return [SERVERS[name] for name in names]

@@ -1,0 +1,304 @@
+"""Bounded work: the memory budget, per-model queues and transport backpressure.
+
+The budget's rules are tested on :class:`Admission` directly (with Trio's virtual clock); the
+bounds as a client meets them, over real sockets against real worker processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import socket
+import threading
+from pathlib import Path
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from tests.probe import Probe, probe_request, start_probe
+from tests.support import GrpcioClient, MiB, eventually, start_server
+from trio_infer._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.admission import Admission
+from trio_infer.errors import Overloaded
+from trio_infer.server import RunningServer
+from trio_infer.tensors import encode_inputs
+
+# -- the budget's rules -----------------------------------------------------------------------
+
+
+async def test_reservations_are_granted_first_come_first_served() -> None:
+    admission = Admission(budget_bytes=100)
+    order: list[str] = []
+
+    async def request(name: str, nbytes: int, hold: trio.Event) -> None:
+        async with admission.reserve(nbytes, math.inf):
+            order.append(name)
+            await hold.wait()
+
+    first, second, third = trio.Event(), trio.Event(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request, "first", 60, first)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(request, "big", 50, second)
+        await trio.testing.wait_all_tasks_blocked()
+        # 40 bytes would fit now, but "big" came first: no overtaking, so no starvation.
+        nursery.start_soon(request, "small", 40, third)
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["first"]
+        assert admission.statistics().waiting == 2
+        first.set()
+        await trio.testing.wait_all_tasks_blocked()
+        # Both fit once "first" is gone, and are let in together.
+        assert sorted(order) == ["big", "first", "small"]
+        second.set()
+        third.set()
+    assert admission.statistics().reserved_bytes == 0
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_lets_the_next_in() -> None:
+    admission = Admission(budget_bytes=100)
+    release = trio.Event()
+    granted: list[int] = []
+
+    async def hold(nbytes: int, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            async with admission.reserve(nbytes, math.inf):
+                granted.append(nbytes)
+                await release.wait()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, 60)
+        big_waiter: trio.CancelScope = await nursery.start(hold, 90)  # cannot fit beside 60
+        await nursery.start(hold, 30)  # fits, but must not overtake the 90 ahead of it
+        await trio.testing.wait_all_tasks_blocked()
+        assert granted == [60]
+        big_waiter.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        # The waiter at the head gave up: the one behind it fits and is let in at once.
+        assert granted == [60, 30]
+        assert admission.statistics().waiting == 0
+        release.set()
+    assert admission.statistics().reserved_bytes == 0
+
+
+async def test_a_request_larger_than_the_budget_is_refused_at_once() -> None:
+    admission = Admission(budget_bytes=100)
+    with pytest.raises(Overloaded) as caught:
+        async with admission.reserve(101, math.inf):
+            pass  # pragma: no cover - never admitted
+    assert caught.value.message == (
+        "request needs 101 bytes, more than the whole memory budget of 100 bytes (--memory-budget)"
+    )
+    assert admission.statistics().rejected == {"memory_budget": 1}
+
+
+async def test_a_caller_without_a_deadline_waits_at_most_max_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    admission = Admission(budget_bytes=100, max_wait=2.0)
+    async with admission.reserve(100, math.inf):
+        start = trio.current_time()
+        with pytest.raises(Overloaded) as caught:
+            async with admission.reserve(1, math.inf):
+                pass  # pragma: no cover - never admitted
+        assert trio.current_time() - start == pytest.approx(2.0)
+    assert "waited 2 s for 1 bytes" in caught.value.message
+    assert admission.statistics().reserved_bytes == 0
+
+
+# -- the bounds over the wire -----------------------------------------------------------------
+
+
+async def test_a_full_queue_is_refused_at_once_and_other_models_are_served(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    probe = await start_probe(nursery, tmp_path, server={"workers": 1}, max_queue_size=2)
+    slow = [
+        probe.client.stub.ModelInfer.future(
+            probe_request(tag=f"slow{i}", action="sleep", delay_ms=600), timeout=10
+        )
+        for i in range(2)
+    ]
+    await eventually(lambda: probe.server.statistics().admission.in_flight == {"probe": 2})
+    error = await probe.error(deadline=5, tag="refused")
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.details() == "model 'probe' has 2 requests in flight, its max_queue_size"
+    assert not probe.started("refused")
+    for future in slow:
+        await trio.to_thread.run_sync(future.result)
+    # The queue drained: the model takes requests again.
+    assert await probe.call(deadline=5) > 0
+    statistics = probe.server.statistics().admission
+    assert statistics.rejected == {"max_queue_size": 1}
+    assert statistics.in_flight == {}
+
+
+def echo_request(nbytes: int) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="echo")
+    encode_inputs(request, [("x", np.zeros(nbytes, np.uint8))], raw=True)
+    return request
+
+
+async def test_a_request_larger_than_the_budget_is_refused_naming_the_bound(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start_server(nursery, memory_budget=2 * MiB)
+    client = GrpcioClient(server.port)
+    error = await client.error("ModelInfer", echo_request(2 * MiB))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "more than the whole memory budget of 2097152 bytes (--memory-budget)" in (
+        error.details()
+    )
+    await client.call("ModelInfer", echo_request(1024))
+    assert server.statistics().admission.reserved_bytes == 0
+    client.channel.close()
+
+
+async def test_requests_beyond_the_budget_wait_and_never_exceed_it(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Each request reserves twice its ~300 KiB message; 1.5 MiB admits two at a time.
+    probe = await start_probe(nursery, tmp_path, server={"memory_budget": 3 * MiB // 2})
+    payload = np.zeros(300 * 1024, np.uint8)
+    peak_reserved = peak_waiting = 0
+
+    def request(index: int) -> None:
+        message = pb.ModelInferRequest(model_name="probe")
+        encode_inputs(message, [("x", payload)], raw=True)
+        message.parameters["action"].string_param = "sleep"
+        message.parameters["delay_ms"].int64_param = 100
+        probe.client.stub.ModelInfer(message, timeout=20)
+
+    def load() -> None:
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            list(pool.map(request, range(20)))
+
+    async with trio.open_nursery() as load_nursery:
+        load_nursery.start_soon(trio.to_thread.run_sync, load)
+        while load_nursery.child_tasks:
+            statistics = probe.server.statistics().admission
+            peak_reserved = max(peak_reserved, statistics.reserved_bytes)
+            peak_waiting = max(peak_waiting, statistics.waiting)
+            await trio.sleep(0.005)
+    assert 0 < peak_reserved <= 3 * MiB // 2
+    assert peak_waiting > 0
+    await eventually(lambda: probe.server.statistics().admission.reserved_bytes == 0)
+
+
+async def test_reservations_return_to_zero_after_cancels_and_errors(probe: Probe) -> None:
+    future = probe.client.stub.ModelInfer.future(
+        probe_request(tag="cancel", action="sleep", delay_ms=5000)
+    )
+    await probe.wait_started("cancel")
+    assert probe.server.statistics().admission.reserved_bytes > 0
+    future.cancel()
+    error = await probe.error(deadline=5, action="exit")
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    error = await probe.client.error("ModelInfer", pb.ModelInferRequest(model_name="nope"))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    await eventually(lambda: probe.server.statistics().admission.reserved_bytes == 0)
+    assert probe.server.statistics().admission.in_flight == {}
+
+
+# -- transport backpressure -------------------------------------------------------------------
+
+
+GRPC_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/inference.GRPCInferenceService/ModelInfer"),
+    (":authority", "localhost"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+]
+
+
+def _announce_only(port: int, length: int) -> tuple[dict[str, str], int]:
+    """Start a call whose message prefix announces ``length`` bytes and send as much of it as
+    the server's window allows. Return the call's trailers and how many bytes were sent."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    stream_id = connection.get_next_available_stream_id()
+    connection.send_headers(stream_id, GRPC_HEADERS)
+    body = b"\x00" + length.to_bytes(4, "big") + bytes(length)
+    sent = 0
+    trailers: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        while "grpc-status" not in trailers:
+            window = min(
+                connection.local_flow_control_window(stream_id),
+                connection.max_outbound_frame_size,
+                len(body) - sent,
+            )
+            if window > 0:
+                connection.send_data(stream_id, body[sent : sent + window])
+                sent += window
+            sock.sendall(connection.data_to_send())
+            for event in connection.receive_data(sock.recv(65536)):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    trailers.update((k.decode(), v.decode()) for k, v in event.headers)
+                if isinstance(event, h2.events.StreamReset):
+                    trailers.setdefault("grpc-status", "reset")
+    return trailers, sent
+
+
+async def test_a_request_that_cannot_fit_is_refused_from_its_prefix_without_reading_it(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start_server(nursery, memory_budget=4 * MiB)
+    trailers, sent = await trio.to_thread.run_sync(_announce_only, server.port, 32 * MiB)
+    assert trailers["grpc-status"] == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    # The server let the client send its 64 KiB stream window, not the 32 MiB it announced.
+    assert sent <= 65_535
+
+
+def _stop_reading_after_request(port: int, sent: threading.Event, release: threading.Event) -> None:
+    """Ask for an 8 MiB echo with windows wide open, then stop reading the socket at all."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    connection.increment_flow_control_window(2**30)
+    stream_id = connection.get_next_available_stream_id()
+    connection.send_headers(stream_id, GRPC_HEADERS)
+    message = echo_request(8 * MiB).SerializeToString()
+    body = b"\x00" + len(message).to_bytes(4, "big") + message
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        while body:
+            window = min(
+                connection.local_flow_control_window(stream_id),
+                connection.max_outbound_frame_size,
+            )
+            chunk, body = body[:window], body[window:]
+            if chunk:
+                connection.send_data(stream_id, chunk, end_stream=not body)
+            sock.sendall(connection.data_to_send())
+            if body and not chunk:  # out of window: wait for the server to admit the message
+                connection.receive_data(sock.recv(65536))
+        sent.set()
+        release.wait(10)
+
+
+async def test_a_client_that_stops_reading_does_not_block_other_clients(
+    server: RunningServer, grpcio_client: GrpcioClient
+) -> None:
+    sent, release = threading.Event(), threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            trio.to_thread.run_sync, _stop_reading_after_request, server.port, sent, release
+        )
+        await trio.to_thread.run_sync(sent.wait)
+        # The server is now stuck writing 8 MiB to a socket nobody reads; others do not notice.
+        for _ in range(20):
+            response = await grpcio_client.call("ModelInfer", echo_request(1024), timeout=5)
+            assert response.model_name == "echo"
+        release.set()

@@ -1,0 +1,642 @@
+"""Adaptive batching: compatible requests for one model run as one worker call.
+
+::
+
+    Batching.run                     a task in the server nursery; stopped after the last call
+    └── ModelBatcher.run             one per batching model, with its own nursery
+        └── batcher (one per worker) plans the next batch, awaits the worker call, answers
+
+A request task calls :meth:`ModelBatcher.predict`: it joins its model's queue and waits on its own
+reply slot. A batcher takes a batch out of the queue (:func:`plan_batch` decides which requests
+and when), concatenates their inputs along dimension 0, awaits ``pool.predict`` and fills every
+member's slot with its rows of the outputs, or with the error.
+
+Ownership and cancellation:
+
+- Each request owns its slot and is its only reader; the queue and a batch only hold it. A batch
+  fills every slot it holds on every exit path (result, error, crash, shutdown), and a stopped
+  model fills the slots of its queue, so no request waits for an answer that cannot come.
+- A request that is cancelled (deadline, client gone, shutdown) while queued leaves the queue; one
+  cancelled while its batch runs leaves the batch and its status is sent at once, while the worker
+  call goes on for the others. When the last member leaves, the call is cancelled, which kills
+  its worker (``kill_on_cancel``): nobody is left to read the result.
+- A model error or a dead worker fails the members of that batch, each with its own copy of the
+  error. A batcher that crashes (a bug) stops its model's batching: its requests and every later
+  one fail with INTERNAL, and the crash is logged with its traceback; it is not restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
+from typing import Protocol
+
+import numpy as np
+import trio
+
+from trio_infer.errors import InferError, ModelFailed, Unavailable
+from trio_infer.model import Parameters, ParameterValue
+from trio_infer.settings import ModelSettings
+
+__all__ = [
+    "BatchPlan",
+    "BatchStatistics",
+    "Batching",
+    "ModelBatcher",
+    "Pending",
+    "Predictor",
+    "batch_key",
+    "batch_rows",
+    "batching_enabled",
+    "concatenate_inputs",
+    "plan_batch",
+    "split_outputs",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Weight of the newest worker call in the running estimate of a call's duration.
+_RUN_TIME_WEIGHT = 0.2
+#: Time a batch needs besides its worker call, so that a batch dispatched for a member's
+#: deadline still answers before it: concatenating, splitting, encoding and sending (about 1 ms),
+#: and a late wake-up of the batcher (up to ~5 ms measured on a busy 2-core machine; 10 ms of
+#: slack lost about one answer in three to its deadline there). Too much only makes
+#: deadline-bound batches leave a little earlier, and smaller.
+_DISPATCH_SLACK = 0.025
+
+
+class Predictor(Protocol):
+    """What a batcher calls: :class:`trio_infer.pool.WorkerPool` or a test's fake."""
+
+    async def predict(
+        self, settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+    ) -> dict[str, np.ndarray]:
+        """Run one model call; see :meth:`trio_infer.pool.WorkerPool.predict`."""
+        ...
+
+
+# --- pure decisions --------------------------------------------------------------------------
+
+
+def batching_enabled(settings: ModelSettings) -> bool:
+    """Whether a model's requests are batched.
+
+    Args:
+        settings: The model's settings.
+
+    Returns:
+        True when ``max_batch_size`` is more than 1 and every declared input has ``-1`` as its
+        first dimension (a model that declares no inputs qualifies; its requests are batched
+        when their inputs allow it, see :func:`batch_rows`).
+    """
+    return settings.max_batch_size > 1 and all(spec.shape[:1] == (-1,) for spec in settings.inputs)
+
+
+def batch_rows(inputs: Mapping[str, np.ndarray]) -> int | None:
+    """The number of rows a request adds to a batch.
+
+    Args:
+        inputs: The request's input tensors.
+
+    Returns:
+        The common size of every input's first dimension, or None when there is none (no
+        inputs, a scalar input, or first dimensions that differ): such a request runs alone.
+    """
+    sizes = {array.shape[0] if array.ndim else -1 for array in inputs.values()}
+    if len(sizes) != 1 or -1 in sizes:
+        return None
+    return sizes.pop()
+
+
+def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hashable:
+    """What must be equal for two requests to share a batch.
+
+    Args:
+        inputs: The request's input tensors.
+        parameters: The request's parameters, per-tensor parameters and headers: a model call
+            gets one ``Parameters``, so every member of a batch must have the same.
+
+    Returns:
+        A hashable value made of the input names, dtypes and trailing dimensions
+        (``shape[1:]``), and the parameters with their types (``True``, ``1`` and ``1.0`` are
+        equal in Python but a model may tell them apart).
+    """
+    tensors = tuple(
+        (name, inputs[name].dtype.str, inputs[name].shape[1:]) for name in sorted(inputs)
+    )
+    per_tensor = tuple((name, _typed(values)) for name, values in sorted(parameters.inputs.items()))
+    return tensors, _typed(parameters), per_tensor, tuple(sorted(parameters.headers.items()))
+
+
+def _typed(values: Mapping[str, ParameterValue]) -> tuple[tuple[str, str, ParameterValue], ...]:
+    return tuple(sorted((name, type(value).__name__, value) for name, value in values.items()))
+
+
+class Pending(Protocol):
+    """What :func:`plan_batch` knows of a waiting request."""
+
+    @property
+    def key(self) -> Hashable:
+        """Its :func:`batch_key`; only requests with equal keys share a batch."""
+        ...
+
+    @property
+    def rows(self) -> int:
+        """Its :func:`batch_rows`."""
+        ...
+
+    @property
+    def arrived(self) -> float:
+        """When it joined the queue (Trio clock)."""
+        ...
+
+    @property
+    def deadline(self) -> float:
+        """When its caller stops waiting (Trio clock; ``math.inf`` for never)."""
+        ...
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What a batcher does next.
+
+    Attributes:
+        take: Positions in the queue of the requests to run now, in arrival order; empty when
+            no batch is ready.
+        wake_at: When to plan again if the queue does not change first (``math.inf``: only when
+            it changes).
+    """
+
+    take: tuple[int, ...] = ()
+    wake_at: float = math.inf
+
+
+def plan_batch(
+    waiting: Sequence[Pending],
+    *,
+    now: float,
+    max_batch_size: int,
+    max_batch_time: float,
+    lead: float,
+) -> BatchPlan:
+    """Decide which waiting requests run as the next batch, and when.
+
+    Requests with equal keys form batches in arrival order: each batch starts at the oldest
+    request not yet placed and takes the next ones while their rows fit in ``max_batch_size``
+    (the first always fits, so a request larger than that runs alone). No request overtakes an
+    older one of its key, so a batch that the next request would overflow cannot grow: it is
+    closed. A batch is ready when it is closed or full (``max_batch_size`` rows or more), or when
+    it is due: when its oldest member has waited ``max_batch_time``, or when a member's deadline
+    is no more than ``lead`` away, whichever comes first. Of the ready batches, the one whose
+    oldest member arrived first runs.
+
+    Args:
+        waiting: The queue, in arrival order.
+        now: The current time (Trio clock).
+        max_batch_size: The most rows a batch is filled to.
+        max_batch_time: The longest a batch's oldest member waits for others, in seconds.
+        lead: How long before a member's deadline its batch must start: the expected duration
+            of a worker call plus the time to send the answer.
+
+    Returns:
+        The batch to run now, or when to plan again.
+    """
+    forming: dict[Hashable, _Forming] = {}
+    for position, request in enumerate(waiting):
+        batch = forming.get(request.key)
+        if batch is None:
+            forming[request.key] = _Forming(position, request, max_batch_time, lead)
+        elif not batch.closed:
+            batch.offer(position, request, max_batch_size, lead)
+    wake_at = math.inf
+    for batch in forming.values():
+        if batch.closed or batch.rows >= max_batch_size or batch.due <= now:
+            return BatchPlan(tuple(batch.positions), now)
+        wake_at = min(wake_at, batch.due)
+    return BatchPlan((), wake_at)
+
+
+class _Forming:
+    """The first batch of one key while the queue is scanned."""
+
+    def __init__(self, position: int, head: Pending, max_batch_time: float, lead: float) -> None:
+        self.positions = [position]
+        self.rows = head.rows
+        self.closed = False
+        self.due = min(head.arrived + max_batch_time, head.deadline - lead)
+
+    def offer(self, position: int, request: Pending, max_batch_size: int, lead: float) -> None:
+        if self.rows + request.rows > max_batch_size:
+            self.closed = True
+            return
+        self.positions.append(position)
+        self.rows += request.rows
+        self.due = min(self.due, request.deadline - lead)
+
+
+def concatenate_inputs(batch: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Join the inputs of a batch's requests along dimension 0.
+
+    Args:
+        batch: Each member's inputs, in batch order; all have the same :func:`batch_key`.
+
+    Returns:
+        One array per input name, in the first member's order. A batch of one is passed on as
+        it is (no copy), so its model call is exactly the unbatched one.
+    """
+    if len(batch) == 1:
+        return dict(batch[0])
+    return {name: np.concatenate([inputs[name] for inputs in batch]) for name in batch[0]}
+
+
+def split_outputs(
+    outputs: Mapping[str, np.ndarray], rows: Sequence[int], model_name: str
+) -> list[dict[str, np.ndarray]]:
+    """Cut a batch's outputs into each member's rows.
+
+    Args:
+        outputs: The model's outputs for the whole batch.
+        rows: Each member's row count, in batch order.
+        model_name: Named in error messages.
+
+    Returns:
+        Each member's outputs (views of the batch's arrays), in batch order.
+
+    Raises:
+        ModelFailed: An output does not have the batch's total row count as its first
+            dimension; the message names the output. Checked for batches of one too, so a
+            model breaks the same way at any load.
+    """
+    total = sum(rows)
+    for name, array in outputs.items():
+        if array.ndim == 0 or array.shape[0] != total:
+            raise ModelFailed(
+                f"model '{model_name}' output '{name}' has shape {list(array.shape)}, but a "
+                f"batched model must return one row per input row: its batch had {total} row(s)"
+            )
+    return [
+        {name: array[start:stop] for name, array in outputs.items()}
+        for start, stop in pairwise(accumulate(rows, initial=0))
+    ]
+
+
+# --- statistics ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchStatistics:
+    """A snapshot of one model's batching.
+
+    Attributes:
+        batches: Batches sent to a worker.
+        requests: Requests those batches held.
+        rows: Rows those batches held.
+        max_batch_requests: The most requests one batch held.
+        max_batch_rows: The most rows one batch held.
+        total_queue_wait: Seconds the batched requests waited, summed, from joining the queue
+            to their batch's dispatch.
+        max_queue_wait: The longest one of them waited.
+        waiting: Requests in the queue now.
+        abandoned: Requests that left the queue before their batch ran (deadline, cancel).
+        crashed: Whether a batcher crashed, which stopped this model's batching.
+    """
+
+    batches: int = 0
+    requests: int = 0
+    rows: int = 0
+    max_batch_requests: int = 0
+    max_batch_rows: int = 0
+    total_queue_wait: float = 0.0
+    max_queue_wait: float = 0.0
+    waiting: int = 0
+    abandoned: int = 0
+    crashed: bool = False
+
+    @property
+    def mean_batch_requests(self) -> float:
+        """Requests per batch (0 before the first)."""
+        return self.requests / self.batches if self.batches else 0.0
+
+    @property
+    def mean_batch_rows(self) -> float:
+        """Rows per batch (0 before the first)."""
+        return self.rows / self.batches if self.batches else 0.0
+
+    @property
+    def mean_queue_wait(self) -> float:
+        """Seconds a batched request waited for its batch, on average (0 before the first)."""
+        return self.total_queue_wait / self.requests if self.requests else 0.0
+
+
+@dataclass
+class _Counts:
+    batches: int = 0
+    requests: int = 0
+    rows: int = 0
+    max_batch_requests: int = 0
+    max_batch_rows: int = 0
+    total_queue_wait: float = 0.0
+    max_queue_wait: float = 0.0
+    abandoned: int = 0
+    crashed: bool = False
+
+    def add_batch(self, requests: int, rows: int, waits: Sequence[float]) -> None:
+        self.batches += 1
+        self.requests += requests
+        self.rows += rows
+        self.max_batch_requests = max(self.max_batch_requests, requests)
+        self.max_batch_rows = max(self.max_batch_rows, rows)
+        self.total_queue_wait += sum(waits)
+        self.max_queue_wait = max(self.max_queue_wait, *waits)
+
+
+# --- the pipeline ----------------------------------------------------------------------------
+
+
+class _Reply:
+    """One request's answer: filled at most once; the request's task is its only reader."""
+
+    def __init__(self) -> None:
+        self._filled = trio.Event()
+        self._outputs: dict[str, np.ndarray] | None = None
+        self._error: InferError | None = None
+
+    @property
+    def filled(self) -> bool:
+        return self._filled.is_set()
+
+    def set_outputs(self, outputs: dict[str, np.ndarray]) -> None:
+        if not self.filled:
+            self._outputs = outputs
+            self._filled.set()
+
+    def set_error(self, error: InferError) -> None:
+        if not self.filled:
+            # Each reader raises its own instance: one raised in several tasks would gather
+            # their tracebacks.
+            self._error = type(error)(error.message, error.code)
+            self._filled.set()
+
+    async def wait(self) -> dict[str, np.ndarray]:
+        await self._filled.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._outputs is not None
+        return self._outputs
+
+
+# eq=False: members are compared by identity (list.remove), never by their arrays.
+@dataclass(eq=False)
+class _Member:
+    inputs: dict[str, np.ndarray]
+    parameters: Parameters
+    key: Hashable
+    rows: int
+    arrived: float
+    deadline: float
+    reply: _Reply = field(default_factory=_Reply)
+    batch: _Batch | None = None
+
+
+class _Batch:
+    def __init__(self, members: list[_Member]) -> None:
+        self.members = members
+        self.live = len(members)
+        self.scope = trio.CancelScope()
+
+    def leave(self) -> None:
+        self.live -= 1
+        if self.live == 0:
+            # Nobody will read the result: stop the call, which frees (kills) its worker.
+            self.scope.cancel()
+
+
+class ModelBatcher:
+    """One model's queue and batchers.
+
+    Args:
+        settings: The model; its ``max_batch_size`` and ``max_batch_time`` shape the batches.
+        pool: Where batches run.
+        batchers: How many batches of this model may run at once (one batcher task each).
+    """
+
+    def __init__(self, settings: ModelSettings, pool: Predictor, *, batchers: int) -> None:
+        if batchers < 1:
+            raise ValueError(f"batchers must be at least 1, got {batchers}")
+        self.settings = settings
+        self._pool = pool
+        self._batchers = batchers
+        # Invariant: arrival order; each member here has no batch and an unfilled reply.
+        self._waiting: list[_Member] = []
+        self._changed = trio.Event()
+        # One batcher plans at a time; the others run their batches meanwhile.
+        self._planning = trio.Lock()
+        self._stopped: InferError | None = None
+        self._run_time = 0.0
+        self._counts = _Counts()
+
+    async def predict(
+        self, inputs: dict[str, np.ndarray], parameters: Parameters, deadline: float
+    ) -> dict[str, np.ndarray]:
+        """Run one request as part of a batch.
+
+        Cancelling the call (its deadline, its client) takes the request out of the queue, or
+        out of its running batch; see the module's documentation.
+
+        Args:
+            inputs: The request's input tensors.
+            parameters: The request's parameters.
+            deadline: When the caller stops waiting (Trio clock): its batch is dispatched in
+                time for it.
+
+        Returns:
+            The request's rows of the batch's outputs.
+
+        Raises:
+            InferError: The model raised one, for the whole batch (its status is kept).
+            ModelFailed: The model failed otherwise, or an output lacks the batch's rows.
+            Unavailable: The worker died during the batch, or batching has stopped.
+        """
+        if self._stopped is not None:
+            raise type(self._stopped)(self._stopped.message, self._stopped.code)
+        rows = batch_rows(inputs)
+        if rows is None:
+            return await self._pool.predict(self.settings, inputs, parameters)
+        key = batch_key(inputs, parameters)
+        member = _Member(inputs, parameters, key, rows, trio.current_time(), deadline)
+        self._waiting.append(member)
+        self._notify()
+        try:
+            return await member.reply.wait()
+        finally:
+            if not member.reply.filled:
+                self._abandon(member)
+
+    def statistics(self) -> BatchStatistics:
+        """Return a snapshot of this model's batching."""
+        c = self._counts
+        return BatchStatistics(
+            batches=c.batches,
+            requests=c.requests,
+            rows=c.rows,
+            max_batch_requests=c.max_batch_requests,
+            max_batch_rows=c.max_batch_rows,
+            total_queue_wait=c.total_queue_wait,
+            max_queue_wait=c.max_queue_wait,
+            waiting=len(self._waiting),
+            abandoned=c.abandoned,
+            crashed=c.crashed,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run this model's batchers until cancelled, or until one crashes.
+
+        A crash is logged with its traceback and stops this model's batching: its requests
+        fail with INTERNAL, and so does every later one. Either way, requests still queued when
+        this returns fail (``Unavailable`` when batching was cancelled).
+        """
+        name = self.settings.name
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(self._batchers):
+                    nursery.start_soon(self._batcher)
+                task_status.started()
+        except* Exception as crash:
+            logger.error("model '%s': batching crashed", name, exc_info=crash)
+            self._counts.crashed = True
+            self._stop(_crashed(name))
+        finally:
+            self._stop(Unavailable(f"model '{name}': batching stopped"))
+
+    async def _batcher(self) -> None:
+        while True:
+            async with self._planning:
+                batch = await self._next_batch()
+            await self._run(batch)
+
+    async def _next_batch(self) -> _Batch:
+        settings = self.settings
+        while True:
+            now = trio.current_time()
+            plan = plan_batch(
+                self._waiting,
+                now=now,
+                max_batch_size=settings.max_batch_size,
+                max_batch_time=settings.max_batch_time,
+                lead=self._run_time + _DISPATCH_SLACK,
+            )
+            if plan.take:
+                return self._take(plan.take, now)
+            changed = self._changed
+            with trio.move_on_at(plan.wake_at):
+                await changed.wait()
+
+    def _take(self, positions: tuple[int, ...], now: float) -> _Batch:
+        chosen = set(positions)
+        members = [self._waiting[position] for position in positions]
+        self._waiting = [m for i, m in enumerate(self._waiting) if i not in chosen]
+        batch = _Batch(members)
+        for member in members:
+            member.batch = batch
+        self._counts.add_batch(
+            len(members), sum(m.rows for m in members), [now - m.arrived for m in members]
+        )
+        return batch
+
+    async def _run(self, batch: _Batch) -> None:
+        members = batch.members
+        try:
+            with batch.scope:
+                inputs = concatenate_inputs([member.inputs for member in members])
+                started = trio.current_time()
+                # Every member's parameters are equal (batch_key): the first's stand for all.
+                outputs = await self._pool.predict(self.settings, inputs, members[0].parameters)
+                elapsed = trio.current_time() - started
+                self._run_time += _RUN_TIME_WEIGHT * (elapsed - self._run_time)
+                parts = split_outputs(outputs, [m.rows for m in members], self.settings.name)
+                for member, part in zip(members, parts, strict=True):
+                    member.reply.set_outputs(part)
+        except InferError as error:
+            for member in members:
+                member.reply.set_error(error)
+        except Exception:
+            for member in members:
+                member.reply.set_error(_crashed(self.settings.name))
+            raise
+        finally:
+            # Cancelled: by the last member leaving (nobody reads these) or by a shutdown.
+            stopped = Unavailable(f"model '{self.settings.name}': batching stopped")
+            for member in members:
+                member.reply.set_error(stopped)
+
+    def _abandon(self, member: _Member) -> None:
+        if member.batch is None:
+            self._waiting.remove(member)
+            self._counts.abandoned += 1
+            # A departure can close or fill a batch of the requests behind it.
+            self._notify()
+        else:
+            member.batch.leave()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _stop(self, error: InferError) -> None:
+        if self._stopped is None:
+            self._stopped = error
+        for member in self._waiting:
+            member.reply.set_error(self._stopped)
+        self._waiting.clear()
+
+
+class Batching:
+    """The batchers of every model that batches (see :func:`batching_enabled`).
+
+    Start it with ``await nursery.start(batching.run)`` before serving calls, and stop it with
+    :meth:`stop` once no call is left.
+
+    Args:
+        models: The served models; those that do not batch are left out.
+        pool: Where batches run.
+        batchers: Batches of one model that may run at once (the pool's worker count: each
+            batch holds a worker).
+    """
+
+    def __init__(self, models: Iterable[ModelSettings], pool: Predictor, *, batchers: int) -> None:
+        self._models: dict[str, ModelBatcher] = {}
+        for settings in models:
+            if batching_enabled(settings):
+                self._models[settings.name] = ModelBatcher(settings, pool, batchers=batchers)
+            elif settings.max_batch_size > 1:
+                fixed = [spec.name for spec in settings.inputs if spec.shape[:1] != (-1,)]
+                logger.warning(
+                    "model '%s' is not batched: input(s) %s have no batch dimension (-1 first)",
+                    settings.name,
+                    ", ".join(fixed),
+                )
+        self._scope = trio.CancelScope()
+
+    def get(self, name: str) -> ModelBatcher | None:
+        """The batcher of model ``name``, or None when that model does not batch."""
+        return self._models.get(name)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run every model's batchers until :meth:`stop` or cancellation."""
+        with self._scope:
+            async with trio.open_nursery() as nursery:
+                for batcher in self._models.values():
+                    await nursery.start(batcher.run)
+                task_status.started()
+
+    def stop(self) -> None:
+        """Stop the batchers; requests still waiting for a batch fail with ``Unavailable``."""
+        self._scope.cancel()
+
+
+def _crashed(model_name: str) -> InferError:
+    # The crash's details are for the operator (logged), not for clients.
+    return InferError(f"model '{model_name}': batching crashed; see the server log")
