@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import trio
 
-from tests.conftest import start_server
-from trio_infer import InferenceClient, InferResult
+from tests.support import start_server
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.client import InferenceClient, InferResult
 from trio_infer.errors import (
     InferError,
     InvalidInput,

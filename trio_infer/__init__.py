@@ -7,8 +7,6 @@ for what a repository declares, and the errors a model may raise to choose its s
 This package is imported by every worker process, so it imports nothing of the server side.
 """
 
-from typing import TYPE_CHECKING, Any
-
 from trio_infer.errors import (
     InferError,
     InvalidInput,
@@ -22,13 +20,8 @@ from trio_infer.errors import (
 from trio_infer.model import Model, Parameters
 from trio_infer.settings import ModelSettings
 
-if TYPE_CHECKING:
-    from trio_infer.client import InferenceClient, InferResult
-
 __all__ = [
     "InferError",
-    "InferResult",
-    "InferenceClient",
     "InvalidInput",
     "Model",
     "ModelFailed",
@@ -41,12 +34,3 @@ __all__ = [
     "Unimplemented",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # The client imports purerpc, h2 and anyio, which worker processes never need: it is loaded
-    # on first use of its names rather than with the package.
-    if name in ("InferenceClient", "InferResult"):
-        from trio_infer import client
-
-        return getattr(client, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
