@@ -1,9 +1,10 @@
 """``python -m bench``: run the scenarios against every server, then print and save the table.
 
 Each server is installed (first use), started, measured scenario by scenario, and stopped
-before the next one starts, so the servers never compete for the two cores. Results go to
-``bench/results/<timestamp>/`` (and ``bench/results/latest``): ``table.md``,
-``results.jsonl``, ``chart.png`` and the servers' logs.
+before the next one starts, so the servers never compete for the two cores; the overload and
+batching scenarios start one of their own each. Results go to ``bench/results/<timestamp>/``
+(and ``bench/results/latest``): ``table.md``, ``results.jsonl``, ``chart.png``, ``rss.png``
+and the servers' logs.
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         "--scenarios",
         default="all",
         help="comma-separated scenario names or prefixes: live, dense, dense-n64, sleep, "
-        "kill, storm, dense-n1-raw-c25, ... (default: all)",
+        "kill, storm, overload, batching, dense-n1-raw-c25, batching-on, ... (default: all)",
     )
     parser.add_argument(
         "--duration", type=float, help="measured seconds per load scenario (default 5; 0.8 quick)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="short windows: every server in under 2 minutes"
+        "--quick", action="store_true", help="short windows: every server in about 2 minutes"
     )
     parser.add_argument(
         "--workers", type=int, default=2, help="worker processes per server (default: 2)"
@@ -85,7 +86,11 @@ def run_server(
     workers: int,
     run_dir: Path,
 ) -> list[Result]:
-    """Install, start, measure and stop one server; a failure becomes a ``missing`` row."""
+    """Install, start, measure and stop one server; a failure becomes a ``missing`` row.
+
+    The scenarios that need a server of their own (overload, batching) run last, each on a
+    server started for it alone once the shared one is stopped.
+    """
     mine = [s for s in chosen if s.kind in kind.serves]
     if not mine:
         return []
@@ -93,6 +98,30 @@ def run_server(
         python = servers.ensure_installed(kind, log)
     except PeerUnavailable as error:
         return [_missing(kind, str(error))]
+    shared = [s for s in mine if not s.own_server]
+    results = _run_shared(kind, python, shared, timing, workers, run_dir) if shared else []
+    for scenario in (s for s in mine if s.own_server):
+        try:
+            result = scenarios.run_on_own_server(
+                kind, python, workers, run_dir, scenario, timing, log
+            )
+        except PeerUnavailable as error:
+            log(f"{kind.name} for {scenario.name} did not start: {error}")
+            result = Result(kind.name, scenario.name, "crash", 0, notes=f"no server: {error}")
+        results.append(result)
+        log(_summary_line(result))
+    return results
+
+
+def _run_shared(
+    kind: ServerKind,
+    python: Path,
+    mine: Sequence[Scenario],
+    timing: Timing,
+    workers: int,
+    run_dir: Path,
+) -> list[Result]:
+    """Run scenarios one after the other on one server, restarted when one leaves it broken."""
     server = ServerProcess(kind, python, workers, run_dir)
     results: list[Result] = []
     try:
@@ -121,15 +150,18 @@ def run_server(
     return results
 
 
-def _chart(results_path: Path, chart_path: Path) -> str:
-    """Draw the chart here, or in a small matplotlib venv; returns what happened."""
+def _chart(results_path: Path, chart_path: Path, rss_path: Path) -> str:
+    """Draw the charts here, or in a small matplotlib venv; returns what happened.
+
+    ``rss_path`` (RSS over time) is drawn only when an overload scenario ran.
+    """
     if importlib.util.find_spec("matplotlib") is None:
         try:
             python = servers.ensure_venv("chart", CHART_REQUIREMENTS, log)
         except PeerUnavailable as error:
             return f"no chart: {error}"
         done = subprocess.run(
-            [str(python), "-m", "bench.chart", str(results_path), str(chart_path)],
+            [str(python), "-m", "bench.chart", str(results_path), str(chart_path), str(rss_path)],
             cwd=servers.REPO,
             capture_output=True,
             text=True,
@@ -137,11 +169,12 @@ def _chart(results_path: Path, chart_path: Path) -> str:
         )
         if done.returncode != 0:
             return f"no chart: {done.stderr.strip().splitlines()[-1:]}"
-        return f"chart: {chart_path}"
-    from bench.chart import render
+    else:
+        from bench.chart import render, render_rss
 
-    render(results_path, chart_path)
-    return f"chart: {chart_path}"
+        render(results_path, chart_path)
+        render_rss(results_path, rss_path)
+    return f"chart: {chart_path}" + (f", {rss_path}" if rss_path.exists() else "")
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -192,10 +225,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": round(time.monotonic() - began, 1),
     }
     table = report.table(results)
+    details = report.details(results)
+    if details:
+        table += "\n" + details
     results_path = run_dir / "results.jsonl"
     report.write_jsonl(results, results_path, meta)
     (run_dir / "table.md").write_text(table + "\n")
-    chart = _chart(results_path, run_dir / "chart.png") if results else "no chart: no results"
+    chart = (
+        _chart(results_path, run_dir / "chart.png", run_dir / "rss.png")
+        if results
+        else "no chart: no results"
+    )
     latest = servers.RESULTS / "latest"
     if results and (latest.is_symlink() or not latest.exists()):
         latest.unlink(missing_ok=True)

@@ -1,7 +1,8 @@
-"""The PNG chart: p99 latency against throughput, one line per server.
+"""The PNG charts: p99 latency against throughput, one line per server (``chart.png``), and
+the overload scenarios' RSS over time (``rss.png``).
 
-``python -m bench.chart RESULTS.jsonl CHART.png`` needs only matplotlib (it imports nothing
-else from the project), so it can run in the small ``bench/.venvs/chart`` venv when the
+``python -m bench.chart RESULTS.jsonl CHART.png [RSS.png]`` needs only matplotlib (it imports
+nothing else from the project), so it can run in the small ``bench/.venvs/chart`` venv when the
 benchmark's own interpreter lacks matplotlib.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -89,5 +91,72 @@ def render(results_path: Path, chart_path: Path) -> None:
     plt.close(figure)
 
 
+def render_rss(results_path: Path, chart_path: Path) -> bool:
+    """Draw RSS over time of each overload row, one panel each; False when there is none."""
+    rows = [
+        row
+        for row in (json.loads(line) for line in results_path.read_text().splitlines() if line)
+        if row.get("type") == "result"
+        and row.get("kind") == "overload"
+        and (row.get("extra") or {}).get("rss_t")
+    ]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(
+        1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False, sharey=True
+    )
+    for axis, row in zip(axes.flat, rows, strict=True):
+        extra = row["extra"]
+        times = extra["rss_t"]
+        server = extra["rss_server_mib"]
+        total = [s + w for s, w in zip(server, extra["rss_workers_mib"], strict=True)]
+        axis.plot(times, server, color="C0", label="server process")
+        axis.plot(times, extra["rss_workers_mib"], color="C1", label="workers (sum)")
+        axis.plot(times, total, color="C2", linestyle=":", label="server + workers")
+        axis.axhline(extra["budget_mib"], color="C3", linestyle="--", label="memory budget")
+        axis.axhline(
+            extra["rss_idle_mib"] + extra["budget_mib"],
+            color="C3",
+            linestyle=":",
+            label="idle server + budget",
+        )
+        axis.axvspan(0, extra["window_s"], color="0.9", zorder=0)
+        errors = row.get("errors") or {}
+        axis.set_title(
+            f"{row['server']} {row['scenario']}: C={row['concurrency']}, "
+            f"{row['throughput'] or 0:.0f} OK/s, p99 {row['p99_ms'] or 0:.0f} ms, "
+            f"RESOURCE_EXHAUSTED {errors.get('RESOURCE_EXHAUSTED', 0)}",
+            fontsize=9,
+        )
+        axis.set_xlabel("seconds from the start of the measured window (shaded)")
+        axis.set_ylabel("RSS, MiB")
+        axis.set_ylim(bottom=0)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7, loc="lower right")
+    figure.suptitle(
+        f"RSS every {_interval(rows[0]):g} s under a memory budget "
+        f"({rows[0]['extra']['budget_mib']:g} MiB), {rows[0]['extra']['message_bytes']:,} B "
+        "requests"
+    )
+    figure.tight_layout()
+    figure.savefig(chart_path, dpi=100)
+    plt.close(figure)
+    return True
+
+
+def _interval(row: dict[str, Any]) -> float:
+    """The sampling interval of an overload row (the median step between samples)."""
+    times = row["extra"]["rss_t"]
+    steps = sorted(b - a for a, b in pairwise(times))
+    return round(steps[len(steps) // 2], 2) if steps else 0.0
+
+
 if __name__ == "__main__":
     render(Path(sys.argv[1]), Path(sys.argv[2]))
+    if len(sys.argv) > 3:
+        render_rss(Path(sys.argv[1]), Path(sys.argv[3]))

@@ -65,6 +65,116 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
+def _per_second(times: Sequence[float], values: Sequence[float]) -> str:
+    """The largest value in each whole second, ``t=<second>: <value>``."""
+    peaks: dict[int, float] = {}
+    for at, value in zip(times, values, strict=True):
+        second = math.floor(at)
+        peaks[second] = max(peaks.get(second, value), value)
+    return " ".join(f"{second:+d}s:{value:.0f}" for second, value in sorted(peaks.items()))
+
+
+def _overload_section(rows: Sequence[Result]) -> list[str]:
+    first = rows[0].extra
+    lines = [
+        "",
+        f"### Overload: `echo`, {first['message_bytes']:,} B messages, "
+        f"`--memory-budget` {first['budget_mib']:g} MiB ({first['fit']} requests fit)",
+        "",
+        "| server | scenario | clients | deadline s | OK req/s | OK p50 ms | OK p99 ms | calls "
+        "| RESOURCE_EXHAUSTED | other errors | server RSS idle / max / peak MiB "
+        "| workers idle / max MiB | worker pids seen | max RSS - budget MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: "
+        "| ---: |",
+    ]
+    for r in rows:
+        e = r.extra
+        others = {status: n for status, n in r.errors.items() if status != "RESOURCE_EXHAUSTED"}
+        lines.append(
+            f"| {r.server} | {r.scenario} | {r.concurrency} | {e['deadline_s']:g} "
+            f"| {_number(r.throughput)} "
+            f"| {_number(r.p50_ms, 0)} | {_number(r.p99_ms, 0)} | {r.requests} "
+            f"| {e['rejected']} ({e['rejected_share']:.0%}) | {_errors(others)} "
+            f"| {e['rss_idle_mib']:g} / {e['rss_max_mib']:g} / {e['rss_hwm_mib']:g} "
+            f"| {e['workers_idle_mib']:g} / {e['workers_max_mib']:g} | {e['workers_seen']} "
+            f"| {e['overhead_mib']:+g} |"
+        )
+    lines.append("")
+    lines.append(
+        "Fixed overhead, the server's peak RSS minus the budget: "
+        + "; ".join(
+            f"{r.scenario} {r.extra['overhead_mib']:+g} MiB "
+            f"({r.extra['overhead_mib'] - r.extra['rss_idle_mib']:+.1f} MiB beyond its idle "
+            f"{r.extra['rss_idle_mib']:g} MiB)"
+            for r in rows
+        )
+        + "; with the workers' RSS added: "
+        + "; ".join(f"{r.scenario} {r.extra['overhead_total_mib']:+g} MiB" for r in rows)
+        + "."
+    )
+    lines.append("")
+    lines.append("Server RSS over time, largest sample per second in MiB (0 s: window start):")
+    lines.append("")
+    lines += [
+        f"- {r.server} {r.scenario}: {_per_second(r.extra['rss_t'], r.extra['rss_server_mib'])}"
+        for r in rows
+    ]
+    return lines
+
+
+def _batching_section(rows: Sequence[Result]) -> list[str]:
+    lines = [
+        "",
+        "### Batching: `dense`, 1 row, raw; `max_batch_size` 0 (off) or the example's (on)",
+        "",
+        "| server | C | batching | req/s | p50 ms | p99 ms | mean batch | largest "
+        "| req/s on / off | p99 on / off |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    off = {(r.server, r.concurrency): r for r in rows if not r.extra["batching"]}
+    for r in sorted(rows, key=lambda r: (r.server, r.concurrency, r.extra["batching"])):
+        e = r.extra
+        base = off.get((r.server, r.concurrency))
+        gain = p99_ratio = "-"
+        if e["batching"] and base is not None:
+            if r.throughput and base.throughput:
+                gain = f"{r.throughput / base.throughput:.2f}"
+            if r.p99_ms and base.p99_ms:
+                p99_ratio = f"{r.p99_ms / base.p99_ms:.2f}"
+        mode = f"on ({e['max_batch_size']})" if e["batching"] else "off"
+        mean = "-" if e["mean_batch"] is None else f"{e['mean_batch']:.2f}"
+        lines.append(
+            f"| {r.server} | {r.concurrency} | {mode} | {_number(r.throughput, 0)} "
+            f"| {_number(r.p50_ms, 2)} | {_number(r.p99_ms, 2)} | {mean} "
+            f"| {e['max_batch'] or '-'} | {gain} | {p99_ratio} |"
+        )
+    logged = [r for r in rows if r.extra.get("server_log")]
+    lines.append("")
+    lines.append(
+        "Mean batch: requests per model call in the measured window, counted by the model "
+        "(bench/batch_probe.py). "
+        + (
+            "Server log: "
+            + "; ".join(
+                f"{r.scenario} {r.extra['server_log']['mean_requests']:.2f}" for r in logged
+            )
+            if logged
+            else "The server logs no batching totals."
+        )
+    )
+    return lines
+
+
+def details(results: Sequence[Result]) -> str:
+    """The overload and batching sections (empty when neither ran)."""
+    overload = [r for r in results if r.kind == "overload" and r.extra]
+    batching = [r for r in results if r.kind == "batching" and r.extra]
+    lines = (_overload_section(overload) if overload else []) + (
+        _batching_section(batching) if batching else []
+    )
+    return "\n".join(lines)
+
+
 def _clean(value: Any) -> Any:
     """NaN is not JSON: write it as null."""
     if isinstance(value, float) and math.isnan(value):

@@ -8,33 +8,65 @@
                     until throughput is back to 90 % of what it was before.
 ``storm``           25 clients send ``sleep`` 100 ms with a 50 ms deadline; then the time until
                     a normal call (``delay_ms`` 1, 5 s deadline) ends in under 50 ms again.
+``overload-xL``     trio-infer with a 64 MiB memory budget; ``echo`` with 4 MiB messages from L
+                    times the clients the budget admits (L = 1, 10): refusals, latency of the
+                    admitted calls, RSS of the server and of its workers over time.
+``batching-M-cC``   ``dense`` 1 row at concurrency C, on a copy of the example repository with
+                    batching off (``max_batch_size`` 0) or on (the example's): throughput,
+                    latency and the mean batch size.
 =================  ========================================================================
 
-Scenarios always run in this order; ``kill`` and ``storm`` come last because they can leave a
-server degraded (the server is restarted when they do).
+Scenarios always run in this order; ``kill`` and ``storm`` come last on the shared server
+because they can leave it degraded (the server is restarted when they do). ``overload`` and
+``batching`` (trio-infer only) each start a server of their own, after the shared one stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import math
 import os
+import re
+import shutil
 import signal
-from collections.abc import Callable
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench import client
-from bench.servers import ServerProcess
+from bench import batch_probe, client
+from bench.servers import MemorySampler, ServerKind, ServerProcess
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.settings import EXAMPLES, SETTINGS_FILE
+
+MIB = 1024 * 1024
+#: overload: the server's ``--memory-budget`` and the size of each request message.
+OVERLOAD_BUDGET = 64 * MIB
+OVERLOAD_MESSAGE = 4 * MIB
+#: overload: clients, as multiples of the requests the budget admits at once.
+OVERLOAD_LOADS = (1, 10)
+#: overload: each call's deadline, seconds, and the shorter one of ``overload-x10-d1s``.
+OVERLOAD_DEADLINE = 5.0
+OVERLOAD_SHORT_DEADLINE = 1.0
+#: overload: seconds between two RSS samples.
+RSS_INTERVAL = 0.1
+#: batching: the concurrencies, each run with batching off and on.
+BATCHING_CONCURRENCY = (25, 100)
+#: Scenario kinds that run on a server of their own, started with their own settings.
+OWN_SERVER_KINDS = frozenset({"overload", "batching"})
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """One measured situation; ``kind`` is one of live, dense, sleep, kill, storm."""
+    """One measured situation; ``kind`` is one of live, dense, sleep, kill, storm, overload,
+    batching."""
 
     name: str
     kind: str
@@ -42,6 +74,17 @@ class Scenario:
     rows: int = 1
     raw: bool = True
     delay_ms: int = 0
+    load: int = 0
+    """overload: clients as a multiple of the requests the memory budget admits at once."""
+    deadline: float = 0.0
+    """overload: each call's deadline in seconds."""
+    batching: bool = False
+    """batching: ``dense`` keeps the example's ``max_batch_size`` (on) or gets 0 (off)."""
+
+    @property
+    def own_server(self) -> bool:
+        """Whether this scenario starts a server of its own (see :func:`run_on_own_server`)."""
+        return self.kind in OWN_SERVER_KINDS
 
 
 def all_scenarios() -> list[Scenario]:
@@ -57,6 +100,20 @@ def all_scenarios() -> list[Scenario]:
     scenarios.append(Scenario("sleep10-c25", "sleep", 25, delay_ms=10))
     scenarios.append(Scenario("kill", "kill", 25, delay_ms=10))
     scenarios.append(Scenario("storm", "storm", 25, delay_ms=100))
+    fit = overload_fit()
+    scenarios += [
+        Scenario(f"overload-x{load}", "overload", fit * load, load=load, deadline=OVERLOAD_DEADLINE)
+        for load in OVERLOAD_LOADS
+    ]
+    short = OVERLOAD_SHORT_DEADLINE
+    scenarios.append(
+        Scenario(f"overload-x10-d{short:g}s", "overload", fit * 10, load=10, deadline=short)
+    )
+    for c in BATCHING_CONCURRENCY:
+        scenarios += [
+            Scenario(f"batching-{mode}-c{c}", "batching", c, batching=mode == "on")
+            for mode in ("off", "on")
+        ]
     return scenarios
 
 
@@ -95,6 +152,8 @@ class Timing:
     recovery_limit: float
     kill_before: float
     kill_after: float
+    overload_warmup: float
+    overload: float
     timeout: float = 10.0
 
     @classmethod
@@ -103,12 +162,14 @@ class Timing:
         if quick:
             return cls(
                 warmup=0.25, duration=duration or 0.8, storm=2.0, recovery_limit=8.0,
-                kill_before=1.0, kill_after=2.0,
+                kill_before=1.0, kill_after=2.0, overload_warmup=3.0,
+                overload=max(3.0, duration or 0.0),
             )  # fmt: skip
         duration = duration or 5.0
         return cls(
             warmup=1.0, duration=duration, storm=4.0, recovery_limit=60.0,
-            kill_before=2.0, kill_after=max(4.0, duration),
+            kill_before=2.0, kill_after=max(4.0, duration), overload_warmup=5.0,
+            overload=max(10.0, duration),
         )  # fmt: skip
 
 
@@ -296,7 +357,246 @@ async def _storm(server: ServerProcess, scenario: Scenario, timing: Timing) -> R
     return result
 
 
+# ------------------------------------------------------------------------------------------
+# overload: a memory budget, and ten times the clients it admits
+
+
+@functools.cache
+def overload_input() -> tuple[np.ndarray, pb.ModelInferRequest]:
+    """The overload scenarios' ``echo`` input and request: one raw FP32 tensor, sized so the
+    message is just under ``OVERLOAD_MESSAGE`` bytes (1 KiB left for the protobuf fields)."""
+    elements = (OVERLOAD_MESSAGE - 1024) // 4
+    x = np.arange(elements, dtype=np.float32).reshape(1, elements)
+    request = client.infer_request("echo", x, raw=True)
+    assert request.ByteSize() <= OVERLOAD_MESSAGE
+    return x, request
+
+
+def overload_fit() -> int:
+    """How many overload requests the budget admits at once.
+
+    Each reserves twice its message: the request and an answer as large (``echo`` declares no
+    outputs, so the server assumes an answer of the request's size).
+    """
+    return OVERLOAD_BUDGET // (2 * overload_input()[1].ByteSize())
+
+
+def _mib(kib: float) -> float:
+    return round(kib / 1024, 1)
+
+
+async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
+    result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
+    x, request = overload_input()
+    with MemorySampler(server, RSS_INTERVAL) as sampler:
+        await asyncio.sleep(3 * RSS_INTERVAL)  # idle samples first
+        async with client.open_channel(server.target) as channel:
+            call = _infer(client.stub_for(channel), request)
+            result.check = await _checked_first_call(call, lambda r: client.check_echo(r, x))
+            origin = time.perf_counter() + timing.overload_warmup
+            samples = await client.closed_loop(
+                call,
+                concurrency=scenario.concurrency,
+                warmup=timing.overload_warmup,
+                duration=timing.overload,
+                call_timeout=scenario.deadline,
+            )
+        await asyncio.sleep(3 * RSS_INTERVAL)  # and a few after the load
+    result.absorb(samples.summary())
+    memory = sampler.samples
+    if not memory:
+        result.notes = "no RSS samples (server gone?)"
+        return result
+    rejected = result.errors.get("RESOURCE_EXHAUSTED", 0)
+    share = rejected / result.requests if result.requests else 0.0
+    budget = OVERLOAD_BUDGET / MIB
+    server_max = max(m.server for m in memory)
+    total_max = max(m.server + m.workers for m in memory)
+    peak = max(server_max, sampler.server_peak_kib)
+    result.extra = {
+        "budget_mib": budget,
+        "message_bytes": request.ByteSize(),
+        "fit": overload_fit(),
+        "load": scenario.load,
+        "deadline_s": scenario.deadline,
+        "window_s": timing.overload,
+        "ok": result.requests - sum(result.errors.values()),
+        "rejected": rejected,
+        "rejected_share": share,
+        "rss_idle_mib": _mib(memory[0].server),
+        "workers_idle_mib": _mib(memory[0].workers),
+        "rss_max_mib": _mib(server_max),
+        "rss_hwm_mib": _mib(sampler.server_peak_kib),
+        "workers_max_mib": _mib(max(m.workers for m in memory)),
+        "total_max_mib": _mib(total_max),
+        "workers_seen": len(sampler.workers_seen),
+        "overhead_mib": round(_mib(peak) - budget, 1),
+        "overhead_total_mib": round(_mib(total_max) - budget, 1),
+        "rss_t": [round(m.at - origin, 2) for m in memory],
+        "rss_server_mib": [_mib(m.server) for m in memory],
+        "rss_workers_mib": [_mib(m.workers) for m in memory],
+    }
+    e = result.extra
+    result.notes = (
+        f"{e['fit']} fit in {budget:g} MiB, deadline {scenario.deadline:g} s; "
+        f"RESOURCE_EXHAUSTED {rejected} ({share:.0%}); "
+        f"RSS max {e['rss_max_mib']:g} MiB (peak {e['rss_hwm_mib']:g}, idle "
+        f"{e['rss_idle_mib']:g}), workers max {e['workers_max_mib']:g} MiB; "
+        f"max RSS - budget {e['overhead_mib']:+g} MiB"
+    )
+    if e["workers_seen"] > server.workers:
+        result.notes += f"; {e['workers_seen']} worker pids seen (workers replaced)"
+    return result
+
+
+# ------------------------------------------------------------------------------------------
+# batching: dense N=1 with max_batch_size 0 or the example's
+
+
+def _batching_repository(root: Path, on: bool) -> Path:
+    """A copy of the example repository under ``root``; ``dense`` counts its calls
+    (:mod:`bench.batch_probe`) and, when ``on`` is false, has ``max_batch_size`` 0."""
+    repository = root / "repository"
+    for folder in sorted(EXAMPLES.iterdir()):
+        if (folder / SETTINGS_FILE).is_file():
+            shutil.copytree(
+                folder, repository / folder.name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+    dense = repository / "dense"
+    settings = json.loads((dense / SETTINGS_FILE).read_text())
+    settings["implementation"] = f"bench_batch_probe.{batch_probe.CountingDense.__name__}"
+    if not on:
+        settings["max_batch_size"] = 0
+    (dense / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    shutil.copyfile(batch_probe.__file__, dense / "bench_batch_probe.py")
+    return repository
+
+
+def _read_batches(path: Path, start: float, end: float) -> list[int]:
+    """The rows of each model call logged by the probe between ``start`` and ``end``."""
+    rows: list[int] = []
+    with contextlib.suppress(FileNotFoundError), path.open() as lines:
+        for line in lines:
+            at, _, count = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                if start <= float(at) < end:
+                    rows.append(int(count))
+    return rows
+
+
+#: The line the server would log for each batching model when it stops (not logged yet; read
+#: when present): ``model 'dense': 412 batches, 5230 requests, 5230 rows``.
+SERVER_BATCHING_LINE = re.compile(
+    r"model '(?P<model>[^']+)': (?P<batches>\d+) batches, (?P<requests>\d+) requests, "
+    r"(?P<rows>\d+) rows"
+)
+
+
+def server_log_batching(log_path: Path, model: str) -> dict[str, Any] | None:
+    """The batching totals of ``model`` in the last start of a server's log, if it logs them."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    found = None
+    for match in SERVER_BATCHING_LINE.finditer(text.rpartition("==== start")[2]):
+        if match["model"] == model:
+            found = match
+    if found is None:
+        return None
+    batches, requests = int(found["batches"]), int(found["requests"])
+    return {
+        "batches": batches,
+        "requests": requests,
+        "rows": int(found["rows"]),
+        "mean_requests": requests / batches if batches else None,
+    }
+
+
+async def _batching(
+    server: ServerProcess, scenario: Scenario, timing: Timing, *, repository: Path
+) -> Result:
+    result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
+    x = client.dense_input(scenario.rows)
+    request = client.infer_request("dense", x, raw=scenario.raw)
+    window: dict[str, float] = {}
+
+    def mark(name: str) -> Callable[[], None]:
+        return lambda: window.__setitem__(name, time.monotonic())
+
+    async with client.open_channel(server.target) as channel:
+        call = _infer(client.stub_for(channel), request)
+        result.check = await _checked_first_call(call, lambda r: client.check_dense(r, x))
+        samples = await client.closed_loop(
+            call,
+            concurrency=scenario.concurrency,
+            warmup=timing.warmup,
+            duration=timing.duration,
+            call_timeout=timing.timeout,
+            actions=[
+                client.Action(0.0, mark("start")),
+                client.Action(timing.duration, mark("end")),
+            ],
+        )
+    result.absorb(samples.summary())
+    settings = json.loads((repository / "dense" / SETTINGS_FILE).read_text())
+    rows = _read_batches(
+        repository / "dense" / batch_probe.LOG_NAME, window["start"], window["end"]
+    )
+    mean = sum(rows) / len(rows) if rows else None
+    result.extra = {
+        "batching": scenario.batching,
+        "max_batch_size": settings.get("max_batch_size", 0),
+        "max_batch_time": settings.get("max_batch_time", 0),
+        "batches": len(rows),
+        "batched_rows": sum(rows),
+        "mean_batch": mean,
+        "max_batch": max(rows, default=None),
+    }
+    result.notes = f"max_batch_size {result.extra['max_batch_size']}; " + (
+        f"mean batch {mean:.2f} requests ({len(rows)} model calls in the window, largest "
+        f"{result.extra['max_batch']})"
+        if mean
+        else "no model call logged in the window"
+    )
+    return result
+
+
+def run_on_own_server(
+    kind: ServerKind, python: Path, workers: int, run_dir: Path, scenario: Scenario,
+    timing: Timing, log: Callable[[str], None],
+) -> Result:  # fmt: skip
+    """Start a server for ``scenario`` alone (its memory budget, or its copy of the example
+    repository), run the scenario, stop the server.
+
+    Raises:
+        PeerUnavailable: The server did not start.
+    """
+    with tempfile.TemporaryDirectory(prefix=f"bench-{scenario.name}-") as tmp:
+        runner: Callable[[ServerProcess, Scenario, Timing], Awaitable[Result]]
+        if scenario.kind == "overload":
+            args: tuple[str, ...] = ("--memory-budget", str(OVERLOAD_BUDGET))
+            runner = _overload
+        else:
+            repository = _batching_repository(Path(tmp), scenario.batching)
+            args = (str(repository),)
+            runner = functools.partial(_batching, repository=repository)
+        server = ServerProcess(kind, python, workers, run_dir, extra_args=args, label=scenario.name)
+        try:
+            took = server.start()
+            log(f"{kind.name} for {scenario.name} ready in {took:.1f} s (pid {server.pid})")
+            result = asyncio.run(runner(server, scenario, timing))
+        finally:
+            server.stop()
+    if scenario.kind == "batching":
+        from_log = server_log_batching(server.log_path, "dense")
+        result.extra["server_log"] = from_log
+        if from_log is not None and from_log["mean_requests"] is not None:
+            result.notes += f"; server log: mean {from_log['mean_requests']:.2f} requests per batch"
+    return result
+
+
 def run(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
-    """Run one scenario against a started server."""
+    """Run one scenario against a started server (not one of :data:`OWN_SERVER_KINDS`)."""
     runner = {"kill": _kill, "storm": _storm}.get(scenario.kind, _load)
     return asyncio.run(runner(server, scenario, timing))

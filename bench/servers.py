@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -164,6 +166,92 @@ def mlserver_workers(server_pid: int) -> list[int]:
     ]
 
 
+def memory_kib(pid: int) -> tuple[int, int] | None:
+    """A process's resident memory now and at its peak (``VmRSS``, ``VmHWM``), in KiB.
+
+    None when the process is gone (or is a zombie, which has no memory).
+    """
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    found = {
+        name: int(rest.split()[0])
+        for name, _, rest in (line.partition(":") for line in lines)
+        if name in ("VmRSS", "VmHWM")
+    }
+    if len(found) < 2:
+        return None
+    return found["VmRSS"], found["VmHWM"]
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Resident memory of a server at one moment, in KiB."""
+
+    at: float
+    """``time.perf_counter()`` when taken."""
+    server: int
+    """The server process's VmRSS."""
+    workers: int
+    """The sum of its worker processes' VmRSS."""
+
+
+class MemorySampler:
+    """Samples a server's RSS and its workers' (summed) every ``interval`` s, in a thread.
+
+    Use as a context manager: sampling runs inside the ``with`` block. The worker list is
+    refreshed every ``refresh`` s (a scan of /proc) and whenever a worker is gone.
+    """
+
+    def __init__(self, server: ServerProcess, interval: float = 0.1, refresh: float = 1.0):
+        self._server_pid = server.pid
+        self._find_workers = server.worker_pids
+        self._interval = interval
+        self._refresh = refresh
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self.samples: list[MemorySample] = []
+        self.workers_seen: set[int] = set()
+        """Every worker pid found (more than the pool's size: workers were replaced; a worker
+        that lived less than ``refresh`` s may be missed)."""
+        self.server_peak_kib = 0
+        """The server process's VmHWM (kernel's high-water mark) at the last sample."""
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        workers: list[int] = []
+        found_at = -math.inf
+        tick = time.perf_counter()
+        while True:
+            now = time.perf_counter()
+            if now - found_at >= self._refresh:
+                workers, found_at = self._find_workers(), now
+                self.workers_seen.update(workers)
+            server = memory_kib(self._server_pid)
+            if server is None:
+                return  # the server is gone
+            workers_kib = 0
+            for pid in workers:
+                memory = memory_kib(pid)
+                if memory is None:
+                    found_at = -math.inf  # a worker died: look again next time
+                else:
+                    workers_kib += memory[0]
+            self.samples.append(MemorySample(now, server[0], workers_kib))
+            self.server_peak_kib = server[1]
+            tick += self._interval
+            if self._stop.wait(max(0.0, tick - time.perf_counter())):
+                return
+
+
 # ------------------------------------------------------------------------------------------
 # The servers
 
@@ -218,6 +306,8 @@ def _no_env(ports: Ports, workers: int) -> dict[str, str]:
 
 
 ALL_KINDS = frozenset({"live", "dense", "sleep", "storm", "kill"})
+#: trio-infer alone also runs the scenarios that start it with its own settings.
+TRIO_INFER_KINDS = ALL_KINDS | {"overload", "batching"}
 
 SERVERS: dict[str, ServerKind] = {
     kind.name: kind
@@ -225,7 +315,7 @@ SERVERS: dict[str, ServerKind] = {
         ServerKind(
             name="trio-infer",
             requirements=(),
-            serves=ALL_KINDS,
+            serves=TRIO_INFER_KINDS,
             command=_trio_infer_command,
             environment=_no_env,
             find_workers=trio_infer_workers,
@@ -353,6 +443,10 @@ class ServerProcess:
     python: Path
     workers: int
     log_dir: Path
+    extra_args: tuple[str, ...] = ()
+    """Appended to the command line (a scenario's own server: memory budget, repository)."""
+    label: str = ""
+    """Names the log of a scenario's own server: ``server-<kind>-<label>.log``."""
     ports: Ports = field(init=False)
     process: subprocess.Popen[bytes] | None = field(init=False, default=None)
     starts: int = field(init=False, default=0)
@@ -371,7 +465,8 @@ class ServerProcess:
     @property
     def log_path(self) -> Path:
         """Where the server's stdout and stderr go."""
-        return self.log_dir / f"server-{self.kind.name}.log"
+        suffix = f"-{self.label}" if self.label else ""
+        return self.log_dir / f"server-{self.kind.name}{suffix}.log"
 
     def alive(self) -> bool:
         """Whether the server process is still running."""
@@ -403,7 +498,7 @@ class ServerProcess:
             log.write(f"\n==== start {self.starts} ====\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                self.kind.command(self.python, self.ports, self.workers),
+                [*self.kind.command(self.python, self.ports, self.workers), *self.extra_args],
                 cwd=REPO,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -10,6 +10,7 @@ import concurrent.futures
 import math
 import socket
 import threading
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -63,7 +64,7 @@ async def test_reservations_are_granted_first_come_first_served() -> None:
 
 
 async def test_a_cancelled_waiter_leaves_the_queue_and_lets_the_next_in() -> None:
-    admission = Admission(budget_bytes=100)
+    admission = Admission(budget_bytes=100, max_waiting_bytes=200)
     release = trio.Event()
     granted: list[int] = []
 
@@ -87,6 +88,31 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_lets_the_next_in() -> Non
         assert admission.statistics().waiting == 0
         release.set()
     assert admission.statistics().reserved_bytes == 0
+
+
+async def test_past_the_waiting_room_a_request_is_refused_at_once() -> None:
+    admission = Admission(budget_bytes=100)  # the waiting room holds one budget's worth
+    release = trio.Event()
+
+    async def hold(nbytes: int) -> None:
+        async with admission.reserve(nbytes, math.inf):
+            await release.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold, 100)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(hold, 60)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(Overloaded) as caught:
+            async with admission.reserve(50, math.inf):
+                pass  # pragma: no cover - never admitted
+        assert caught.value.message == (
+            "memory budget full: 100 of 100 bytes reserved and 60 bytes already waiting "
+            "(--memory-budget)"
+        )
+        assert admission.statistics().waiting == 1
+        release.set()
+    assert admission.statistics().rejected == {"memory_budget": 1}
 
 
 async def test_a_request_larger_than_the_budget_is_refused_at_once() -> None:
@@ -162,24 +188,31 @@ async def test_a_request_larger_than_the_budget_is_refused_naming_the_bound(
     client.channel.close()
 
 
-async def test_requests_beyond_the_budget_wait_and_never_exceed_it(
+async def test_requests_beyond_the_budget_wait_or_are_refused_and_never_exceed_it(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    # Each request reserves twice its ~300 KiB message; 1.5 MiB admits two at a time.
-    probe = await start_probe(nursery, tmp_path, server={"memory_budget": 3 * MiB // 2})
+    # Each request reserves three times its ~300 KiB message: 2 MiB admits two at a time, and
+    # its waiting room (one budget's worth) holds two more. Ten clients: the rest are refused.
+    budget = 2 * MiB
+    probe = await start_probe(nursery, tmp_path, server={"memory_budget": budget})
     payload = np.zeros(300 * 1024, np.uint8)
     peak_reserved = peak_waiting = 0
+    outcomes: Counter[str] = Counter()
 
     def request(index: int) -> None:
         message = pb.ModelInferRequest(model_name="probe")
         encode_inputs(message, [("x", payload)], raw=True)
         message.parameters["action"].string_param = "sleep"
         message.parameters["delay_ms"].int64_param = 100
-        probe.client.stub.ModelInfer(message, timeout=20)
+        try:
+            probe.client.stub.ModelInfer(message, timeout=20)
+            outcomes["OK"] += 1
+        except grpc.RpcError as error:
+            outcomes[error.code().name] += 1
 
     def load() -> None:
         with concurrent.futures.ThreadPoolExecutor(10) as pool:
-            list(pool.map(request, range(20)))
+            list(pool.map(request, range(40)))
 
     async with trio.open_nursery() as load_nursery:
         load_nursery.start_soon(trio.to_thread.run_sync, load)
@@ -188,8 +221,12 @@ async def test_requests_beyond_the_budget_wait_and_never_exceed_it(
             peak_reserved = max(peak_reserved, statistics.reserved_bytes)
             peak_waiting = max(peak_waiting, statistics.waiting)
             await trio.sleep(0.005)
-    assert 0 < peak_reserved <= 3 * MiB // 2
-    assert peak_waiting > 0
+    assert 0 < peak_reserved <= budget
+    assert 0 < peak_waiting <= 2
+    assert set(outcomes) == {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+    assert probe.server.statistics().admission.rejected["memory_budget"] == outcomes[
+        "RESOURCE_EXHAUSTED"
+    ]
     await eventually(lambda: probe.server.statistics().admission.reserved_bytes == 0)
 
 

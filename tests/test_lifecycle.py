@@ -61,6 +61,21 @@ async def test_a_deadline_that_passes_while_queued_never_reaches_a_worker(
     assert not probe.started("queued")
 
 
+async def test_a_call_that_cannot_finish_in_time_is_not_started(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Starting it would only get its worker killed at the deadline, and replaced: under a
+    # deadline-heavy load that churn, not the model, would use the machine.
+    probe = await start_probe(nursery, tmp_path, server={"workers": 1})
+    pid = await probe.call(deadline=5, action="sleep", delay_ms=300)
+    error = await probe.error(deadline=0.15, tag="doomed", action="sleep", delay_ms=300)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error.details().startswith("deadline exceeded: model 'probe' usually takes 3")
+    assert not probe.started("doomed")
+    assert await probe.call(deadline=5) == pid
+    assert probe.server.statistics().pool.not_started == 1
+
+
 async def test_a_model_timeout_bounds_a_hung_call_without_a_deadline(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

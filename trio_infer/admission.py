@@ -3,10 +3,14 @@
 Two bounds, checked in order as a request's data becomes known:
 
 1. The **memory budget** (server-wide, ``--memory-budget``). A request announces its size in
-   the 5-byte gRPC prefix before its body is read; it reserves room for that message and a
-   response of the same size before the transport lets the client send the body. A request
-   larger than the whole budget is refused at once; others wait, first come first served, until
-   room frees up, for at most their deadline (or ``max_wait`` when they set none).
+   the 5-byte gRPC prefix before its body is read; it reserves room for that message, its
+   decoded copy and a response of the same size before the transport lets the client send the
+   body. A request larger than the whole budget is refused at once. Others wait, first come
+   first served, until room frees up, for at most their deadline (or ``max_wait`` when they set
+   none), as long as the waiting room has space: the requests already waiting must need less
+   than ``max_waiting_bytes`` (one budget's worth by default). Past that, a request is refused
+   at once: under overload the admitted requests keep their latency and the excess is turned
+   away fast, instead of every request waiting longer.
 2. The **per-model queue** (``max_queue_size`` in model settings): once the request is parsed and
    its model known, it takes one of the model's slots, or is refused at once when all are taken.
    A slot is held while the request waits for and runs on a worker. Refusing at once rather
@@ -93,12 +97,18 @@ class Admission:
     Args:
         budget_bytes: The most bytes requests in flight may reserve together.
         max_wait: How long a request with no deadline may wait for room in the budget.
+        max_waiting_bytes: The most bytes requests waiting for room may ask for together
+            (default: ``budget_bytes``).
     """
 
-    def __init__(self, budget_bytes: int, max_wait: float = 10.0) -> None:
+    def __init__(
+        self, budget_bytes: int, max_wait: float = 10.0, max_waiting_bytes: int | None = None
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.max_wait = max_wait
+        self.max_waiting_bytes = budget_bytes if max_waiting_bytes is None else max_waiting_bytes
         self._reserved = 0
+        self._waiting_bytes = 0
         # Invariant: a waiter is in this queue exactly until it is granted or gives up, and the
         # head waiter is granted as soon as its bytes fit.
         self._waiters: deque[_Waiter] = deque()
@@ -171,8 +181,15 @@ class Admission:
             self._reserved += nbytes
             await trio.lowlevel.checkpoint()
             return Reservation(self, nbytes)
+        if self._waiting_bytes + nbytes > self.max_waiting_bytes:
+            raise self._refuse(
+                "memory_budget",
+                f"memory budget full: {self._reserved} of {self.budget_bytes} bytes reserved "
+                f"and {self._waiting_bytes} bytes already waiting (--memory-budget)",
+            )
         waiter = _Waiter(nbytes, trio.Event())
         self._waiters.append(waiter)
+        self._waiting_bytes += nbytes
         try:
             await waiter.granted.wait()
         except BaseException:
@@ -181,6 +198,7 @@ class Admission:
                 self._release(nbytes)
             else:
                 self._waiters.remove(waiter)
+                self._waiting_bytes -= nbytes
                 # A large waiter leaving the head may let smaller ones behind it in.
                 self._grant_waiters()
             raise
@@ -193,6 +211,7 @@ class Admission:
     def _grant_waiters(self) -> None:
         while self._waiters and self._reserved + self._waiters[0].nbytes <= self.budget_bytes:
             waiter = self._waiters.popleft()
+            self._waiting_bytes -= waiter.nbytes
             self._reserved += waiter.nbytes
             waiter.granted.set()
 

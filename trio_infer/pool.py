@@ -35,7 +35,7 @@ import trio
 import trio_parallel
 
 from trio_infer import worker
-from trio_infer.errors import InferError, ModelFailed, Unavailable
+from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
 from trio_infer.settings import ModelSettings
 
@@ -47,6 +47,8 @@ __all__ = ["GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
 GRACE_PERIOD = 0.5
 
 _log = logging.getLogger(__name__)
+#: Weight of the newest call in a model's usual call time.
+_CALL_TIME_WEIGHT = 0.2
 _T = TypeVar("_T")
 
 # Worker type. A replacement worker starts on the request path (after a crash or a cancelled
@@ -83,6 +85,8 @@ class PoolStatistics:
         waiting: Calls waiting for a free worker.
         crashed: Workers that died during a call since the pool opened (kills on cancel are
             not crashes).
+        not_started: Calls refused when a worker came free because their deadline was closer
+            than the model's usual call time.
     """
 
     workers: int
@@ -90,6 +94,7 @@ class PoolStatistics:
     idle: int
     waiting: int
     crashed: int
+    not_started: int
 
 
 class WorkerPool:
@@ -103,8 +108,14 @@ class WorkerPool:
         self._workers = workers
         # One token per worker: a call holds a worker process for exactly as long as a token.
         self._limiter = trio.CapacityLimiter(workers)
+        # predict holds a token of _limiter itself (to look at the deadline once a worker is
+        # free), so its trio-parallel call needs no second bound.
+        self._unbounded = trio.CapacityLimiter(math.inf)
         self._crashed = 0
         self._crash = trio.Event()
+        #: Each model's usual call time, a moving average of its successful calls (seconds).
+        self._call_time: dict[str, float] = {}
+        self._not_started = 0
 
     @classmethod
     @asynccontextmanager
@@ -183,7 +194,9 @@ class WorkerPool:
         """Run one model call in a worker, waiting for a free worker first.
 
         Cancelling the call (a deadline, a client gone) kills the worker running it; the pool
-        starts a replacement on the next call.
+        starts a replacement on the next call. So that deadlines under load do not turn into a
+        stream of killed workers, a call whose deadline (the enclosing cancel scopes') is closer
+        than the model's usual call time when a worker comes free is not started at all.
 
         Args:
             settings: The model; a worker loads it on first use.
@@ -199,8 +212,31 @@ class WorkerPool:
                 ``dict[str, numpy.ndarray]``.
             Unavailable: The worker process died during the call.
         """
-        what = f"running model {settings.name!r}"
-        return await self._run(what, worker.predict, settings, inputs, parameters)
+        name = settings.name
+        async with self._limiter:
+            usual = self._call_time.get(name, 0.0)
+            left = trio.current_effective_deadline() - trio.current_time()
+            if left < usual:
+                self._not_started += 1
+                raise InferError(
+                    f"deadline exceeded: model '{name}' usually takes {usual * 1000:.0f} ms and "
+                    f"{max(left, 0) * 1000:.0f} ms were left when a worker came free",
+                    StatusCode.DEADLINE_EXCEEDED,
+                )
+            started = trio.current_time()
+            outputs = await self._run(
+                f"running model {name!r}",
+                worker.predict,
+                settings,
+                inputs,
+                parameters,
+                limiter=self._unbounded,
+            )
+            elapsed = trio.current_time() - started
+            self._call_time[name] = (
+                usual + _CALL_TIME_WEIGHT * (elapsed - usual) if usual else elapsed
+            )
+        return outputs
 
     async def wait_worker_crash(self) -> None:
         """Wait until a worker process dies during a call (kills on cancel do not count)."""
@@ -214,12 +250,19 @@ class WorkerPool:
             idle=self._context.statistics().idle_workers,
             waiting=self._limiter.statistics().tasks_waiting,
             crashed=self._crashed,
+            not_started=self._not_started,
         )
 
-    async def _run(self, what: str, fn: Callable[..., _T], *args: object) -> _T:
+    async def _run(
+        self,
+        what: str,
+        fn: Callable[..., _T],
+        *args: object,
+        limiter: trio.CapacityLimiter | None = None,
+    ) -> _T:
         try:
             result: _T = await self._context.run_sync(
-                fn, *args, kill_on_cancel=True, limiter=self._limiter
+                fn, *args, kill_on_cancel=True, limiter=limiter or self._limiter
             )
         except InferError:
             raise
