@@ -624,6 +624,10 @@ class Batching:
         """The batcher of model ``name``, or None when that model does not batch."""
         return self._models.get(name)
 
+    def statistics(self) -> dict[str, BatchStatistics]:
+        """Return a snapshot of each batching model's batching, by model name."""
+        return {name: batcher.statistics() for name, batcher in self._models.items()}
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run every model's batchers until :meth:`stop` or cancellation."""
         with self._scope:

@@ -25,6 +25,7 @@ from pathlib import Path
 import trio
 
 from trio_infer.admission import Admission, AdmissionStatistics
+from trio_infer.batching import BatchStatistics
 from trio_infer.errors import InferError
 from trio_infer.grpc_protocol import ProtocolLimits
 from trio_infer.pool import PoolStatistics, WorkerPool
@@ -78,6 +79,7 @@ class ServerStatistics:
 
     admission: AdmissionStatistics
     pool: PoolStatistics
+    batching: dict[str, BatchStatistics]
 
 
 class RunningServer:
@@ -98,10 +100,11 @@ class RunningServer:
         return self._shutdown_requested.is_set()
 
     def statistics(self) -> ServerStatistics:
-        """Return a snapshot of admission control and the worker pool."""
+        """Return a snapshot of admission control, the worker pool and batching."""
         return ServerStatistics(
             admission=self.service.admission.statistics(),
             pool=self.service.pool.statistics(),
+            batching=self.service.batching.statistics(),
         )
 
     def shutdown(self) -> None:
@@ -165,6 +168,15 @@ async def run_server(
             await grpc.shutdown(config.grace_period)
             service.batching.stop()
             nursery.cancel_scope.deadline = trio.current_time() + _CLOSE_SLACK
+    for name, batches in service.batching.statistics().items():
+        logger.info(
+            "model '%s': %d batches, %d requests, %d rows (mean %.1f requests per batch)",
+            name,
+            batches.batches,
+            batches.requests,
+            batches.rows,
+            batches.mean_batch_requests,
+        )
     logger.info("server stopped")
 
 
