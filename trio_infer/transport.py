@@ -157,16 +157,25 @@ class Call:
         if not self._headers_sent:
             protocol.start_response(self._stream_id, self.initial_metadata)
             self._headers_sent = True
-        pending = memoryview(_MESSAGE_PREFIX.pack(False, len(data)) + data)
+        # Frames are cut from views of the message: a large response is never copied whole
+        # (only the first frame, which carries the 5-byte prefix, is assembled).
+        prefix = _MESSAGE_PREFIX.pack(False, len(data))
+        pending = memoryview(data)
         self._message_half_sent = True
-        while pending:
+        while prefix or pending:
             window = protocol.send_window(self._stream_id)
-            if window <= 0:
+            if window <= len(prefix):
                 connection.flush()
                 await connection.wait_window_update()
                 continue
-            protocol.send_data(self._stream_id, bytes(pending[:window]))
-            pending = pending[window:]
+            chunk: bytes | memoryview
+            if prefix:
+                chunk = prefix + pending[: window - len(prefix)]
+                pending = pending[window - len(prefix) :]
+                prefix = b""
+            else:
+                chunk, pending = pending[:window], pending[window:]
+            protocol.send_data(self._stream_id, chunk)
         self._message_half_sent = False
         connection.flush()
 
