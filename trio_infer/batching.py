@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate, pairwise
 from typing import Protocol
 
@@ -330,27 +330,18 @@ class BatchStatistics:
         """Seconds a batched request waited for its batch, on average (0 before the first)."""
         return self.total_queue_wait / self.requests if self.requests else 0.0
 
-
-@dataclass
-class _Counts:
-    batches: int = 0
-    requests: int = 0
-    rows: int = 0
-    max_batch_requests: int = 0
-    max_batch_rows: int = 0
-    total_queue_wait: float = 0.0
-    max_queue_wait: float = 0.0
-    abandoned: int = 0
-    crashed: bool = False
-
-    def add_batch(self, requests: int, rows: int, waits: Sequence[float]) -> None:
-        self.batches += 1
-        self.requests += requests
-        self.rows += rows
-        self.max_batch_requests = max(self.max_batch_requests, requests)
-        self.max_batch_rows = max(self.max_batch_rows, rows)
-        self.total_queue_wait += sum(waits)
-        self.max_queue_wait = max(self.max_queue_wait, *waits)
+    def with_batch(self, rows: int, waits: Sequence[float]) -> BatchStatistics:
+        """These statistics after one more batch of ``len(waits)`` requests."""
+        return replace(
+            self,
+            batches=self.batches + 1,
+            requests=self.requests + len(waits),
+            rows=self.rows + rows,
+            max_batch_requests=max(self.max_batch_requests, len(waits)),
+            max_batch_rows=max(self.max_batch_rows, rows),
+            total_queue_wait=self.total_queue_wait + sum(waits),
+            max_queue_wait=max(self.max_queue_wait, *waits),
+        )
 
 
 # --- the pipeline ----------------------------------------------------------------------------
@@ -436,7 +427,8 @@ class ModelBatcher:
         self._planning = trio.Lock()
         self._stopped: InferError | None = None
         self._run_time = 0.0
-        self._counts = _Counts()
+        # Counts only: ``waiting`` is filled in by statistics().
+        self._statistics = BatchStatistics()
 
     async def predict(
         self, inputs: dict[str, np.ndarray], parameters: Parameters, deadline: float
@@ -477,19 +469,7 @@ class ModelBatcher:
 
     def statistics(self) -> BatchStatistics:
         """Return a snapshot of this model's batching."""
-        c = self._counts
-        return BatchStatistics(
-            batches=c.batches,
-            requests=c.requests,
-            rows=c.rows,
-            max_batch_requests=c.max_batch_requests,
-            max_batch_rows=c.max_batch_rows,
-            total_queue_wait=c.total_queue_wait,
-            max_queue_wait=c.max_queue_wait,
-            waiting=len(self._waiting),
-            abandoned=c.abandoned,
-            crashed=c.crashed,
-        )
+        return replace(self._statistics, waiting=len(self._waiting))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run this model's batchers until cancelled, or until one crashes.
@@ -506,7 +486,7 @@ class ModelBatcher:
                 task_status.started()
         except* Exception as crash:
             logger.error("model '%s': batching crashed", name, exc_info=crash)
-            self._counts.crashed = True
+            self._statistics = replace(self._statistics, crashed=True)
             self._stop(_crashed(name))
         finally:
             self._stop(Unavailable(f"model '{name}': batching stopped"))
@@ -541,8 +521,8 @@ class ModelBatcher:
         batch = _Batch(members)
         for member in members:
             member.batch = batch
-        self._counts.add_batch(
-            len(members), sum(m.rows for m in members), [now - m.arrived for m in members]
+        self._statistics = self._statistics.with_batch(
+            sum(m.rows for m in members), [now - m.arrived for m in members]
         )
         return batch
 
@@ -575,7 +555,7 @@ class ModelBatcher:
     def _abandon(self, member: _Member) -> None:
         if member.batch is None:
             self._waiting.remove(member)
-            self._counts.abandoned += 1
+            self._statistics = replace(self._statistics, abandoned=self._statistics.abandoned + 1)
             # A departure can close or fill a batch of the requests behind it.
             self._notify()
         else:
