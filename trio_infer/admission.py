@@ -143,14 +143,19 @@ class Admission:
                 f"{self.budget_bytes} bytes (--memory-budget)",
             )
         reservation: Reservation | None = None
-        with trio.move_on_after(self.max_wait if math.isinf(deadline) else math.inf):
-            reservation = await self._acquire(nbytes)
-        if reservation is None:
-            raise self._refuse(
-                "memory_budget",
-                f"memory budget full: waited {self.max_wait:g} s for {nbytes} bytes "
-                "(--memory-budget)",
-            )
+        if not self._waiters and self._reserved + nbytes <= self.budget_bytes:
+            # The common case, on every call's path: no scope, no waiting.
+            self._reserved += nbytes
+            reservation = Reservation(self, nbytes)
+        else:
+            with trio.move_on_after(self.max_wait if math.isinf(deadline) else math.inf):
+                reservation = await self._wait_for_room(nbytes)
+            if reservation is None:
+                raise self._refuse(
+                    "memory_budget",
+                    f"memory budget full: waited {self.max_wait:g} s for {nbytes} bytes "
+                    "(--memory-budget)",
+                )
         try:
             yield reservation
         finally:
@@ -176,11 +181,7 @@ class Admission:
         finally:
             self._in_flight[name] -= 1
 
-    async def _acquire(self, nbytes: int) -> Reservation:
-        if not self._waiters and self._reserved + nbytes <= self.budget_bytes:
-            self._reserved += nbytes
-            await trio.lowlevel.checkpoint()
-            return Reservation(self, nbytes)
+    async def _wait_for_room(self, nbytes: int) -> Reservation:
         if self._waiting_bytes + nbytes > self.max_waiting_bytes:
             raise self._refuse(
                 "memory_budget",

@@ -7,7 +7,6 @@ request -> lookup -> validation -> decode -> worker -> select outputs -> encode 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -197,17 +196,28 @@ class InferenceService:
         limit = deadline
         if settings.timeout is not None:
             limit = min(deadline, trio.current_time() + settings.timeout)
-        batcher = self.batching.get(settings.name)
-        # Only a limit before the call's deadline needs a scope (and a message) of its own.
-        with trio.move_on_at(limit if limit < deadline else math.inf):
-            if batcher is None:
-                return await self.pool.predict(settings, inputs, parameters)
-            # The batch is dispatched in time for whichever limit comes first.
-            return await batcher.predict(inputs, parameters, limit)
+        if limit >= deadline:
+            # The call's own scope enforces its deadline.
+            return await self._run_on_worker(settings, inputs, parameters, deadline)
+        with trio.move_on_at(limit):
+            return await self._run_on_worker(settings, inputs, parameters, limit)
         raise InferError(
             f"model '{settings.name}' did not answer within its timeout of {settings.timeout:g} s",
             StatusCode.DEADLINE_EXCEEDED,
         )
+
+    async def _run_on_worker(
+        self,
+        settings: ModelSettings,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        limit: float,
+    ) -> dict[str, np.ndarray]:
+        batcher = self.batching.get(settings.name)
+        if batcher is None:
+            return await self.pool.predict(settings, inputs, parameters)
+        # The batch is dispatched in time for the call's limit.
+        return await batcher.predict(inputs, parameters, limit)
 
     async def _health_check(
         self, request: health_pb2.HealthCheckRequest, call: Call, reservation: Reservation
