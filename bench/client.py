@@ -9,9 +9,10 @@ cost is the same for every server.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -54,12 +55,17 @@ class Summary:
 @dataclass
 class Samples:
     """Calls that ended after the warm-up: start and end (seconds from the end of the warm-up,
-    so the measured window is ``[0, duration)``) and status name (``OK`` or a gRPC code)."""
+    so the measured window is ``[0, duration)``) and status name (``OK`` or a gRPC code).
+
+    ``firsts`` is when the first attempt of the same request started: earlier than the start
+    when the call resends a request refused before (``retry_on`` of :func:`closed_loop`).
+    """
 
     duration: float
     starts: list[float] = field(default_factory=list)
     ends: list[float] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
+    firsts: list[float] = field(default_factory=list)
 
     def in_window(self, start: float, end: float) -> list[int]:
         """Indices of the calls that ended in ``[start, end)``."""
@@ -83,6 +89,22 @@ class Samples:
             p99_ms=p99,
             requests=len(chosen),
             errors={status: n for status, n in sorted(statuses.items()) if status != "OK"},
+        )
+
+    def ok_since_first(self, start: float = 0.0, end: float | None = None) -> tuple[float, float]:
+        """p50 and p99 (ms) of the OK calls that ended in a window, each timed from the start
+        of its request's first attempt (so including refused attempts and waits between)."""
+        end = self.duration if end is None else end
+        latencies = [
+            self.ends[i] - self.firsts[i]
+            for i in self.in_window(start, end)
+            if self.statuses[i] == "OK"
+        ]
+        if not latencies:
+            return float("nan"), float("nan")
+        return (
+            float(np.percentile(latencies, 50)) * 1e3,
+            float(np.percentile(latencies, 99)) * 1e3,
         )
 
 
@@ -162,6 +184,24 @@ class Action:
     run: Callable[[], None]
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """How long a client waits before it resends a refused request, as grpcio's retries do
+    (gRPC core's ``BackOff``, with the retry filter's jitter of 0.2): the n-th resend waits
+    ``min(initial * multiplier ** (n - 1), maximum) * uniform(1 - jitter, 1 + jitter)``
+    seconds. The count starts again after a call that was not refused."""
+
+    initial: float = 0.05
+    maximum: float = 1.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        """Seconds to wait before the ``retry``-th resend (1 for the first)."""
+        backoff = min(self.initial * self.multiplier ** (retry - 1), self.maximum)
+        return backoff * rng.uniform(1.0 - self.jitter, 1.0 + self.jitter)
+
+
 async def closed_loop(
     call: Call,
     *,
@@ -170,21 +210,29 @@ async def closed_loop(
     duration: float,
     call_timeout: float,
     actions: Sequence[Action] = (),
+    retry_on: Collection[str] = (),
+    backoff: Backoff | None = None,
 ) -> Samples:
     """Run ``concurrency`` closed-loop clients for ``warmup + duration`` seconds.
 
     No call starts after the window ends; calls in flight then are awaited (each is bounded by
-    ``call_timeout``) and, ending after the window, not counted in it.
+    ``call_timeout``) and, ending after the window, not counted in it. A call that ends with a
+    status in ``retry_on`` is resent: its next call is the same request (``Samples.firsts``),
+    sent at once, or after a wait by ``backoff`` (never past the window's end).
     """
     samples = Samples(duration)
     origin = time.perf_counter() + warmup
     stop = origin + duration
+    rng = random.Random(0)
 
     async def client() -> None:
+        first: float | None = None
+        retries = 0
         for _ in range(MAX_CALLS_PER_CLIENT):
             started = time.perf_counter()
             if started >= stop:
                 return
+            first = started if first is None else first
             try:
                 await call(call_timeout)
                 status = "OK"
@@ -195,6 +243,14 @@ async def closed_loop(
                 samples.starts.append(started - origin)
                 samples.ends.append(ended - origin)
                 samples.statuses.append(status)
+                samples.firsts.append(first - origin)
+            if status not in retry_on:
+                first, retries = None, 0
+                continue
+            retries += 1
+            if backoff is not None:
+                wait = backoff.delay(retries, rng)
+                await asyncio.sleep(max(0.0, min(wait, stop - time.perf_counter())))
 
     async def act(action: Action) -> None:
         await asyncio.sleep(max(0.0, origin + action.at - time.perf_counter()))

@@ -81,20 +81,31 @@ def _overload_section(rows: Sequence[Result]) -> list[str]:
         f"### Overload: `echo`, {first['message_bytes']:,} B messages, "
         f"`--memory-budget` {first['budget_mib']:g} MiB ({first['fit']} requests fit)",
         "",
-        "| server | scenario | clients | deadline s | OK req/s | OK p50 ms | OK p99 ms | calls "
-        "| RESOURCE_EXHAUSTED | other errors | server RSS idle / max / peak MiB "
+        "| server | scenario | clients | deadline s | OK req/s | OK p50 ms | OK p99 ms "
+        "| OK p50 / p99 from 1st attempt ms | calls "
+        "| RESOURCE_EXHAUSTED | other errors | CPU cores client / server / workers (machine) "
+        "| server RSS idle / max / peak MiB "
         "| workers idle / max MiB | worker pids seen | max RSS - budget MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: "
-        "| ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: "
+        "| ---: | ---: | ---: |",
     ]
     for r in rows:
         e = r.extra
         others = {status: n for status, n in r.errors.items() if status != "RESOURCE_EXHAUSTED"}
+        cpu = e.get("cpu_cores")
+        cores = (
+            f"{cpu['client']:.2f} / {cpu['server']:.2f} / {cpu['workers']:.2f} "
+            f"({cpu['machine']:.2f} of {cpu['cores']:g})"
+            if cpu
+            else "-"
+        )
         lines.append(
             f"| {r.server} | {r.scenario} | {r.concurrency} | {e['deadline_s']:g} "
             f"| {_number(r.throughput)} "
-            f"| {_number(r.p50_ms, 0)} | {_number(r.p99_ms, 0)} | {r.requests} "
-            f"| {e['rejected']} ({e['rejected_share']:.0%}) | {_errors(others)} "
+            f"| {_number(r.p50_ms, 0)} | {_number(r.p99_ms, 0)} "
+            f"| {_number(e.get('ok_first_p50_ms'), 0)} / {_number(e.get('ok_first_p99_ms'), 0)} "
+            f"| {r.requests} "
+            f"| {e['rejected']} ({e['rejected_share']:.0%}) | {_errors(others)} | {cores} "
             f"| {e['rss_idle_mib']:g} / {e['rss_max_mib']:g} / {e['rss_hwm_mib']:g} "
             f"| {e['workers_idle_mib']:g} / {e['workers_max_mib']:g} | {e['workers_seen']} "
             f"| {e['overhead_mib']:+g} |"

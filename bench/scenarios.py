@@ -10,7 +10,9 @@
                     a normal call (``delay_ms`` 1, 5 s deadline) ends in under 50 ms again.
 ``overload-xL``     trio-infer with a 64 MiB memory budget; ``echo`` with 4 MiB messages from L
                     times the clients the budget admits (L = 1, 10): refusals, latency of the
-                    admitted calls, RSS of the server and of its workers over time.
+                    admitted calls, RSS of the server and of its workers over time, CPU of the
+                    client and the server. A refused request is resent at once, or, in
+                    ``overload-x10-backoff``, after an exponential backoff with jitter.
 ``batching-M-cC``   ``dense`` 1 row at concurrency C, on a copy of the example repository with
                     batching off (``max_batch_size`` 0) or on (the example's): throughput,
                     latency and the mean batch size.
@@ -42,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from bench import batch_probe, client
-from bench.servers import MemorySampler, ServerKind, ServerProcess
+from bench.servers import CpuSnapshot, MemorySampler, ServerKind, ServerProcess
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.settings import EXAMPLES, SETTINGS_FILE
 
@@ -50,11 +52,17 @@ MIB = 1024 * 1024
 #: overload: the server's ``--memory-budget`` and the size of each request message.
 OVERLOAD_BUDGET = 64 * MIB
 OVERLOAD_MESSAGE = 4 * MIB
+#: overload: the budget a request reserves, in multiples of its message (what the server does).
+OVERLOAD_RESERVED = 3
 #: overload: clients, as multiples of the requests the budget admits at once.
 OVERLOAD_LOADS = (1, 10)
 #: overload: each call's deadline, seconds, and the shorter one of ``overload-x10-d1s``.
 OVERLOAD_DEADLINE = 5.0
 OVERLOAD_SHORT_DEADLINE = 1.0
+#: overload: the status that means "refused, resend later", and ``overload-x10-backoff``'s
+#: wait before resending (as grpcio's retries: 50 ms doubling up to 1 s, jitter +-20 %).
+OVERLOAD_REFUSED = "RESOURCE_EXHAUSTED"
+OVERLOAD_BACKOFF = client.Backoff(initial=0.05, maximum=1.0, multiplier=2.0, jitter=0.2)
 #: overload: seconds between two RSS samples.
 RSS_INTERVAL = 0.1
 #: batching: the concurrencies, each run with batching off and on.
@@ -78,6 +86,8 @@ class Scenario:
     """overload: clients as a multiple of the requests the memory budget admits at once."""
     deadline: float = 0.0
     """overload: each call's deadline in seconds."""
+    backoff: bool = False
+    """overload: a refused request is resent after :data:`OVERLOAD_BACKOFF`, not at once."""
     batching: bool = False
     """batching: ``dense`` keeps the example's ``max_batch_size`` (on) or gets 0 (off)."""
 
@@ -108,6 +118,16 @@ def all_scenarios() -> list[Scenario]:
     short = OVERLOAD_SHORT_DEADLINE
     scenarios.append(
         Scenario(f"overload-x10-d{short:g}s", "overload", fit * 10, load=10, deadline=short)
+    )
+    scenarios.append(
+        Scenario(
+            "overload-x10-backoff",
+            "overload",
+            fit * 10,
+            load=10,
+            deadline=OVERLOAD_DEADLINE,
+            backoff=True,
+        )
     )
     for c in BATCHING_CONCURRENCY:
         scenarios += [
@@ -375,10 +395,11 @@ def overload_input() -> tuple[np.ndarray, pb.ModelInferRequest]:
 def overload_fit() -> int:
     """How many overload requests the budget admits at once.
 
-    Each reserves twice its message: the request and an answer as large (``echo`` declares no
-    outputs, so the server assumes an answer of the request's size).
+    Each reserves three times its message (``trio_infer/service.py``): the request, its
+    decoded copy and an answer as large (``echo`` declares no outputs, so the server assumes an
+    answer of the request's size).
     """
-    return OVERLOAD_BUDGET // (2 * overload_input()[1].ByteSize())
+    return OVERLOAD_BUDGET // (OVERLOAD_RESERVED * overload_input()[1].ByteSize())
 
 
 def _mib(kib: float) -> float:
@@ -388,6 +409,11 @@ def _mib(kib: float) -> float:
 async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
     result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
     x, request = overload_input()
+    cpu: dict[str, CpuSnapshot] = {}
+
+    def take_cpu(name: str) -> Callable[[], None]:
+        return lambda: cpu.__setitem__(name, CpuSnapshot.take(server.pid))
+
     with MemorySampler(server, RSS_INTERVAL) as sampler:
         await asyncio.sleep(3 * RSS_INTERVAL)  # idle samples first
         async with client.open_channel(server.target) as channel:
@@ -400,14 +426,22 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
                 warmup=timing.overload_warmup,
                 duration=timing.overload,
                 call_timeout=scenario.deadline,
+                actions=[
+                    client.Action(0.0, take_cpu("start")),
+                    client.Action(timing.overload, take_cpu("end")),
+                ],
+                retry_on=(OVERLOAD_REFUSED,),
+                backoff=OVERLOAD_BACKOFF if scenario.backoff else None,
             )
         await asyncio.sleep(3 * RSS_INTERVAL)  # and a few after the load
     result.absorb(samples.summary())
+    first_p50, first_p99 = samples.ok_since_first()
+    split = cpu["start"].until(cpu["end"]) if len(cpu) == 2 else None
     memory = sampler.samples
     if not memory:
         result.notes = "no RSS samples (server gone?)"
         return result
-    rejected = result.errors.get("RESOURCE_EXHAUSTED", 0)
+    rejected = result.errors.get(OVERLOAD_REFUSED, 0)
     share = rejected / result.requests if result.requests else 0.0
     budget = OVERLOAD_BUDGET / MIB
     server_max = max(m.server for m in memory)
@@ -419,7 +453,20 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
         "fit": overload_fit(),
         "load": scenario.load,
         "deadline_s": scenario.deadline,
+        "backoff": (
+            {
+                "initial_s": OVERLOAD_BACKOFF.initial,
+                "max_s": OVERLOAD_BACKOFF.maximum,
+                "multiplier": OVERLOAD_BACKOFF.multiplier,
+                "jitter": OVERLOAD_BACKOFF.jitter,
+            }
+            if scenario.backoff
+            else None
+        ),
         "window_s": timing.overload,
+        "ok_first_p50_ms": first_p50,
+        "ok_first_p99_ms": first_p99,
+        "cpu_cores": split,
         "ok": result.requests - sum(result.errors.values()),
         "rejected": rejected,
         "rejected_share": share,
@@ -437,16 +484,35 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
         "rss_workers_mib": [_mib(m.workers) for m in memory],
     }
     e = result.extra
+    resend = (
+        f"backoff {OVERLOAD_BACKOFF.initial * 1e3:g} ms x{OVERLOAD_BACKOFF.multiplier:g} "
+        f"to {OVERLOAD_BACKOFF.maximum:g} s, jitter {OVERLOAD_BACKOFF.jitter:.0%}"
+        if scenario.backoff
+        else "resent at once"
+    )
     result.notes = (
         f"{e['fit']} fit in {budget:g} MiB, deadline {scenario.deadline:g} s; "
-        f"RESOURCE_EXHAUSTED {rejected} ({share:.0%}); "
+        f"RESOURCE_EXHAUSTED {rejected} ({share:.0%}), {resend}; "
+        f"OK p50/p99 from first attempt {first_p50:.0f}/{first_p99:.0f} ms; "
         f"RSS max {e['rss_max_mib']:g} MiB (peak {e['rss_hwm_mib']:g}, idle "
         f"{e['rss_idle_mib']:g}), workers max {e['workers_max_mib']:g} MiB; "
         f"max RSS - budget {e['overhead_mib']:+g} MiB"
     )
+    if split is not None:
+        result.notes += "; " + cpu_note(split)
     if e["workers_seen"] > server.workers:
         result.notes += f"; {e['workers_seen']} worker pids seen (workers replaced)"
     return result
+
+
+def cpu_note(split: dict[str, float]) -> str:
+    """The CPU split of an overload window, in cores (CPU seconds per second)."""
+    used = split["client"] + split["server"] + split["workers"]
+    share = f" ({split['client'] / used:.0%} client)" if used > 0 else ""
+    return (
+        f"CPU cores: client {split['client']:.2f}, server {split['server']:.2f}, workers "
+        f"{split['workers']:.2f}{share}; machine {split['machine']:.2f} of {split['cores']:g} busy"
+    )
 
 
 # ------------------------------------------------------------------------------------------

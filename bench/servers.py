@@ -185,6 +185,80 @@ def memory_kib(pid: int) -> tuple[int, int] | None:
     return found["VmRSS"], found["VmHWM"]
 
 
+#: Clock ticks per second, the unit of CPU times in /proc.
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """A process's CPU time so far, user + system over all its threads (``/proc/<pid>/stat``
+    fields 14 and 15), in seconds; None when the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """The machine's busy and total CPU seconds since boot, summed over its cores (the
+    ``cpu`` line of /proc/stat: idle and iowait are not busy)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    total = sum(values)
+    return (total - values[3] - values[4]) / CLOCK_TICKS, total / CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds used so far by the benchmark's process (the client), a server and the
+    server's descendants (its workers and helpers), and the whole machine."""
+
+    at: float
+    """``time.perf_counter()`` when taken."""
+    client: float
+    server: float
+    children: dict[int, float]
+    machine_busy: float
+    machine_total: float
+
+    @classmethod
+    def take(cls, server_pid: int) -> CpuSnapshot:
+        """Read them all now."""
+        children = {
+            info.pid: seconds
+            for info in descendants(server_pid)
+            if (seconds := cpu_seconds(info.pid)) is not None
+        }
+        busy, total = machine_cpu_seconds()
+        return cls(
+            at=time.perf_counter(),
+            client=cpu_seconds(os.getpid()) or 0.0,
+            server=cpu_seconds(server_pid) or 0.0,
+            children=children,
+            machine_busy=busy,
+            machine_total=total,
+        )
+
+    def until(self, later: CpuSnapshot) -> dict[str, float]:
+        """Cores used on average from this snapshot to ``later``: ``client``, ``server``,
+        ``workers`` (its descendants alive at ``later``; one born in between counts whole, one
+        gone by then is missed), ``machine`` (every process) and ``cores`` (the machine's)."""
+        seconds = later.at - self.at
+        cores = (later.machine_total - self.machine_total) / seconds if seconds > 0 else 0.0
+        if seconds <= 0:
+            return {"seconds": 0.0, "client": 0.0, "server": 0.0, "workers": 0.0,
+                    "machine": 0.0, "cores": cores}  # fmt: skip
+        workers = sum(t - self.children.get(pid, 0.0) for pid, t in later.children.items())
+        return {
+            "seconds": round(seconds, 2),
+            "client": round((later.client - self.client) / seconds, 2),
+            "server": round((later.server - self.server) / seconds, 2),
+            "workers": round(workers / seconds, 2),
+            "machine": round((later.machine_busy - self.machine_busy) / seconds, 2),
+            "cores": round(cores),
+        }
+
+
 @dataclass(frozen=True)
 class MemorySample:
     """Resident memory of a server at one moment, in KiB."""
