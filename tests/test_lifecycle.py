@@ -70,10 +70,28 @@ async def test_a_call_that_cannot_finish_in_time_is_not_started(
     pid = await probe.call(deadline=5, action="sleep", delay_ms=300)
     error = await probe.error(deadline=0.15, tag="doomed", action="sleep", delay_ms=300)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert error.details().startswith("deadline exceeded: model 'probe' usually takes 3")
+    assert error.details().startswith(
+        "deadline exceeded: model 'probe' has recently taken at least 3"
+    )
     assert not probe.started("doomed")
     assert await probe.call(deadline=5) == pid
     assert probe.server.statistics().pool.not_started == 1
+
+
+async def test_calls_that_got_faster_are_not_refused_forever(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # A model's call time can depend on its inputs; refusing on a stale estimate would never
+    # learn otherwise, because a call that is not started is not measured.
+    probe = await start_probe(nursery, tmp_path, server={"workers": 1})
+    await probe.call(deadline=5, action="sleep", delay_ms=300)
+    for index in range(8):
+        error = await probe.error(deadline=0.15, tag=f"refused{index}")
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not probe.started(f"refused{index}")
+    assert await probe.call(deadline=0.15, tag="tried") > 0
+    assert await probe.call(deadline=0.15, tag="learned") > 0
+    assert probe.server.statistics().pool.not_started == 8
 
 
 async def test_a_model_timeout_bounds_a_hung_call_without_a_deadline(

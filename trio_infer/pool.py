@@ -24,9 +24,10 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -47,8 +48,10 @@ __all__ = ["GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
 GRACE_PERIOD = 0.5
 
 _log = logging.getLogger(__name__)
-#: Weight of the newest call in a model's usual call time.
-_CALL_TIME_WEIGHT = 0.2
+#: How many recent successful calls of a model its shortest call time is taken from.
+_RECENT_CALLS = 16
+#: After this many calls of a model refused in a row, one is started anyway.
+_MAX_REFUSED_IN_A_ROW = 8
 _T = TypeVar("_T")
 
 # Worker type. A replacement worker starts on the request path (after a crash or a cancelled
@@ -86,7 +89,7 @@ class PoolStatistics:
         crashed: Workers that died during a call since the pool opened (kills on cancel are
             not crashes).
         not_started: Calls refused when a worker came free because their deadline was closer
-            than the model's usual call time.
+            than the model's shortest recent call time.
     """
 
     workers: int
@@ -113,8 +116,7 @@ class WorkerPool:
         self._unbounded = trio.CapacityLimiter(math.inf)
         self._crashed = 0
         self._crash = trio.Event()
-        #: Each model's usual call time, a moving average of its successful calls (seconds).
-        self._call_time: dict[str, float] = {}
+        self._timings: dict[str, _CallTimes] = {}
         self._not_started = 0
 
     @classmethod
@@ -196,7 +198,9 @@ class WorkerPool:
         Cancelling the call (a deadline, a client gone) kills the worker running it; the pool
         starts a replacement on the next call. So that deadlines under load do not turn into a
         stream of killed workers, a call whose deadline (the enclosing cancel scopes') is closer
-        than the model's usual call time when a worker comes free is not started at all.
+        than the shortest of the model's recent calls when a worker comes free is not started.
+        A model's call time may depend on its inputs, and a call that is not started teaches
+        nothing: so after a few refusals in a row, one call is started anyway.
 
         Args:
             settings: The model; a worker loads it on first use.
@@ -213,16 +217,20 @@ class WorkerPool:
             Unavailable: The worker process died during the call.
         """
         name = settings.name
+        times = self._timings.setdefault(name, _CallTimes())
         async with self._limiter:
-            usual = self._call_time.get(name, 0.0)
+            shortest = times.shortest()
             left = trio.current_effective_deadline() - trio.current_time()
-            if left < usual:
+            if left < shortest and times.refused_in_a_row < _MAX_REFUSED_IN_A_ROW:
+                times.refused_in_a_row += 1
                 self._not_started += 1
                 raise InferError(
-                    f"deadline exceeded: model '{name}' usually takes {usual * 1000:.0f} ms and "
-                    f"{max(left, 0) * 1000:.0f} ms were left when a worker came free",
+                    f"deadline exceeded: model '{name}' has recently taken at least "
+                    f"{shortest * 1000:.0f} ms and {max(left, 0) * 1000:.0f} ms were left when "
+                    "a worker came free",
                     StatusCode.DEADLINE_EXCEEDED,
                 )
+            times.refused_in_a_row = 0
             started = trio.current_time()
             outputs = await self._run(
                 f"running model {name!r}",
@@ -232,10 +240,7 @@ class WorkerPool:
                 parameters,
                 limiter=self._unbounded,
             )
-            elapsed = trio.current_time() - started
-            self._call_time[name] = (
-                usual + _CALL_TIME_WEIGHT * (elapsed - usual) if usual else elapsed
-            )
+            times.recent.append(trio.current_time() - started)
         return outputs
 
     async def wait_worker_crash(self) -> None:
@@ -278,6 +283,17 @@ class WorkerPool:
             # killed that worker): the model's doing, e.g. an unpicklable output.
             raise ModelFailed(f"{type(exc).__name__}: {exc} (while {what})") from exc
         return result
+
+
+@dataclass
+class _CallTimes:
+    """What the pool knows of one model's call times."""
+
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT_CALLS))
+    refused_in_a_row: int = 0
+
+    def shortest(self) -> float:
+        return min(self.recent, default=0.0)
 
 
 def _exit_cause(exc: trio_parallel.BrokenWorkerError) -> str:
