@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import socket
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +16,7 @@ import h2.errors
 import h2.events
 import pytest
 import trio
+from hyperframe.frame import GoAwayFrame
 
 from trio_infer.errors import InvalidInput, StatusCode
 from trio_infer.transport import Call, GrpcServer, ProtocolLimits
@@ -191,14 +193,19 @@ async def test_a_client_that_is_not_http2_is_dropped_and_others_served(harness: 
 
 
 def _raw_h2_exchange(
-    port: int, requests: list[list[tuple[str, str]]], message: bytes = b"x"
+    port: int,
+    requests: list[list[tuple[str, str]]],
+    message: bytes = b"x",
+    *,
+    goaway: bool = False,
 ) -> list[dict[str, str]]:
     """Send each header list as a call carrying ``message`` on ONE connection, within the
     server's flow-control windows; return the headers and trailers each stream got back
     (``reset`` when it was reset instead).
 
     Received data is never acknowledged, so the server can send at most the default 64 KiB
-    window per stream: a client that stops reading."""
+    window per stream: a client that stops reading. With ``goaway``, a GOAWAY follows the
+    requests at once (h2's own would refuse the answers, so it is sent as a raw frame)."""
     connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     connection.initiate_connection()
     answers: dict[int, dict[str, str]] = {}
@@ -231,6 +238,9 @@ def _raw_h2_exchange(
                 if not body:
                     del unsent[stream_id]
             sock.sendall(connection.data_to_send())
+            if goaway and not unsent:
+                sock.sendall(GoAwayFrame(0, last_stream_id=0).serialize())
+                goaway = False
             for event in connection.receive_data(sock.recv(65536)):
                 if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
                     answers[event.stream_id].update(
@@ -258,13 +268,27 @@ async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -
     good = GOOD_HEADERS
     bad_content_type = [(k, "text/plain" if k == "content-type" else v) for k, v in good]
     bad_timeout = [*good, ("grpc-timeout", "soon")]
+    huge_timeout = [*good, ("grpc-timeout", "99999999999999999999H")]
+    two_content_types = [*good, ("content-type", "application/grpc")]
     answers = await trio.to_thread.run_sync(
-        _raw_h2_exchange, harness.port, [bad_content_type, bad_timeout, good]
+        _raw_h2_exchange,
+        harness.port,
+        [bad_content_type, bad_timeout, huge_timeout, two_content_types, good],
     )
     assert answers[0]["grpc-status"] == str(StatusCode.INTERNAL.value)
     assert "Content type" in urllib.parse.unquote(answers[0]["grpc-message"])
-    assert answers[1]["grpc-status"] == str(StatusCode.INTERNAL.value)
-    assert answers[2]["grpc-status"] == "0"
+    for answer in answers[1:4]:
+        assert answer["grpc-status"] == str(StatusCode.INTERNAL.value)
+        assert answer["grpc-message"].startswith("malformed%20gRPC%20request")
+    assert answers[4]["grpc-status"] == "0"
+
+
+async def test_a_client_goaway_lets_its_calls_in_flight_finish(harness: Harness) -> None:
+    # RFC 9113 §6.8: a graceful GOAWAY only says the client will start no new calls.
+    answers = await trio.to_thread.run_sync(
+        functools.partial(_raw_h2_exchange, harness.port, [GOOD_HEADERS], b"bye", goaway=True)
+    )
+    assert answers[0]["grpc-status"] == "0"
 
 
 async def test_streams_over_the_limit_are_refused_not_the_connection(

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trio_infer")
 
+_MAX_MESSAGE_SIZE = 1024 * 1024 * 1024
+
 
 def _parser() -> argparse.ArgumentParser:
     from trio_infer.server import ServerConfig
@@ -127,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.grpc_port <= 65535:
         # The OS would take the port modulo 65536 and serve somewhere nobody asked for.
         logger.error("--grpc-port must be between 0 and 65535")
+        return 2
+    if not 0 < args.max_message_size <= _MAX_MESSAGE_SIZE:
+        # An admitted message opens its stream's HTTP/2 window by its size, which the protocol
+        # caps at 2^31 - 1.
+        logger.error("--max-message-size must be between 1 and %d bytes", _MAX_MESSAGE_SIZE)
+        return 2
+    if args.memory_budget < 1 or args.max_concurrent_streams < 1:
+        logger.error("--memory-budget and --max-concurrent-streams must be at least 1")
         return 2
     if not args.grace_period >= 0:  # also catches NaN
         # Otherwise the shutdown itself fails, with a traceback, when the first signal comes.

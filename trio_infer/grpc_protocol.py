@@ -96,11 +96,14 @@ class ProtocolLimits:
         connection_window: Connection-level receive window in bytes. It is returned to the
             client as data arrives (streams' windows are what bound buffering), so it only
             needs to cover one round trip's worth of data.
+        send_timeout: How long a response may wait for the client to open its flow-control
+            window before the call is abandoned (a client that stopped reading).
     """
 
     max_message_size: int = 64 * 1024 * 1024
     max_concurrent_streams: int = 100
     connection_window: int = 16 * 1024 * 1024
+    send_timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,16 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             return [refusal], []
         return super()._receive_headers_frame(frame)
 
+    def _receive_goaway_frame(self, frame: Any) -> Any:
+        # h2 3.2.0 closes the whole connection on any GOAWAY and drops what is queued to send.
+        # A graceful GOAWAY (RFC 9113 §6.8) only says the client starts no new calls: the ones
+        # in flight still get their answers, so the state machine is left as it is.
+        event = h2.events.ConnectionTerminated()
+        event.error_code = frame.error_code
+        event.last_stream_id = frame.last_stream_id
+        event.additional_data = frame.additional_data or None
+        return [], [event]
+
     def _receive_window_update_frame(self, frame: Any) -> Any:
         if self._is_cleaned_up(frame.stream_id):
             return [], []
@@ -218,8 +231,11 @@ class _InboundStream:
         self.allowed = _STREAM_WINDOW
         #: Bytes of messages (with their prefixes) the call has admitted.
         self.admitted = 0
+        self.refused = False
 
     def feed(self, data: bytes) -> list[Event]:
+        if self.refused:
+            return []  # the rest of a refused message, in flight before the call's answer
         self.buffer += data
         events: list[Event] = []
         while True:
@@ -254,6 +270,7 @@ class _InboundStream:
             events.append(MessageReceived(self.stream_id, message))
 
     def _refuse(self, status: StatusCode, message: str) -> MessageRefused:
+        self.refused = True
         self.buffer = bytearray()
         return MessageRefused(self.stream_id, status, message)
 
@@ -330,7 +347,10 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                         f"message encoding {request.message_encoding!r} is not supported",
                     )
                 ]
-        except (_PurerpcProtocolError, KeyError, ValueError) as exc:
+        except Exception as exc:
+            # purerpc's parser raises whatever a bad header makes it trip on (a duplicate
+            # content-type is an AttributeError, an absurd grpc-timeout an OverflowError): any
+            # of them is a malformed call, and fails only that call.
             return [CallRejected(stream_id, StatusCode.INTERNAL, f"malformed gRPC request: {exc}")]
         self._inbound[stream_id] = _InboundStream(stream_id, self.limits.max_message_size)
         return [request]
@@ -340,10 +360,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         inbound = self._inbound.get(event.stream_id)
         if inbound is None:
             return []  # a call already answered (e.g. its message was refused): drop the data
-        events = inbound.feed(event.data)
-        if events and isinstance(events[-1], MessageRefused):
-            del self._inbound[event.stream_id]
-        return events
+        return inbound.feed(event.data)
 
     def _return_connection_window(self, nbytes: int) -> None:
         # Streams' windows bound what is buffered; the connection window is handed back as
@@ -378,6 +395,11 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             events: list[Event] = super().receive_data(data)
         except h2.exceptions.ProtocolError as exc:
             raise ProtocolViolation(f"HTTP/2 protocol error: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            # h2 decodes every header as UTF-8 while it reads the frame; after that error the
+            # connection's header state is unknown, so the connection ends (with a GOAWAY).
+            self.h2_connection._terminate_connection(ErrorCodes.PROTOCOL_ERROR)
+            raise ProtocolViolation(f"a header is not UTF-8: {exc}") from exc
         return events
 
     def send_window(self, stream_id: int) -> int:
@@ -408,7 +430,11 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             super().end_response(stream_id, grpc_status, metadata)
         else:
             self.respond_status(stream_id, grpc_status, "", metadata)
-        if self._inbound.pop(stream_id, None) is not None:
+        self._inbound.pop(stream_id, None)
+        stream = self.h2_connection.streams.get(stream_id)
+        if stream is not None and not stream.closed:
+            # The client is still sending (its END_STREAM has not come): tell it to stop, which
+            # also frees the stream's slot under SETTINGS_MAX_CONCURRENT_STREAMS.
             self.h2_connection.reset_stream(stream_id, ErrorCodes.NO_ERROR)
 
     def reset(self, stream_id: int) -> None:

@@ -45,7 +45,7 @@ __all__ = ["GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
 #: Seconds idle workers get to exit when the pool closes before they are killed. A healthy idle
 #: worker exits within milliseconds; this only bounds how long a stuck one can delay the
 #: server's exit, which must come within its own grace period plus a second.
-GRACE_PERIOD = 0.5
+GRACE_PERIOD = 0.25
 
 _log = logging.getLogger(__name__)
 #: How many recent successful calls of a model its shortest call time is taken from.

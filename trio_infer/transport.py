@@ -104,6 +104,8 @@ class Call:
         self._announced: int | None = None
         self._headers_sent = False
         self._message_half_sent = False
+        #: The client reset the stream (or the connection is gone): it wants no answer.
+        self._reset = False
 
     async def receive_message_length(self) -> int | None:
         """Wait for the prefix of the next request message and return the message's length,
@@ -157,6 +159,10 @@ class Call:
         """Send one response message, waiting for the client's flow-control window as needed."""
         connection = self._connection
         protocol = connection.protocol
+        if self._reset:
+            # A reset processed in the tick the handler's result arrived, before it could see
+            # its cancellation: nobody is listening, and the stream is closed.
+            raise InferError("the client cancelled the call", StatusCode.CANCELLED)
         if not self._headers_sent:
             protocol.start_response(self._stream_id, self.initial_metadata)
             self._headers_sent = True
@@ -164,12 +170,22 @@ class Call:
         # (only the first frame, which carries the 5-byte prefix, is assembled).
         prefix = _MESSAGE_PREFIX.pack(False, len(data))
         pending = memoryview(data)
+        send_timeout = protocol.limits.send_timeout
+        progress = trio.current_time()
         self._message_half_sent = True
         while prefix or pending:
             window = protocol.send_window(self._stream_id)
             if window <= len(prefix):
                 connection.flush()
-                await connection.wait_window_update()
+                # A client that stops reading must not hold its call (and what the call has
+                # reserved) for ever, deadline or not.
+                with trio.move_on_at(progress + send_timeout) as waiting:
+                    await connection.wait_window_update()
+                if waiting.cancelled_caught:
+                    raise InferError(
+                        f"the client read none of its response for {send_timeout:g} s",
+                        StatusCode.CANCELLED,
+                    )
                 continue
             chunk: bytes | memoryview
             if prefix:
@@ -179,6 +195,7 @@ class Call:
             else:
                 chunk, pending = pending[:window], pending[window:]
             protocol.send_data(self._stream_id, chunk)
+            progress = trio.current_time()
         self._message_half_sent = False
         connection.flush()
 
@@ -192,8 +209,6 @@ class _CallState:
     #: The status to send if ``scope`` is cancelled; a passed deadline is the default.
     cancel_status: StatusCode = StatusCode.DEADLINE_EXCEEDED
     cancel_message: str = "deadline exceeded"
-    #: The client reset the stream: it wants no answer.
-    reset: bool = False
 
     def cancel(self, status: StatusCode, message: str) -> None:
         self.cancel_status = status
@@ -253,7 +268,7 @@ class Connection:
                 finally:
                     # Calls still running have nobody to answer to: their client is gone.
                     for state in self._calls.values():
-                        state.reset = True
+                        state.call._reset = True
                         state.call._inbound_send.close()
                     nursery.cancel_scope.cancel()
         finally:
@@ -264,7 +279,7 @@ class Connection:
     async def _send_goodbye(self) -> None:
         # The writer is gone (it may have been cut off mid-write), so this is best effort: the
         # GOAWAY tells a well-behaved client why, and a broken one gets a closed socket anyway.
-        with trio.move_on_after(1) as scope:
+        with trio.move_on_after(0.2) as scope:
             scope.shield = True
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._stream.send_all(self.protocol.data_to_send())
@@ -348,7 +363,7 @@ class Connection:
         elif isinstance(event, StreamReset):
             state = self._calls.get(event.stream_id)
             if state is not None:
-                state.reset = True
+                state.call._reset = True
                 state.scope.cancel()
         elif isinstance(event, WindowUpdated):
             self._window_updated.set()
@@ -411,7 +426,7 @@ class Connection:
     def _finish(self, state: _CallState, status: StatusCode, message: str) -> None:
         call = state.call
         stream_id = call._stream_id
-        if state.reset:
+        if call._reset:
             return
         if call._message_half_sent:
             # Trailers after half a message would corrupt the stream; the client's own deadline
