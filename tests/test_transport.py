@@ -317,6 +317,24 @@ async def test_a_deadline_that_passes_while_sending_ends_the_call(harness: Harne
     await harness.server.calls_in_flight.wait_idle()
 
 
+async def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    # No deadline this time: only the send timeout keeps the call (and what it holds) bounded.
+    async def echo(call: Call) -> None:
+        data = await call.receive_message()
+        assert data is not None
+        await call.send_message(data)
+
+    server = GrpcServer(echo, ProtocolLimits(send_timeout=0.3))
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(server.serve, listeners)
+    port = listeners[0].socket.getsockname()[1]
+    answers = await trio.to_thread.run_sync(_raw_h2_exchange, port, [GOOD_HEADERS], b"z" * MiB)
+    assert answers[0]["reset"] == str(h2.errors.ErrorCodes.CANCEL)
+    await server.calls_in_flight.wait_idle()
+
+
 async def test_shutdown_lets_calls_finish_then_cancels_the_rest(harness: Harness) -> None:
     future = harness.method("Sleep").future(b"x")
     await harness.sleeping.wait()
