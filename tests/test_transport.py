@@ -291,18 +291,24 @@ async def test_a_client_goaway_lets_its_calls_in_flight_finish(harness: Harness)
     assert answers[0]["grpc-status"] == "0"
 
 
-async def test_streams_over_the_limit_are_refused_not_the_connection(
-    nursery: trio.Nursery,
-) -> None:
+async def serve_echo(nursery: trio.Nursery, limits: ProtocolLimits) -> tuple[GrpcServer, int]:
+    """A GrpcServer that echoes each call's message, on a loopback port."""
+
     async def echo(call: Call) -> None:
         data = await call.receive_message()
         assert data is not None
         await call.send_message(data)
 
-    server = GrpcServer(echo, ProtocolLimits(max_concurrent_streams=2))
+    server = GrpcServer(echo, limits)
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     await nursery.start(server.serve, listeners)
-    port = listeners[0].socket.getsockname()[1]
+    return server, listeners[0].socket.getsockname()[1]
+
+
+async def test_streams_over_the_limit_are_refused_not_the_connection(
+    nursery: trio.Nursery,
+) -> None:
+    _, port = await serve_echo(nursery, ProtocolLimits(max_concurrent_streams=2))
     answers = await trio.to_thread.run_sync(_raw_h2_exchange, port, [GOOD_HEADERS] * 3)
     assert [answer.get("grpc-status") for answer in answers[:2]] == ["0", "0"]
     assert answers[2] == {"reset": str(h2.errors.ErrorCodes.REFUSED_STREAM)}
@@ -321,15 +327,7 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(
     nursery: trio.Nursery,
 ) -> None:
     # No deadline this time: only the send timeout keeps the call (and what it holds) bounded.
-    async def echo(call: Call) -> None:
-        data = await call.receive_message()
-        assert data is not None
-        await call.send_message(data)
-
-    server = GrpcServer(echo, ProtocolLimits(send_timeout=0.3))
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    await nursery.start(server.serve, listeners)
-    port = listeners[0].socket.getsockname()[1]
+    server, port = await serve_echo(nursery, ProtocolLimits(send_timeout=0.3))
     answers = await trio.to_thread.run_sync(_raw_h2_exchange, port, [GOOD_HEADERS], b"z" * MiB)
     assert answers[0]["reset"] == str(h2.errors.ErrorCodes.CANCEL)
     await server.calls_in_flight.wait_idle()
