@@ -233,7 +233,9 @@ class Connection:
         self._calls_in_flight = calls_in_flight
         self._flush_needed = trio.Event()
         self._window_updated = trio.Event()
-        self._draining = False
+        #: Why new calls are refused (None while they are accepted).
+        self._refusing: str | None = None
+        self._goaway_sent = False
         self._closing = False
         #: Streams the client reset in the read being dispatched: refused calls among them are
         #: already closed, and get no status.
@@ -286,8 +288,9 @@ class Connection:
 
     def drain(self) -> None:
         """Refuse new calls (GOAWAY) and let the calls in flight finish."""
-        if not self._draining:
-            self._draining = True
+        if not self._goaway_sent:
+            self._goaway_sent = True
+            self._refusing = "server is shutting down"
             self.protocol.go_away()
             self.flush()
 
@@ -371,12 +374,13 @@ class Connection:
         elif isinstance(event, CallRejected):
             self._refuse(event.stream_id, event.status, event.message)
         elif isinstance(event, ConnectionTerminated):
-            self._draining = True
+            # The client said it starts no new calls; one that does anyway gets an answer.
+            self._refusing = self._refusing or "the client sent GOAWAY on this connection"
 
     def _start_call(self, event: RequestReceived) -> None:
         stream_id: int = event.stream_id
-        if self._draining:
-            self._refuse(stream_id, StatusCode.UNAVAILABLE, "server is shutting down")
+        if self._refusing is not None:
+            self._refuse(stream_id, StatusCode.UNAVAILABLE, self._refusing)
             return
         deadline = math.inf
         if event.timeout is not None:
