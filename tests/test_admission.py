@@ -225,9 +225,10 @@ async def test_requests_beyond_the_budget_wait_or_are_refused_and_never_exceed_i
     assert 0 < peak_reserved <= budget
     assert 0 < peak_waiting <= 1
     assert set(outcomes) == {"OK", "RESOURCE_EXHAUSTED"}, outcomes
-    assert probe.server.statistics().admission.rejected["memory_budget"] == outcomes[
-        "RESOURCE_EXHAUSTED"
-    ]
+    assert (
+        probe.server.statistics().admission.rejected["memory_budget"]
+        == outcomes["RESOURCE_EXHAUSTED"]
+    )
     await eventually(lambda: probe.server.statistics().admission.reserved_bytes == 0)
 
 

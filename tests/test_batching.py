@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,13 +472,11 @@ async def test_a_member_that_leaves_a_running_batch_gets_its_status_and_the_othe
     server = await start_server(nursery, repository.root, workers=1)
     client = GrpcioClient(server.port)
     calls = Calls(client)
-    start = time.monotonic()
     leaver = calls.start(rows_request(1, tag="ab", delay_ms=1500), timeout=0.3)
     stayer = calls.start(rows_request(2, tag="ab", delay_ms=1500))
     assert (await calls.error(leaver)).code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # The server has finished the leaver's call, not just its client: one call is left.
     await eventually(lambda: server.statistics().admission.in_flight == {"rows": 1})
-    assert time.monotonic() - start < 1.0
     outputs = await calls.outputs(stayer)
     assert outputs["batch_rows"].tolist() == [3, 3]
     # The worker was not killed for the leaver: it answers the next call too.

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 
-from tests.support import start_server
+from tests.support import eventually, start_server
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.client import InferenceClient, InferResult
 from trio_infer.errors import (
@@ -191,27 +191,27 @@ async def test_parameters_reach_the_model(client: InferenceClient) -> None:
     assert caught.value.message == "parameter 'delay_ms' must be a non-negative integer, got -1"
 
 
-async def test_a_timeout_on_sleep_is_deadline_exceeded_within_a_second(
+async def test_a_timeout_on_sleep_is_deadline_exceeded_from_the_server(
     client: InferenceClient,
 ) -> None:
-    start = trio.current_time()
     with pytest.raises(InferError) as caught:
         await client.infer("sleep", {"x": A}, parameters={"delay_ms": 2000}, timeout=0.3)
-    elapsed = trio.current_time() - start
     assert caught.value.code == StatusCode.DEADLINE_EXCEEDED
+    # The server's own message: it enforced the deadline the client sent as grpc-timeout.
     assert caught.value.message == "deadline exceeded"
-    assert 0.3 <= elapsed < 1.0
     # The connection and the server serve the next call at once.
     result = await client.infer("sleep", {"x": A}, parameters={"delay_ms": 0}, timeout=5.0)
     assert_identical(result["x"], A, "FP32")
 
 
-async def test_an_enclosing_cancel_scope_cancels_the_call(client: InferenceClient) -> None:
-    start = trio.current_time()
+async def test_an_enclosing_cancel_scope_cancels_the_call(
+    client: InferenceClient, server: RunningServer
+) -> None:
     with trio.move_on_after(0.3) as scope:
         await client.infer("sleep", {"x": A}, parameters={"delay_ms": 2000})
     assert scope.cancelled_caught
-    assert trio.current_time() - start < 1.0
+    # The reset reached the server: its call, and the worker running it, are gone.
+    await eventually(lambda: server.statistics().pool.busy == 0)
     assert await client.server_live(timeout=5.0)
 
 
@@ -244,7 +244,7 @@ async def test_a_graceful_shutdown_finishes_the_calls_in_flight(server: RunningS
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(slow_call)
-            await trio.sleep(0.2)
+            await eventually(lambda: server.statistics().pool.busy == 1)
             server.shutdown()
         assert_identical(finished[0]["x"], A, "FP32")
         with pytest.raises(Unavailable) as caught:

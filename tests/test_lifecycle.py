@@ -35,10 +35,8 @@ from trio_infer._proto import grpc_predict_v2_pb2 as pb
 
 
 async def test_a_deadline_that_passes_while_running_kills_the_worker(probe: Probe) -> None:
-    start = time.monotonic()
     error = await probe.error(deadline=0.3, tag="slow", action="sleep", delay_ms=5000)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - start < 2
     pid = probe.pid("slow")
     await eventually(lambda: not process_exists(pid))
     await probe.wait_idle()

@@ -349,11 +349,10 @@ async def test_exiting_worker_fails_its_call_with_the_exit_code(
 async def test_cancelled_call_kills_its_worker_promptly_and_the_pool_serves_again(
     pool: WorkerPool, examples: dict[str, ModelSettings]
 ) -> None:
-    start = time.monotonic()
-    with trio.move_on_after(0.2) as scope:
+    # Without the kill, the shielded call would hold this scope for the model's full 20 s.
+    with trio.fail_after(10), trio.move_on_after(0.2) as scope:
         await pool.predict(examples["sleep"], {}, Parameters({"delay_ms": 20_000}))
     assert scope.cancelled_caught
-    assert time.monotonic() - start < 1.0
     assert pool.statistics().busy == 0
 
     out = await pool.predict(examples["sleep"], {"a": np.ones(1)}, Parameters({"delay_ms": 0}))

@@ -184,7 +184,8 @@ def test_bytes_outputs_accept_str_and_numpy_string_arrays(raw: bool) -> None:
 
 
 def test_raw_bytes_layout_matches_tritonclient() -> None:
-    utils = pytest.importorskip("tritonclient.utils")
+    import tritonclient.utils as utils  # a test dependency; safe to import in-process
+
     array = sample("BYTES")
     response = ModelInferResponse()
     encode_outputs(response, [("B", array)], raw=True)

@@ -117,10 +117,8 @@ async def test_a_handler_error_is_the_call_status_and_the_connection_lives_on(
 
 
 async def test_the_client_deadline_cancels_the_handler(harness: Harness) -> None:
-    start = trio.current_time()
     error = await harness.error("Sleep", b"x", timeout=0.3)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert trio.current_time() - start < 2
     assert harness.cancelled == ["Sleep"]
     await harness.server.calls_in_flight.wait_idle()
 
