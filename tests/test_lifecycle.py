@@ -8,6 +8,7 @@ starts, so tests can see which calls reached a worker and kill that worker from 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -286,7 +287,10 @@ async def test_chaos_every_request_ends_with_exactly_one_status(probe: Probe) ->
         for tag in ("c120", "c140"):
             with trio.move_on_after(5):
                 pid = await probe.wait_started(tag)
-                os.kill(pid, signal.SIGKILL)
+                # Chaos has its own timing: the worker may have been killed for a cancelled
+                # call already.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     assert len(results) == len(plans)
     outcomes = Counter(results)
     assert set(outcomes) <= {
