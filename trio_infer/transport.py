@@ -244,11 +244,6 @@ class Connection:
         self._goodbye_pending = False
         self._nursery: trio.Nursery | None = None
 
-    @property
-    def active_calls(self) -> int:
-        """Calls in flight on this connection."""
-        return len(self._calls)
-
     def flush(self) -> None:
         """Ask the writer to send whatever the protocol has queued."""
         self._flush_needed.set()
