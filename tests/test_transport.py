@@ -204,7 +204,12 @@ def _raw_h2_exchange(
     Received data is never acknowledged, so the server can send at most the default 64 KiB
     window per stream: a client that stops reading. With ``goaway``, a GOAWAY follows the
     requests at once (h2's own would refuse the answers, so it is sent as a raw frame)."""
-    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    # The client sends the headers exactly as given, invalid ones included.
+    connection = h2.connection.H2Connection(
+        h2.config.H2Configuration(
+            client_side=True, validate_outbound_headers=False, normalize_outbound_headers=False
+        )
+    )
     connection.initiate_connection()
     answers: dict[int, dict[str, str]] = {}
     unsent: dict[int, bytes] = {}
@@ -239,7 +244,10 @@ def _raw_h2_exchange(
             if goaway and not unsent:
                 sock.sendall(GoAwayFrame(0, last_stream_id=0).serialize())
                 goaway = False
-            for event in connection.receive_data(sock.recv(65536)):
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            for event in connection.receive_data(data):
                 if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
                     answers[event.stream_id].update(
                         (name.decode(), value.decode()) for name, value in event.headers
@@ -279,6 +287,22 @@ async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -
         assert answer["grpc-status"] == str(StatusCode.INTERNAL.value)
         assert answer["grpc-message"].startswith("malformed%20gRPC%20request")
     assert answers[4]["grpc-status"] == "0"
+
+
+async def test_headers_http2_forbids_reset_only_their_own_stream(harness: Harness) -> None:
+    # RFC 9113 §8.1.1: a malformed request is a stream error, not a connection error.
+    upper_case_name = [*GOOD_HEADERS, ("X-Upper", "1")]
+    connection_specific = [*GOOD_HEADERS, ("connection", "keep-alive")]
+    not_utf8 = [*GOOD_HEADERS, ("x-name", b"\xff\xfe")]
+    no_path = [(k, v) for k, v in GOOD_HEADERS if k != ":path"]
+    answers = await trio.to_thread.run_sync(
+        _raw_h2_exchange,
+        harness.port,
+        [upper_case_name, connection_specific, GOOD_HEADERS, not_utf8, no_path, GOOD_HEADERS],
+    )
+    protocol_error = {"reset": str(h2.errors.ErrorCodes.PROTOCOL_ERROR)}
+    assert [answers[i] for i in (0, 1, 3, 4)] == [protocol_error] * 4
+    assert answers[2]["grpc-status"] == answers[5]["grpc-status"] == "0"
 
 
 async def test_a_client_goaway_lets_its_calls_in_flight_finish(harness: Harness) -> None:

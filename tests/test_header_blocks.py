@@ -1,0 +1,70 @@
+"""The remembering HPACK coders against hpack's own: same blocks in, same headers out."""
+
+from __future__ import annotations
+
+import hpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_infer.header_blocks import CachingDecoder, CachingEncoder
+
+# A small alphabet makes blocks repeat (cache hits) and tables churn (entries added, evicted).
+_fields = st.tuples(
+    st.sampled_from([":path", "content-type", "grpc-timeout", "x-big"]),
+    st.sampled_from(["/a", "application/grpc", "1m", "2m", "v" * 3000]),
+)
+_blocks = st.lists(st.lists(_fields, min_size=1, max_size=4), min_size=1, max_size=40)
+_table_sizes = st.lists(st.sampled_from([0, 64, 4096]), max_size=3)
+
+
+def _as_str(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(name.decode(), value.decode()) for name, value in headers]
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks=_blocks, resizes=_table_sizes)
+def test_the_caching_decoder_reads_what_hpack_reads(
+    blocks: list[list[tuple[str, str]]], resizes: list[int]
+) -> None:
+    encoder, plain, caching = hpack.Encoder(), hpack.Decoder(), CachingDecoder()
+    for i, headers in enumerate(blocks):
+        if resizes and i % 7 == 3:
+            # The encoder announces a new table size in its next block.
+            encoder.header_table_size = resizes.pop()
+        block = encoder.encode(headers)
+        expected = plain.decode(block, raw=True)
+        assert caching.decode(block, raw=True) == expected
+        assert _as_str(expected) == headers
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks=_blocks, resizes=_table_sizes, sensitive=st.sets(st.integers(0, 39)))
+def test_the_caching_encoder_writes_what_hpack_writes(
+    blocks: list[list[tuple[str, str]]], resizes: list[int], sensitive: set[int]
+) -> None:
+    plain, caching = hpack.Encoder(), CachingEncoder()
+    for i, headers in enumerate(blocks):
+        if resizes and i % 7 == 3:
+            plain.header_table_size = caching.header_table_size = resizes.pop()
+        if i in sensitive:
+            # Fields that must never be indexed, which compare equal to plain tuples.
+            headers = [hpack.NeverIndexedHeaderTuple(*field) for field in headers]
+        assert caching.encode(headers) == plain.encode(headers)
+
+
+def test_a_repeated_block_means_what_the_table_says_now() -> None:
+    # The same one byte (dynamic entry 62) names a different header once the table changed.
+    encoder, decoder = hpack.Encoder(), CachingDecoder()
+    decoder.decode(encoder.encode([("x-a", "1")]))
+    indexed = encoder.encode([("x-a", "1")])
+    assert decoder.decode(indexed) == decoder.decode(indexed) == [("x-a", "1")]
+    decoder.decode(encoder.encode([("x-b", "2")]))
+    assert decoder.decode(indexed) == [("x-b", "2")]
+
+
+def test_a_block_that_changes_the_table_is_coded_anew_each_time() -> None:
+    encoder = CachingEncoder()
+    first = encoder.encode([("x-a", "1")])  # a literal, added to the table
+    second = encoder.encode([("x-a", "1")])  # now indexed
+    assert first != second
+    assert encoder.encode([("x-a", "1")]) == second
