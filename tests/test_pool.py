@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -389,6 +390,25 @@ async def test_each_worker_loads_a_model_once(
     for pid in loaded:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_redefined_settings_reload_the_model_in_the_worker(
+    pool: WorkerPool, repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    pid = repo["pid"]
+    other_log = tmp_path / "other-loads.txt"
+    redefined = dataclasses.replace(
+        pid, parameters=dataclasses.replace(pid.parameters, extra={"log": str(other_log)})
+    )
+    first = await pool.predict(pid, {}, NO_PARAMETERS)
+    await pool.predict(pid, {}, NO_PARAMETERS)
+    assert not other_log.exists()
+    again = await pool.predict(redefined, {}, NO_PARAMETERS)
+    await pool.predict(redefined, {}, NO_PARAMETERS)
+    # The same worker loaded the redefined model, once, and the first definition only once.
+    assert again["pid"].item() == first["pid"].item()
+    assert other_log.read_text().split() == [str(first["pid"].item())]
+    assert (tmp_path / "loads.txt").read_text().split() == [str(first["pid"].item())]
 
 
 async def test_each_model_folder_imports_its_own_model_module(

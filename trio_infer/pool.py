@@ -117,6 +117,7 @@ class WorkerPool:
         self._crashed = 0
         self._crash = trio.Event()
         self._timings: dict[str, _CallTimes] = {}
+        self._pickled_settings: dict[str, tuple[ModelSettings, bytes]] = {}
         self._not_started = 0
 
     @classmethod
@@ -235,13 +236,24 @@ class WorkerPool:
             outputs = await self._run(
                 f"running model {name!r}",
                 worker.predict,
-                settings,
+                self._pickled(settings),
                 inputs,
                 parameters,
                 limiter=self._unbounded,
             )
             times.recent.append(trio.current_time() - started)
         return outputs
+
+    def _pickled(self, settings: ModelSettings) -> bytes:
+        # Keyed by identity (hashing settings would cost more than pickling them); the entry
+        # holds the settings, so the identity stays theirs.
+        entry = self._pickled_settings.get(settings.name)
+        if entry is None or entry[0] is not settings:
+            entry = self._pickled_settings[settings.name] = (
+                settings,
+                worker.pickled_settings(settings),
+            )
+        return entry[1]
 
     async def wait_worker_crash(self) -> None:
         """Wait until a worker process dies during a call (kills on cancel do not count)."""

@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import importlib
 import os
+import pickle
 import signal
 import stat
 import sys
@@ -36,7 +37,7 @@ from trio_infer.errors import InferError, ModelFailed
 from trio_infer.model import Model, Parameters
 from trio_infer.settings import ModelSettings
 
-__all__ = ["THREAD_VARIABLES", "configure", "load", "load_all", "predict"]
+__all__ = ["THREAD_VARIABLES", "configure", "load", "load_all", "pickled_settings", "predict"]
 
 #: Environment variables that size the thread pools of BLAS / OpenMP libraries when they load.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -46,6 +47,8 @@ _PIPE_SIZE = 1024 * 1024
 
 # Invariant: a cached model's load() has returned without raising.
 _models: dict[tuple[str, str], Model] = {}
+# The same models, by their pickled settings (what predict receives).
+_by_settings: dict[bytes, Model] = {}
 _threads = 1
 _debug = False
 
@@ -127,12 +130,12 @@ def load_all(models: Sequence[ModelSettings]) -> int:
 
 
 def predict(
-    settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+    settings: bytes, inputs: dict[str, np.ndarray], parameters: Parameters
 ) -> dict[str, np.ndarray]:
     """Run one model call, loading the model first if this process has not yet.
 
     Args:
-        settings: The model to call.
+        settings: The model to call: its ``ModelSettings``, pickled (:func:`pickled_settings`).
         inputs: The input tensors by name.
         parameters: The request's parameters.
 
@@ -144,7 +147,9 @@ def predict(
         ModelFailed: Loading or calling the model failed otherwise, or its outputs have the
             wrong type.
     """
-    model = _cached_model(settings)
+    model = _by_settings.get(settings)
+    if model is None:
+        model = _model_by_settings(settings)
     error: InferError
     try:
         outputs = model.predict(inputs, parameters)
@@ -155,10 +160,32 @@ def predict(
         # SystemExit re-raised in the server process.
         error = _failed(exc)
     else:
-        return _checked(settings, outputs)
+        return _checked(model.settings, outputs)
     # Raised outside the handler so the model's exception is not attached as __context__:
     # trio-parallel pickles the whole chain, and the model's exception may not pickle.
     raise error
+
+
+def pickled_settings(settings: ModelSettings) -> bytes:
+    """The form of a model's settings that :func:`predict` takes.
+
+    Settings cross to the worker on every call; pickled once by the caller and compared as
+    bytes here, they cost neither side an unpickling nor a field-by-field comparison per call.
+    """
+    return pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _model_by_settings(pickled: bytes) -> Model:
+    settings: ModelSettings = pickle.loads(pickled)
+    model = _cached_model(settings)
+    # Earlier settings of the same model (before a redefinition) must not keep it alive.
+    key = (settings.name, settings.version)
+    for stale in [
+        k for k, m in _by_settings.items() if (m.settings.name, m.settings.version) == key
+    ]:
+        del _by_settings[stale]
+    _by_settings[pickled] = model
+    return model
 
 
 def _cached_model(settings: ModelSettings) -> Model:
