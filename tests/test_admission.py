@@ -140,6 +140,58 @@ async def test_a_caller_without_a_deadline_waits_at_most_max_wait(
     assert admission.statistics().reserved_bytes == 0
 
 
+async def test_a_standing_queue_turns_waiting_into_refusal_until_the_overload_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    admission = Admission(budget_bytes=100, max_waiting_bytes=10_000)
+    outcomes: list[str] = []
+    refusals: set[str] = set()
+
+    async def request(hold: float) -> None:
+        try:
+            async with admission.reserve(100, math.inf):
+                outcomes.append("admitted")
+                await trio.sleep(hold)
+        except Overloaded as exc:
+            outcomes.append("refused")
+            refusals.add(exc.message.partition(", and ")[2])
+
+    # A burst shorter than the interval waits: nobody is refused.
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(request, 0.02)
+    assert outcomes == ["admitted"] * 3
+    assert not admission.statistics().shedding
+
+    # Sustained overload: a request every 10 ms, each holding the whole budget for 20 ms.
+    outcomes.clear()
+    async with trio.open_nursery() as nursery:
+        for _ in range(60):
+            nursery.start_soon(request, 0.02)
+            await trio.sleep(0.01)
+        assert admission.statistics().shedding
+    assert outcomes[:5] == ["admitted"] * 5  # a queue formed before it was seen to stand
+    assert refusals == {
+        "requests have waited over 5 ms for room for 0.1 s: refused rather than queued "
+        "(--memory-budget)"
+    }
+    # Without shedding, all 60 would have queued and been admitted one by one; with it, the
+    # budget admits what it can serve in the 0.6 s of arrivals (one per 20 ms) and refuses
+    # the rest at once.
+    assert outcomes.count("admitted") <= 0.6 / 0.02 + 1
+
+    # Once nothing has been refused for an interval, a request that does not fit waits again.
+    await trio.sleep(admission.interval)
+    outcomes.clear()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request, 0.02)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not admission.statistics().shedding
+        nursery.start_soon(request, 0.0)
+    assert outcomes == ["admitted", "admitted"]
+    assert admission.statistics().reserved_bytes == 0
+
+
 # -- the bounds over the wire -----------------------------------------------------------------
 
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 import hpack
+from hpack import HeaderTuple, NeverIndexedHeaderTuple
+from hpack.hpack import encode_integer
+from hyperframe.frame import HeadersFrame, SettingsFrame
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support import MiB
+from trio_infer.grpc_protocol import _REQUEST_HEADERS, ProtocolLimits, ServerProtocol
 from trio_infer.header_blocks import CachingDecoder, CachingEncoder
 
 # A small alphabet makes blocks repeat (cache hits) and tables churn (entries added, evicted).
@@ -68,3 +76,67 @@ def test_a_block_that_changes_the_table_is_coded_anew_each_time() -> None:
     second = encoder.encode([("x-a", "1")])  # now indexed
     assert first != second
     assert encoder.encode([("x-a", "1")]) == second
+
+
+# -- the connection's use of them -------------------------------------------------------------
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK literal without indexing: it leaves the dynamic table as it is."""
+    return (
+        b"\x00"
+        + bytes(encode_integer(len(name), 7))
+        + name
+        + bytes(encode_integer(len(value), 7))
+        + value
+    )
+
+
+def _headers_frame(stream_id: int, fields: bytes) -> bytes:
+    frame = HeadersFrame(stream_id)
+    frame.data = b"\x83\x86" + _literal(b":path", b"/pkg.S/M") + _literal(b":authority", b"x")
+    frame.data += _literal(b"content-type", b"application/grpc") + fields
+    frame.flags.add("END_HEADERS")
+    frame.flags.add("END_STREAM")
+    return bytes(frame.serialize())
+
+
+def test_large_header_blocks_are_not_remembered() -> None:
+    # 64 distinct header blocks of ~60 KB each, which h2 accepts (a client that never
+    # acknowledges our SETTINGS keeps h2's 64 KiB limit): remembering them would pin megabytes
+    # on one idle connection.
+    wire = [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()]
+    wire += [
+        _headers_frame(2 * i + 1, _literal(b"x-pad", (b"%06d" % i) * 10_000)) for i in range(64)
+    ]
+    protocol = ServerProtocol(ProtocolLimits())
+    protocol.initiate_connection()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for chunk in wire:
+            protocol.receive_data(chunk)
+        protocol.data_to_send()
+        del wire, chunk
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert retained < MiB, f"{retained / MiB:.1f} MiB kept by one idle connection"
+
+
+def test_a_never_indexed_field_stays_never_indexed() -> None:
+    connection = ServerProtocol(ProtocolLimits()).h2_connection
+    base = [
+        HeaderTuple(b":method", b"POST"),
+        HeaderTuple(b":scheme", b"http"),
+        HeaderTuple(b":path", b"/a/b"),
+        HeaderTuple(b":authority", b"x"),
+    ]
+    plain = connection._checked([*base, HeaderTuple(b"authorization", b"s")], _REQUEST_HEADERS)
+    secret = connection._checked(
+        [*base, NeverIndexedHeaderTuple(b"authorization", b"s")], _REQUEST_HEADERS
+    )
+    assert type(plain[-1]) is HeaderTuple
+    assert type(secret[-1]) is NeverIndexedHeaderTuple

@@ -57,7 +57,7 @@ from purerpc.grpclib.headers import HeaderDict
 from purerpc.grpclib.status import Status
 
 from trio_infer.errors import StatusCode
-from trio_infer.header_blocks import CachingDecoder, CachingEncoder
+from trio_infer.header_blocks import MAX_REMEMBERED_BYTES, CachingDecoder, CachingEncoder
 
 __all__ = [
     "CallRejected",
@@ -283,18 +283,23 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
 
     def _checked(self, headers: list[Any], flags: HeaderValidationFlags) -> list[Any]:
         """``headers`` validated and normalised by h2's rules, names and values as ``str``."""
-        key = (*headers, flags)
+        # A never-indexed field equals a plain one with the same name and value, but must keep
+        # its class: the classes are part of the key.
+        key = (*headers, *map(type, headers), flags)
         checked = self._checked_header_lists.get(key)
-        if checked is None:
-            checked = list(
-                _headers_to_str(
-                    validate_headers(normalize_inbound_headers(headers, flags), flags), "utf-8"
-                )
+        if checked is not None:
+            return list(checked)
+        checked = list(
+            _headers_to_str(
+                validate_headers(normalize_inbound_headers(headers, flags), flags), "utf-8"
             )
+        )
+        if sum(len(name) + len(value) for name, value in headers) <= MAX_REMEMBERED_BYTES:
             if len(self._checked_header_lists) >= _MAX_CHECKED_HEADER_LISTS:
                 self._checked_header_lists.clear()
             self._checked_header_lists[key] = checked
-        return list(checked)
+            return list(checked)
+        return checked
 
     def _receive_goaway_frame(self, frame: Any) -> Any:
         # h2 3.2.0 closes the whole connection on any GOAWAY and drops what is queued to send.

@@ -20,11 +20,14 @@ import hpack
 from hpack.struct import HeaderTuple
 from hpack.table import HeaderTable
 
-__all__ = ["CachingDecoder", "CachingEncoder"]
+__all__ = ["MAX_REMEMBERED_BYTES", "CachingDecoder", "CachingEncoder"]
 
 #: Distinct blocks remembered per connection; a client sending a different deadline on every
 #: call makes every request block distinct, and those must not grow the cache without bound.
 _MAX_BLOCKS = 64
+#: Larger blocks are not remembered, so a connection's cache holds at most a few hundred KiB
+#: (gRPC request blocks are a few hundred bytes; h2 accepts 64 KiB ones).
+MAX_REMEMBERED_BYTES = 4096
 
 
 class _VersionedTable(HeaderTable):  # type: ignore[misc]
@@ -61,9 +64,11 @@ class _Memo:
             return hit[1]
         return None
 
-    def put(self, key: Any, version_before: int, result: Any) -> None:
+    def put(self, key: Any, version_before: int, result: Any, size: int) -> None:
         if self._table.version != version_before:
             return  # coding this block changed the table: its result cannot be replayed
+        if size > MAX_REMEMBERED_BYTES:
+            return
         if len(self._results) >= _MAX_BLOCKS:
             self._results.clear()
         self._results[key] = (version_before, result)
@@ -85,7 +90,7 @@ class CachingDecoder(hpack.Decoder):  # type: ignore[misc]
         if headers is None:
             version = self.header_table.version
             headers = super().decode(data, raw)
-            self._memo.put(key, version, headers)
+            self._memo.put(key, version, headers, len(data))
         # h2 keeps what it is given; a copy keeps the remembered block safe from it.
         return list(headers)
 
@@ -109,5 +114,5 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
         if block is None:
             version = self.header_table.version
             block = super().encode(fields, huffman)
-            self._memo.put(key, version, block)
+            self._memo.put(key, version, block, len(block))
         return block

@@ -117,7 +117,7 @@ class WorkerPool:
         self._crashed = 0
         self._crash = trio.Event()
         self._timings: dict[str, _CallTimes] = {}
-        self._pickled_settings: dict[str, tuple[ModelSettings, bytes]] = {}
+        self._pickled_settings: dict[tuple[str, str], tuple[ModelSettings, bytes]] = {}
         self._not_started = 0
 
     @classmethod
@@ -247,9 +247,10 @@ class WorkerPool:
     def _pickled(self, settings: ModelSettings) -> bytes:
         # Keyed by identity (hashing settings would cost more than pickling them); the entry
         # holds the settings, so the identity stays theirs.
-        entry = self._pickled_settings.get(settings.name)
+        key = (settings.name, settings.version)
+        entry = self._pickled_settings.get(key)
         if entry is None or entry[0] is not settings:
-            entry = self._pickled_settings[settings.name] = (
+            entry = self._pickled_settings[key] = (
                 settings,
                 worker.pickled_settings(settings),
             )
