@@ -7,6 +7,7 @@ given). The first SIGINT or SIGTERM starts a graceful shutdown; a second one exi
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 from pathlib import Path
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         logger.error("%s", exc)
         return 2
+    # Every module the server needs is imported by now: tens of thousands of objects that live
+    # as long as the process. Left to the cyclic garbage collector, each full collection walks
+    # them all, which measured 25-29 ms, once a second at 2,500 requests/s: the p99 latency.
+    gc.freeze()
     status = 0
     try:
         trio.run(_serve_until_signalled, config)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import importlib
 import os
 import pickle
@@ -74,6 +75,9 @@ def configure(threads_per_worker: int, debug: bool) -> None:
     for name in THREAD_VARIABLES:
         os.environ[name] = str(threads_per_worker)
     threadpool_limits(limits=threads_per_worker)
+    # What the fork server imported lives as long as this process: a full garbage collection
+    # walking it would stall a model call (as it stalled the server, see trio_infer.cli).
+    gc.freeze()
 
 
 def _widen_pipes() -> None:
