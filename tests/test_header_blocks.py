@@ -70,6 +70,17 @@ def test_a_repeated_block_means_what_the_table_says_now() -> None:
     assert decoder.decode(indexed) == [("x-b", "2")]
 
 
+def test_a_table_size_update_is_sent_once() -> None:
+    plain, caching = hpack.Encoder(), CachingEncoder()
+    for encoder in (plain, caching):
+        encoder.encode([(":path", "/a")])
+        encoder.encode([(":path", "/a")])
+        encoder.header_table_size = 64
+    after_resize = [caching.encode([(":path", "/a")]) for _ in range(3)]
+    assert after_resize == [plain.encode([(":path", "/a")]) for _ in range(3)]
+    assert after_resize[1] == after_resize[2] != after_resize[0]
+
+
 def test_a_block_that_changes_the_table_is_coded_anew_each_time() -> None:
     encoder = CachingEncoder()
     first = encoder.encode([("x-a", "1")])  # a literal, added to the table

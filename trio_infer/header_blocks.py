@@ -105,9 +105,10 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
 
     def encode(self, headers: Iterable[Any], huffman: bool = True) -> bytes:
         fields = tuple(headers)
-        if any(isinstance(field, HeaderTuple) for field in fields):
-            # Its class says whether a field may be indexed, and tuples that compare equal
-            # may differ in it: such blocks are not remembered.
+        if self.header_table.resized or any(isinstance(field, HeaderTuple) for field in fields):
+            # A block after a resize starts with the size update, which must be sent once.
+            # A field's class says whether it may be indexed, and tuples that compare equal
+            # may differ in it. Neither kind of block is remembered.
             return bytes(super().encode(fields, huffman))
         key = (fields, huffman)
         block: bytes | None = self._memo.get(key)
