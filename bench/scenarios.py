@@ -181,9 +181,9 @@ class Timing:
         """The full run's timing, or ``--quick``'s (a run of every server under 2 minutes)."""
         if quick:
             return cls(
-                warmup=0.25, duration=duration or 0.8, storm=2.0, recovery_limit=8.0,
-                kill_before=1.0, kill_after=2.0, overload_warmup=3.0,
-                overload=max(3.0, duration or 0.0),
+                warmup=0.25, duration=duration or 0.8, storm=2.0, recovery_limit=5.0,
+                kill_before=1.0, kill_after=2.0, overload_warmup=1.5,
+                overload=max(2.0, duration or 0.0),
             )  # fmt: skip
         duration = duration or 5.0
         return cls(
