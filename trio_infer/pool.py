@@ -113,7 +113,7 @@ class WorkerPool:
         self._limiter = trio.CapacityLimiter(workers)
         # predict holds a token of _limiter itself (to look at the deadline once a worker is
         # free), so its trio-parallel call needs no second bound.
-        self._unbounded = trio.CapacityLimiter(math.inf)
+        self._held = _AlreadyHeld()
         self._crashed = 0
         self._crash = trio.Event()
         self._timings: dict[str, _CallTimes] = {}
@@ -239,7 +239,7 @@ class WorkerPool:
                 self._pickled(settings),
                 inputs,
                 parameters,
-                limiter=self._unbounded,
+                limiter=self._held,
             )
             times.recent.append(trio.current_time() - started)
         return outputs
@@ -276,7 +276,7 @@ class WorkerPool:
         what: str,
         fn: Callable[..., _T],
         *args: object,
-        limiter: trio.CapacityLimiter | None = None,
+        limiter: trio.CapacityLimiter | _AlreadyHeld | None = None,
     ) -> _T:
         try:
             result: _T = await self._context.run_sync(
@@ -296,6 +296,20 @@ class WorkerPool:
             # killed that worker): the model's doing, e.g. an unpicklable output.
             raise ModelFailed(f"{type(exc).__name__}: {exc} (while {what})") from exc
         return result
+
+
+class _AlreadyHeld:
+    """The limiter trio-parallel is given for a call that already holds a worker token.
+
+    trio-parallel enters its limiter around every call; an unbounded ``CapacityLimiter`` there
+    cost a scheduler pass on each call, between a worker coming free and its next job.
+    """
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
 
 
 @dataclass
