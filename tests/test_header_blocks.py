@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
+import h2.config
+import h2.connection
+import h2.events
 import hpack
 from hpack import HeaderTuple, NeverIndexedHeaderTuple
 from hpack.hpack import encode_integer
@@ -13,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support import MiB
+from trio_infer.errors import StatusCode
 from trio_infer.grpc_protocol import _REQUEST_HEADERS, ProtocolLimits, ServerProtocol
 from trio_infer.header_blocks import CachingDecoder, CachingEncoder
 
@@ -46,9 +50,14 @@ def test_the_caching_decoder_reads_what_hpack_reads(
 
 
 @settings(max_examples=300, deadline=None)
-@given(blocks=_blocks, resizes=_table_sizes, sensitive=st.sets(st.integers(0, 39)))
+@given(
+    blocks=_blocks,
+    resizes=_table_sizes,
+    sensitive=st.sets(st.integers(0, 39)),
+    huffman=st.booleans(),
+)
 def test_the_caching_encoder_writes_what_hpack_writes(
-    blocks: list[list[tuple[str, str]]], resizes: list[int], sensitive: set[int]
+    blocks: list[list[tuple[str, str]]], resizes: list[int], sensitive: set[int], huffman: bool
 ) -> None:
     plain, caching = hpack.Encoder(), CachingEncoder()
     for i, headers in enumerate(blocks):
@@ -57,7 +66,7 @@ def test_the_caching_encoder_writes_what_hpack_writes(
         if i in sensitive:
             # Fields that must never be indexed, which compare equal to plain tuples.
             headers = [hpack.NeverIndexedHeaderTuple(*field) for field in headers]
-        assert caching.encode(headers) == plain.encode(headers)
+        assert caching.encode(headers, huffman) == plain.encode(headers, huffman)
 
 
 def test_a_repeated_block_means_what_the_table_says_now() -> None:
@@ -76,8 +85,8 @@ def test_a_table_size_update_is_sent_once() -> None:
         encoder.encode([(":path", "/a")])
         encoder.encode([(":path", "/a")])
         encoder.header_table_size = 64
-    after_resize = [caching.encode([(":path", "/a")]) for _ in range(3)]
-    assert after_resize == [plain.encode([(":path", "/a")]) for _ in range(3)]
+    after_resize = [caching.encode([(":path", "/a")], True) for _ in range(3)]
+    assert after_resize == [plain.encode([(":path", "/a")], True) for _ in range(3)]
     assert after_resize[1] == after_resize[2] != after_resize[0]
 
 
@@ -151,3 +160,34 @@ def test_a_never_indexed_field_stays_never_indexed() -> None:
     )
     assert type(plain[-1]) is HeaderTuple
     assert type(secret[-1]) is NeverIndexedHeaderTuple
+
+
+def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() -> None:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    server = ServerProtocol(ProtocolLimits())
+    server.initiate_connection()
+    request = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/pkg.S/M"),
+        (":authority", "x"),
+        ("content-type", "application/grpc"),
+    ]
+    trailers: list[dict[bytes, bytes]] = []
+    for stream_id, message in [(1, "budget full: 1 of 2 bytes"), (3, "budget full: 2 of 2")]:
+        client.send_headers(stream_id, request)
+        client.send_data(stream_id, b"\0\0\0\0\0", end_stream=True)
+        server.receive_data(client.data_to_send())
+        server.end_response(
+            stream_id, StatusCode.RESOURCE_EXHAUSTED, message, (), headers_sent=False
+        )
+        for event in client.receive_data(server.data_to_send()):
+            if isinstance(event, h2.events.ResponseReceived):
+                trailers.append(dict(event.headers))
+    assert [t[b"grpc-message"] for t in trailers] == [
+        b"budget%20full%3A%201%20of%202%20bytes",
+        b"budget%20full%3A%202%20of%202",
+    ]
+    table = server.h2_connection.encoder.header_table.dynamic_entries
+    assert all(name != b"grpc-message" for name, _ in table)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from typing import Any, TypeAlias
+from urllib.parse import quote
 
 import h2.config
 import h2.connection
@@ -47,14 +48,14 @@ from h2.settings import SettingCodes
 from h2.stream import StreamClosedBy
 from h2.stream import _decode_headers as _headers_to_str
 from h2.utilities import HeaderValidationFlags, normalize_inbound_headers, validate_headers
+from hpack import HeaderTuple, NeverIndexedHeaderTuple
 from hyperframe.exceptions import InvalidFrameError
 from hyperframe.frame import GoAwayFrame, RstStreamFrame
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 from purerpc.grpclib.events import RequestEnded, RequestReceived, WindowUpdated
 from purerpc.grpclib.exceptions import ProtocolError as _PurerpcProtocolError
-from purerpc.grpclib.headers import HeaderDict
-from purerpc.grpclib.status import Status
+from purerpc.grpclib.headers import HeaderDict, sanitize_headers
 
 from trio_infer.errors import StatusCode
 from trio_infer.header_blocks import MAX_REMEMBERED_BYTES, CachingDecoder, CachingEncoder
@@ -528,11 +529,16 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     ) -> None:
         """Queue the trailers that end a call; a call that sent nothing gets a trailers-only
         response. Requests still streaming in are then told to stop (RST_STREAM NO_ERROR)."""
-        grpc_status = Status(status.value, message)
-        if headers_sent:
-            super().end_response(stream_id, grpc_status, metadata)
-        else:
-            self.respond_status(stream_id, grpc_status, "", metadata)
+        trailers: list[tuple[str, str] | HeaderTuple] = (
+            [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
+        )
+        trailers.append(("grpc-status", str(status.value)))
+        if message:
+            # Messages differ call to call: indexed, each would take a place in the connection's
+            # HPACK table, evicting the headers every response repeats.
+            trailers.append(NeverIndexedHeaderTuple("grpc-message", quote(message, safe="")))
+        trailers.extend(sanitize_headers(metadata))
+        self.h2_connection.send_headers(stream_id, trailers, end_stream=True)
         self._inbound.pop(stream_id, None)
         stream = self.h2_connection.streams.get(stream_id)
         if stream is not None and not stream.closed:
