@@ -180,14 +180,17 @@ async def test_a_standing_queue_turns_waiting_into_refusal_until_the_overload_en
     # the rest at once.
     assert outcomes.count("admitted") <= 0.6 / 0.02 + 1
 
-    # Once nothing has been refused for an interval, a request that does not fit waits again.
-    await trio.sleep(admission.interval)
+    # Once nothing has been refused for an interval, a request that does not fit waits again,
+    # even though the budget never had room in between.
     outcomes.clear()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(request, 0.02)
+        nursery.start_soon(request, 0.5)  # fills the budget
+        await trio.sleep(admission.interval)
+        assert admission.statistics().shedding
+        nursery.start_soon(request, 0.0)
         await trio.testing.wait_all_tasks_blocked()
         assert not admission.statistics().shedding
-        nursery.start_soon(request, 0.0)
+        assert admission.statistics().waiting == 1
     assert outcomes == ["admitted", "admitted"]
     assert admission.statistics().reserved_bytes == 0
 

@@ -218,6 +218,11 @@ class Admission:
 
     async def _wait_for_room(self, nbytes: int) -> Reservation:
         now = trio.current_time()
+        if self._shedding and now - self._last_refusal >= self.interval:
+            # Nothing was refused for an interval: the overload is over, even if the budget is
+            # still full (of long calls), so this request may wait again.
+            self._shedding = False
+            self._slow_since = None
         if self._shedding:
             self._last_refusal = now
             raise self._refuse(
