@@ -146,6 +146,34 @@ def test_large_header_blocks_are_not_remembered() -> None:
     assert retained < MiB, f"{retained / MiB:.1f} MiB kept by one idle connection"
 
 
+def test_blocks_small_on_the_wire_but_large_decoded_are_not_remembered() -> None:
+    # One byte of HPACK can name a 4 KB entry of the dynamic table: 64 distinct blocks of a few
+    # dozen bytes each decode to 60 KB.
+    big = b"x-big"
+    indexing = b"\x40" + bytes(encode_integer(len(big), 7)) + big
+    indexing += bytes(encode_integer(4000, 7)) + b"v" * 4000  # now dynamic entry 62
+    wire = [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()]
+    wire.append(_headers_frame(1, indexing))
+    wire += [
+        _headers_frame(2 * i + 3, _literal(b"x-n", b"%d" % i) + b"\xbe" * 15) for i in range(64)
+    ]
+    protocol = ServerProtocol(ProtocolLimits())
+    protocol.initiate_connection()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for chunk in wire:
+            protocol.receive_data(chunk)
+        protocol.data_to_send()
+        del wire, chunk
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert retained < MiB, f"{retained / MiB:.1f} MiB kept by one idle connection"
+
+
 def test_a_never_indexed_field_stays_never_indexed() -> None:
     connection = ServerProtocol(ProtocolLimits()).h2_connection
     base = [

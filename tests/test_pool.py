@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
@@ -454,3 +455,31 @@ async def test_a_call_after_the_pool_closed_is_unavailable(
         pass
     with pytest.raises(Unavailable, match=r"^the worker pool is shut down"):
         await pool.predict(examples["echo"], {}, NO_PARAMETERS)
+
+
+async def test_a_call_cancelled_as_a_worker_comes_free_leaves_the_worker_alone(
+    repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    async with WorkerPool.open(1) as pool:
+        first = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
+        # After 8 calls in a row not started for lack of time, the next one is started
+        # whatever its deadline; one already cancelled must still not take (and so kill) the
+        # worker. The race is driven by hand: the only worker token is held as a running call
+        # would, and handed over in the same scheduler pass as the waiting call is cancelled.
+        pool._timings["pid"].refused_in_a_row = 8
+        await pool._limiter.acquire()
+        scope = trio.CancelScope()
+
+        async def waiting_call() -> None:
+            with scope:
+                await pool.predict(repo["pid"], {}, NO_PARAMETERS)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiting_call)
+            await trio.testing.wait_all_tasks_blocked()
+            pool._limiter.release()
+            scope.cancel()
+
+        second = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
+        assert second == first
+        assert (tmp_path / "loads.txt").read_text().split() == [str(first)]

@@ -16,8 +16,9 @@ Two bounds, checked in order as a request's data becomes known:
 
    Waiting is for bursts, not for sustained overload. As in CoDel (RFC 8289), a queue whose
    requests have all waited longer than ``target_wait`` for ``interval`` is a standing queue:
-   from then on a request that does not fit is refused at once instead of joining it, until
-   no request has been refused for an ``interval``. (Measured in ``bench``'s
+   from then on a request that does not fit is refused at once instead of joining it. Once per
+   ``interval`` one such request is let wait as a probe; shedding ends when a wait (the probe's
+   or any other) takes no longer than ``target_wait``. (Measured in ``bench``'s
    ``overload-x10-backoff``: a waiting room of a quarter of the budget, always full under
    sustained overload, gave admitted p50 / p99 of 167 / 233 ms against 92 / 150 ms unloaded;
    refusing instead of queueing gave 129 / 177 ms.)
@@ -113,8 +114,8 @@ class Admission:
         max_waiting_bytes: The most bytes requests waiting for room may ask for together
             (default: a quarter of ``budget_bytes``).
         target_wait: A wait for room longer than this, in seconds, is a sign of overload.
-        interval: Seconds of waits above ``target_wait`` that make a standing queue (and of no
-            refusal that end one).
+        interval: Seconds of waits above ``target_wait`` that make a standing queue, and
+            between two probes of whether it still stands.
     """
 
     def __init__(
@@ -136,7 +137,7 @@ class Admission:
         #: When waits first went above target, with none below since (None: they are not).
         self._slow_since: float | None = None
         self._shedding = False
-        self._last_refusal = -math.inf
+        self._last_probe = -math.inf
         self._reserved = 0
         self._waiting_bytes = 0
         # Invariant: a waiter is in this queue exactly until it is granted or gives up, and the
@@ -180,8 +181,6 @@ class Admission:
             reservation = Reservation(self, nbytes)
             # Room without waiting: whatever queue there was has drained.
             self._slow_since = None
-            if self._shedding and trio.current_time() - self._last_refusal >= self.interval:
-                self._shedding = False  # the overload is over
         else:
             with trio.move_on_after(self.max_wait if math.isinf(deadline) else math.inf):
                 reservation = await self._wait_for_room(nbytes)
@@ -218,21 +217,19 @@ class Admission:
 
     async def _wait_for_room(self, nbytes: int) -> Reservation:
         now = trio.current_time()
-        if self._shedding and now - self._last_refusal >= self.interval:
-            # Nothing was refused for an interval: the overload is over, even if the budget is
-            # still full (of long calls), so this request may wait again.
-            self._shedding = False
-            self._slow_since = None
         if self._shedding:
-            self._last_refusal = now
-            raise self._refuse(
-                "memory_budget",
-                f"memory budget full: {self._reserved} of {self.budget_bytes} bytes reserved, "
-                f"and requests have waited over {self.target_wait * 1000:g} ms for room for "
-                f"{self.interval:g} s: refused rather than queued (--memory-budget)",
-            )
+            if not self._waiters and now - self._last_probe >= self.interval:
+                # This one waits: how long it takes tells whether the queue still stands.
+                self._last_probe = now
+            else:
+                raise self._refuse(
+                    "memory_budget",
+                    f"memory budget full: {self._reserved} of {self.budget_bytes} bytes "
+                    f"reserved, and requests have waited over {self.target_wait * 1000:g} ms "
+                    f"for room for {self.interval:g} s: refused rather than queued "
+                    "(--memory-budget)",
+                )
         if self._waiting_bytes + nbytes > self.max_waiting_bytes:
-            self._last_refusal = now
             raise self._refuse(
                 "memory_budget",
                 f"memory budget full: {self._reserved} of {self.budget_bytes} bytes reserved "
@@ -272,11 +269,13 @@ class Admission:
         now = trio.current_time()
         if waited <= self.target_wait:
             self._slow_since = None
+            self._shedding = False
         elif self._slow_since is None:
             self._slow_since = now
         elif now - self._slow_since >= self.interval:
+            if not self._shedding:
+                self._last_probe = now  # the next probe, an interval from now
             self._shedding = True
-            self._last_refusal = max(self._last_refusal, now)
 
     def _refuse(self, bound: str, message: str) -> Overloaded:
         self._rejected[bound] += 1

@@ -25,9 +25,14 @@ __all__ = ["MAX_REMEMBERED_BYTES", "CachingDecoder", "CachingEncoder"]
 #: Distinct blocks remembered per connection; a client sending a different deadline on every
 #: call makes every request block distinct, and those must not grow the cache without bound.
 _MAX_BLOCKS = 64
-#: Larger blocks are not remembered, so a connection's cache holds at most a few hundred KiB
-#: (gRPC request blocks are a few hundred bytes; h2 accepts 64 KiB ones).
+#: Blocks larger than this, decoded, are not remembered, so a connection's caches hold at most
+#: about a MiB (gRPC request blocks are a few hundred bytes; h2 accepts 64 KiB ones).
 MAX_REMEMBERED_BYTES = 4096
+
+
+def _size(fields: Iterable[Any]) -> int:
+    # A block's size decoded: one byte of HPACK can stand for a whole remembered field.
+    return sum(len(field[0]) + len(field[1]) for field in fields)
 
 
 class _VersionedTable(HeaderTable):  # type: ignore[misc]
@@ -90,7 +95,7 @@ class CachingDecoder(hpack.Decoder):  # type: ignore[misc]
         if headers is None:
             version = self.header_table.version
             headers = super().decode(data, raw)
-            self._memo.put(key, version, headers, len(data))
+            self._memo.put(key, version, headers, _size(headers))
         # h2 keeps what it is given; a copy keeps the remembered block safe from it.
         return list(headers)
 
@@ -120,5 +125,5 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
         if block is None:
             version = self.header_table.version
             block = super().encode(fields, huffman)
-            self._memo.put(key, version, block, len(block))
+            self._memo.put(key, version, block, _size(fields))
         return block

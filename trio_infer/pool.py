@@ -306,7 +306,9 @@ class _AlreadyHeld:
     """
 
     async def __aenter__(self) -> None:
-        return None
+        # A cancelled call must not take a worker (it would be killed at once); this raises
+        # without a scheduler pass when there is no cancellation.
+        await trio.lowlevel.checkpoint_if_cancelled()
 
     async def __aexit__(self, *exc_info: object) -> None:
         return None
