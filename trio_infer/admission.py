@@ -17,11 +17,11 @@ Two bounds, checked in order as a request's data becomes known:
    Waiting is for bursts, not for sustained overload. As in CoDel (RFC 8289), a queue whose
    requests have all waited longer than ``target_wait`` for ``interval`` is a standing queue:
    from then on a request that does not fit is refused at once instead of joining it. Once per
-   ``interval`` one such request is let wait as a probe; shedding ends when a wait (the probe's
-   or any other) takes no longer than ``target_wait``. (Measured in ``bench``'s
+   ``interval`` one such request is let wait as a probe; shedding ends when three probes in a
+   row get room within ``target_wait``. (Measured in ``bench``'s
    ``overload-x10-backoff``: a waiting room of a quarter of the budget, always full under
    sustained overload, gave admitted p50 / p99 of 167 / 233 ms against 92 / 150 ms unloaded;
-   refusing instead of queueing gave 129 / 177 ms.)
+   shedding as here gives 157-159 / 214-222 ms against 86-93 / 128-134 ms.)
 2. The **per-model queue** (``max_queue_size`` in model settings): once the request is parsed and
    its model known, it takes one of the model's slots, or is refused at once when all are taken.
    A slot is held while the request waits for and runs on a worker. Refusing at once rather
@@ -48,6 +48,14 @@ from trio_infer.settings import ModelSettings
 from trio_infer.tensors import DATATYPES, TensorSpec
 
 __all__ = ["Admission", "AdmissionStatistics", "Reservation", "estimate_output_bytes"]
+
+#: Probes in a row that must find room within ``target_wait`` to end shedding. Measured in
+#: ``bench``'s ``overload-x10-backoff`` (admitted p50 / p99): ending it on the first short
+#: probe left it off about a third of the time under sustained overload (13 on/off cycles in
+#: 15 s): 160-169 / 232-253 ms; three in a row: 157-159 / 214-222 ms. (Never ending it while
+#: refusals go on gave 140-142 / 194-202 ms, but then its own refusals kept it on under light
+#: load, refusing requests that would have waited 1 ms.)
+_SHORT_PROBES_TO_END = 3
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,7 @@ class Admission:
         self._slow_since: float | None = None
         self._shedding = False
         self._last_probe = -math.inf
+        self._short_probes = 0
         self._reserved = 0
         self._waiting_bytes = 0
         # Invariant: a waiter is in this queue exactly until it is granted or gives up, and the
@@ -269,13 +278,18 @@ class Admission:
         now = trio.current_time()
         if waited <= self.target_wait:
             self._slow_since = None
-            self._shedding = False
-        elif self._slow_since is None:
+            if self._shedding:
+                # One short wait can be luck (a call ended just as the probe came): under
+                # overload a slot frees every few ms. Several in a row mean the queue is gone.
+                self._short_probes += 1
+                self._shedding = self._short_probes < _SHORT_PROBES_TO_END
+            return
+        self._short_probes = 0
+        if self._slow_since is None:
             self._slow_since = now
-        elif now - self._slow_since >= self.interval:
-            if not self._shedding:
-                self._last_probe = now  # the next probe, an interval from now
+        elif now - self._slow_since >= self.interval and not self._shedding:
             self._shedding = True
+            self._last_probe = now  # the first probe, an interval from now
 
     def _refuse(self, bound: str, message: str) -> Overloaded:
         self._rejected[bound] += 1
