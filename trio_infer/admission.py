@@ -256,7 +256,10 @@ class Admission:
             else:
                 self._waiters.remove(waiter)
                 self._waiting_bytes -= nbytes
-                self._observe_wait(trio.current_time() - waiter.since)
+                waited = trio.current_time() - waiter.since
+                if waited > self.target_wait:
+                    # A request that gave up quickly says nothing of how long room takes.
+                    self._observe_wait(waited)
                 # A large waiter leaving the head may let smaller ones behind it in.
                 self._grant_waiters()
             raise
