@@ -121,14 +121,12 @@ def _headers_frame(stream_id: int, fields: bytes) -> bytes:
     return bytes(frame.serialize())
 
 
-def test_large_header_blocks_are_not_remembered() -> None:
-    # 64 distinct header blocks of ~60 KB each, which h2 accepts (a client that never
-    # acknowledges our SETTINGS keeps h2's 64 KiB limit): remembering them would pin megabytes
-    # on one idle connection.
-    wire = [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()]
-    wire += [
-        _headers_frame(2 * i + 1, _literal(b"x-pad", (b"%06d" % i) * 10_000)) for i in range(64)
-    ]
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()
+
+
+def _bytes_kept_by_a_connection_after(wire: list[bytes]) -> int:
+    """Memory a server connection still holds once it has read ``wire`` (a client that
+    never acknowledges our SETTINGS, so h2's 64 KiB header list limit applies)."""
     protocol = ServerProtocol(ProtocolLimits())
     protocol.initiate_connection()
     gc.collect()
@@ -138,11 +136,20 @@ def test_large_header_blocks_are_not_remembered() -> None:
         for chunk in wire:
             protocol.receive_data(chunk)
         protocol.data_to_send()
-        del wire, chunk
         gc.collect()
-        retained = tracemalloc.get_traced_memory()[0] - before
+        return int(tracemalloc.get_traced_memory()[0] - before)
     finally:
         tracemalloc.stop()
+
+
+def test_large_header_blocks_are_not_remembered() -> None:
+    # 64 distinct header blocks of ~60 KB each, which h2 accepts: remembering them would pin
+    # megabytes on one idle connection.
+    wire = [_PREFACE]
+    wire += [
+        _headers_frame(2 * i + 1, _literal(b"x-pad", (b"%06d" % i) * 10_000)) for i in range(64)
+    ]
+    retained = _bytes_kept_by_a_connection_after(wire)
     assert retained < MiB, f"{retained / MiB:.1f} MiB kept by one idle connection"
 
 
@@ -152,25 +159,11 @@ def test_blocks_small_on_the_wire_but_large_decoded_are_not_remembered() -> None
     big = b"x-big"
     indexing = b"\x40" + bytes(encode_integer(len(big), 7)) + big
     indexing += bytes(encode_integer(4000, 7)) + b"v" * 4000  # now dynamic entry 62
-    wire = [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()]
-    wire.append(_headers_frame(1, indexing))
+    wire = [_PREFACE, _headers_frame(1, indexing)]
     wire += [
         _headers_frame(2 * i + 3, _literal(b"x-n", b"%d" % i) + b"\xbe" * 15) for i in range(64)
     ]
-    protocol = ServerProtocol(ProtocolLimits())
-    protocol.initiate_connection()
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        for chunk in wire:
-            protocol.receive_data(chunk)
-        protocol.data_to_send()
-        del wire, chunk
-        gc.collect()
-        retained = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+    retained = _bytes_kept_by_a_connection_after(wire)
     assert retained < MiB, f"{retained / MiB:.1f} MiB kept by one idle connection"
 
 
