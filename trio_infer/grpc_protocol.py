@@ -58,7 +58,12 @@ from purerpc.grpclib.exceptions import ProtocolError as _PurerpcProtocolError
 from purerpc.grpclib.headers import HeaderDict, sanitize_headers
 
 from trio_infer.errors import StatusCode
-from trio_infer.header_blocks import MAX_REMEMBERED_BYTES, CachingDecoder, CachingEncoder
+from trio_infer.header_blocks import (
+    MAX_REMEMBERED_BYTES,
+    CachingDecoder,
+    CachingEncoder,
+    decoded_size,
+)
 
 __all__ = [
     "CallRejected",
@@ -295,7 +300,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                 validate_headers(normalize_inbound_headers(headers, flags), flags), "utf-8"
             )
         )
-        if sum(len(name) + len(value) for name, value in headers) <= MAX_REMEMBERED_BYTES:
+        if decoded_size(headers) <= MAX_REMEMBERED_BYTES:
             if len(self._checked_header_lists) >= _MAX_CHECKED_HEADER_LISTS:
                 self._checked_header_lists.clear()
             self._checked_header_lists[key] = checked

@@ -20,7 +20,7 @@ import hpack
 from hpack.struct import HeaderTuple
 from hpack.table import HeaderTable
 
-__all__ = ["MAX_REMEMBERED_BYTES", "CachingDecoder", "CachingEncoder"]
+__all__ = ["MAX_REMEMBERED_BYTES", "CachingDecoder", "CachingEncoder", "decoded_size"]
 
 #: Distinct blocks remembered per connection; a client sending a different deadline on every
 #: call makes every request block distinct, and those must not grow the cache without bound.
@@ -30,8 +30,9 @@ _MAX_BLOCKS = 64
 MAX_REMEMBERED_BYTES = 4096
 
 
-def _size(fields: Iterable[Any]) -> int:
-    # A block's size decoded: one byte of HPACK can stand for a whole remembered field.
+def decoded_size(fields: Iterable[Any]) -> int:
+    """A header block's size decoded: what remembering it holds (one byte of HPACK can stand
+    for a whole field of the dynamic table)."""
     return sum(len(field[0]) + len(field[1]) for field in fields)
 
 
@@ -95,7 +96,7 @@ class CachingDecoder(hpack.Decoder):  # type: ignore[misc]
         if headers is None:
             version = self.header_table.version
             headers = super().decode(data, raw)
-            self._memo.put(key, version, headers, _size(headers))
+            self._memo.put(key, version, headers, decoded_size(headers))
         # h2 keeps what it is given; a copy keeps the remembered block safe from it.
         return list(headers)
 
@@ -125,5 +126,5 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
         if block is None:
             version = self.header_table.version
             block = super().encode(fields, huffman)
-            self._memo.put(key, version, block, _size(fields))
+            self._memo.put(key, version, block, decoded_size(fields))
         return block
