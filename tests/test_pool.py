@@ -9,6 +9,7 @@ import signal
 import textwrap
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.support import eventually
 from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
 from trio_infer.pool import WorkerPool
@@ -132,6 +134,32 @@ class Threads(Model):
         return {"threads": np.array([lib["num_threads"] for lib in info])}
 
 
+class Count(Model):
+    def predict(self, inputs, parameters):
+        with open(parameters["file"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        return {}
+
+
+class Unsendable(np.ndarray):
+    def __reduce_ex__(self, protocol):
+        raise TypeError("cannot send this")
+
+
+class ReturnsUnsendable(Model):
+    def predict(self, inputs, parameters):
+        return {"out": np.zeros(2).view(Unsendable)}
+
+
+class WorkerOnly(np.ndarray):
+    """Pickled by reference to this module, which the server process cannot import."""
+
+
+class ReturnsWorkerOnly(Model):
+    def predict(self, inputs, parameters):
+        return {"out": np.zeros(2).view(WorkerOnly)}
+
+
 class Which(Model):
     def predict(self, inputs, parameters):
         return {"folder": np.array([Path(__file__).parent.name.encode()], dtype=object)}
@@ -171,6 +199,9 @@ def repo(tmp_path: Path) -> dict[str, ModelSettings]:
         ("sys_exit", "Exits"),
         ("params", "Params"),
         ("threads", "Threads"),
+        ("count", "Count"),
+        ("returns_unsendable", "ReturnsUnsendable"),
+        ("returns_worker_only", "ReturnsWorkerOnly"),
         ("which_a", "Which"),
         ("which_b", "Which"),
     ]:
@@ -297,6 +328,10 @@ async def test_warm_up_failure_names_the_model(
         ("returns_list", "model 'returns_list': predict() returned list, expected dict"),
         ("returns_objects", "model 'returns_objects': output 'out' holds a Base; object arrays"),
         ("sys_exit", "SystemExit: 5"),
+        (
+            "returns_unsendable",
+            "the result could not be sent to the server: TypeError: cannot send this",
+        ),
     ],
 )
 async def test_wrong_outputs_and_sys_exit_fail_the_call(
@@ -355,7 +390,7 @@ async def test_cancelled_call_kills_its_worker_promptly_and_the_pool_serves_agai
     with trio.fail_after(10), trio.move_on_after(0.2) as scope:
         await pool.predict(examples["sleep"], {}, Parameters({"delay_ms": 20_000}))
     assert scope.cancelled_caught
-    assert pool.statistics().busy == 0
+    await eventually(lambda: pool.statistics().busy == 0)
 
     out = await pool.predict(examples["sleep"], {"a": np.ones(1)}, Parameters({"delay_ms": 0}))
     np.testing.assert_array_equal(out["a"], np.ones(1))
@@ -457,29 +492,93 @@ async def test_a_call_after_the_pool_closed_is_unavailable(
         await pool.predict(examples["echo"], {}, NO_PARAMETERS)
 
 
-async def test_a_call_cancelled_as_a_worker_comes_free_leaves_the_worker_alone(
-    repo: dict[str, ModelSettings], tmp_path: Path
+async def test_calls_cancelled_before_they_start_are_skipped_and_leave_the_worker_alone(
+    repo: dict[str, ModelSettings], examples: dict[str, ModelSettings], tmp_path: Path
 ) -> None:
+    calls = tmp_path / "calls.txt"
     async with WorkerPool.open(1) as pool:
         first = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
-        # After 8 calls in a row not started for lack of time, the next one is started
-        # whatever its deadline; one already cancelled must still not take (and so kill) the
-        # worker. The race is driven by hand: the only worker token is held as a running call
-        # would, and handed over in the same scheduler pass as the waiting call is cancelled.
-        pool._timings["pid"].refused_in_a_row = 8
-        await pool._limiter.acquire()
-        scope = trio.CancelScope()
-
-        async def waiting_call() -> None:
-            with scope:
-                await pool.predict(repo["pid"], {}, NO_PARAMETERS)
-
+        count = partial(pool.predict, repo["count"], {}, Parameters({"file": str(calls)}))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(waiting_call)
-            await trio.testing.wait_all_tasks_blocked()
-            pool._limiter.release()
-            scope.cancel()
+            nursery.start_soon(pool.predict, examples["sleep"], {}, Parameters({"delay_ms": 300}))
+            await eventually(lambda: pool.statistics().busy == 1)
+            # One call is sent to the worker behind the running one, the other waits in the
+            # pool's queue; both are cancelled while the worker runs the first.
+            async with trio.open_nursery() as counts:
+                counts.start_soon(count)
+                counts.start_soon(count)
+                await eventually(lambda: pool.statistics().waiting == 2)
+                counts.cancel_scope.cancel()
+            await eventually(lambda: pool.statistics().waiting == 0)
 
         second = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
         assert second == first
-        assert (tmp_path / "loads.txt").read_text().split() == [str(first)]
+        assert not calls.exists()
+        assert pool.statistics().crashed == 0
+
+
+async def test_calls_sent_behind_a_call_whose_worker_dies_run_on_its_replacement(
+    repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "nap.pid"
+    async with WorkerPool.open(1) as pool:
+        nap = Parameters({"pid_file": str(pid_file)})
+        async with trio.open_nursery() as nursery:
+
+            async def nap_and_fail() -> None:
+                with pytest.raises(Unavailable, match="killed by signal SIGKILL"):
+                    await pool.predict(repo["nap"], {}, nap)
+
+            nursery.start_soon(nap_and_fail)
+            await eventually(lambda: pid_file.exists() and bool(pid_file.read_text()))
+            behind = trio.Event()
+            pids: list[int] = []
+
+            async def pid_call() -> None:
+                behind.set()
+                pids.append((await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item())
+
+            nursery.start_soon(pid_call)
+            await behind.wait()
+            await eventually(lambda: pool.statistics().waiting == 1)
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        assert len(pids) == 1
+        assert pids[0] != int(pid_file.read_text())
+        assert pool.statistics().crashed == 1
+
+
+async def test_calls_sent_behind_a_cancelled_call_run_on_the_replacement_worker(
+    repo: dict[str, ModelSettings], examples: dict[str, ModelSettings]
+) -> None:
+    async with WorkerPool.open(1) as pool:
+        first = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
+        scope = trio.CancelScope()
+        pids: list[int] = []
+
+        async def long_call() -> None:
+            with scope:
+                await pool.predict(examples["sleep"], {}, Parameters({"delay_ms": 20_000}))
+
+        async def pid_call() -> None:
+            pids.append((await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item())
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_call)
+                await eventually(lambda: pool.statistics().busy == 1)
+                nursery.start_soon(pid_call)
+                await eventually(lambda: pool.statistics().waiting == 1)
+                scope.cancel()
+        assert len(pids) == 1
+        assert pids[0] != first
+        assert pool.statistics().crashed == 0
+
+
+async def test_a_result_the_server_cannot_unpickle_fails_the_call_and_the_pool_goes_on(
+    pool: WorkerPool, repo: dict[str, ModelSettings], examples: dict[str, ModelSettings]
+) -> None:
+    with pytest.raises(ModelFailed, match=r"^ModuleNotFoundError: .*while running model"):
+        await pool.predict(repo["returns_worker_only"], {}, NO_PARAMETERS)
+    out = await pool.predict(examples["echo"], {"a": np.ones(2)}, NO_PARAMETERS)
+    np.testing.assert_array_equal(out["a"], np.ones(2))
+    assert pool.statistics().crashed == 0

@@ -39,6 +39,7 @@ import trio
 
 from trio_infer.errors import InferError, ModelFailed, Unavailable
 from trio_infer.model import Parameters, ParameterValue
+from trio_infer.reply import Reply
 from trio_infer.settings import ModelSettings
 
 __all__ = [
@@ -347,38 +348,6 @@ class BatchStatistics:
 # --- the pipeline ----------------------------------------------------------------------------
 
 
-class _Reply:
-    """One request's answer: filled at most once; the request's task is its only reader."""
-
-    def __init__(self) -> None:
-        self._filled = trio.Event()
-        self._outputs: dict[str, np.ndarray] | None = None
-        self._error: InferError | None = None
-
-    @property
-    def filled(self) -> bool:
-        return self._filled.is_set()
-
-    def set_outputs(self, outputs: dict[str, np.ndarray]) -> None:
-        if not self.filled:
-            self._outputs = outputs
-            self._filled.set()
-
-    def set_error(self, error: InferError) -> None:
-        if not self.filled:
-            # Each reader raises its own instance: one raised in several tasks would gather
-            # their tracebacks.
-            self._error = type(error)(error.message, error.code)
-            self._filled.set()
-
-    async def wait(self) -> dict[str, np.ndarray]:
-        await self._filled.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._outputs is not None
-        return self._outputs
-
-
 # eq=False: members are compared by identity (list.remove), never by their arrays.
 @dataclass(eq=False)
 class _Member:
@@ -388,7 +357,7 @@ class _Member:
     rows: int
     arrived: float
     deadline: float
-    reply: _Reply = field(default_factory=_Reply)
+    reply: Reply[dict[str, np.ndarray]] = field(default_factory=Reply)
     batch: _Batch | None = None
 
 
@@ -538,7 +507,7 @@ class ModelBatcher:
                 self._run_time += _RUN_TIME_WEIGHT * (elapsed - self._run_time)
                 parts = split_outputs(outputs, [m.rows for m in members], self.settings.name)
                 for member, part in zip(members, parts, strict=True):
-                    member.reply.set_outputs(part)
+                    member.reply.set_result(part)
         except InferError as error:
             for member in members:
                 member.reply.set_error(error)

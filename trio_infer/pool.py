@@ -1,43 +1,67 @@
-"""Worker processes for model code: a fixed number of them, on trio-parallel.
+"""Worker processes for model code: a fixed number of them, started by trio-parallel.
 
 Model code runs in worker processes so that it can use every core, block, crash or be killed
 without taking the server with it. Each worker keeps the models it has loaded
-(``trio_infer.worker``); the pool only decides how many processes run at once and turns
-process-level failures into the server's errors.
+(``trio_infer.worker``).
 
-Resource handling: the pool is an async context manager. Leaving it waits for running calls,
-asks idle workers to exit, and kills any that have not exited after ``GRACE_PERIOD`` seconds, so
-no worker outlives it (an unclean shutdown is logged, not raised). A cancelled ``predict``
-(deadline passed, client gone, shutdown) kills its worker at once: the call's result would have
-no reader, and a model call cannot be interrupted any other way. The next call starts a
-replacement, which loads its models lazily.
+::
+
+    WorkerPool.open               the pool's nursery, inside trio-parallel's worker context
+    └── lane (one per worker)     starts a worker when there is work, another when it ends
+        └── a worker's life       its own nursery
+            ├── the process       trio-parallel runs worker.serve in it, for its whole life
+            └── the talk          over a Unix socket with worker.serve
+                ├── receiver      reads the worker's reports, fills their calls' replies
+                └── sender        sends calls (the next before the current ends), cancels
+
+A call (``predict``, ``warm_up``) joins the pool's queue and waits on its own reply
+(``trio_infer.reply``). A lane takes it when its worker has room and from then on owns it: the
+lane fills the reply on every exit path (the result, the model's error, the worker's death, the
+pool's shutdown). A worker is sent its next call while it runs the current one
+(``_CALLS_PER_WORKER``), so that it starts the next at once.
+
+Cancellation: a cancelled call that waits in the queue leaves it; one that was sent but has not
+started is cancelled in the worker, which skips it; one that runs kills its worker at once (its
+result would have no reader, and a model call cannot be interrupted any other way). Calls sent
+after a killed one had not started: they go back to the head of the queue. The lane starts a
+replacement worker, which loads its models when they are next called.
 
 Error handling: a worker that dies mid-call fails that call with ``Unavailable`` naming the
-signal or exit code; the pool keeps serving.
+signal or exit code; the calls sent after it go back to the queue, and the pool keeps serving.
+
+Resource handling: leaving ``open`` fails calls still queued, closes every worker's connection
+(its ``serve`` returns and trio-parallel stops the idle process) and kills any worker that has
+not left after ``GRACE_PERIOD`` seconds, so no worker outlives the pool. Leaving it by an
+exception or a cancellation kills the workers at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+import socket
+import tempfile
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import trio
 import trio_parallel
 
-from trio_infer import worker
+from trio_infer import worker, worker_wire
 from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
+from trio_infer.reply import Reply
 from trio_infer.settings import ModelSettings
 
 __all__ = ["GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
@@ -52,7 +76,13 @@ _log = logging.getLogger(__name__)
 _RECENT_CALLS = 16
 #: After this many calls of a model refused in a row, one is started anyway.
 _MAX_REFUSED_IN_A_ROW = 8
-_T = TypeVar("_T")
+#: Calls a worker holds at once: the one it runs and the next. With one, a worker waited
+#: 0.7-0.85 ms between two 10 ms calls (25 in flight, 2 workers, 2 cores): the round trip
+#: through the server, most of it waking idle processes on this VM. More would hold more
+#: inputs in the socket and delay cancels no further.
+_CALLS_PER_WORKER = 2
+#: Seconds an ended worker's connection is read for its last reports (normally at once).
+_LAST_REPORTS_TIME = 1.0
 
 # Worker type. A replacement worker starts on the request path (after a crash or a cancelled
 # call), so its start-up is latency someone waits for. Measured on 2 cores, Python 3.11,
@@ -85,10 +115,11 @@ class PoolStatistics:
         workers: The number of worker processes the pool runs at most.
         busy: Calls running (or starting their worker) now.
         idle: Live workers waiting for a call.
-        waiting: Calls waiting for a free worker.
-        crashed: Workers that died during a call since the pool opened (kills on cancel are
-            not crashes).
-        not_started: Calls refused when a worker came free because their deadline was closer
+        waiting: Calls that will run and have not started: in the pool's queue, or sent to a
+            worker behind the call it runs.
+        crashed: Workers that died unasked since the pool opened (kills on cancel are not
+            crashes).
+        not_started: Calls refused when a worker could take them because their deadline was closer
             than the model's shortest recent call time.
     """
 
@@ -106,14 +137,16 @@ class WorkerPool:
     Create it with ``WorkerPool.open``; all methods must be called inside that block.
     """
 
-    def __init__(self, context: Any, workers: int) -> None:
+    def __init__(self, context: Any, workers: int, folder: str) -> None:
         self._context = context
-        self._workers = workers
-        # One token per worker: a call holds a worker process for exactly as long as a token.
+        # Each lane runs one trio-parallel job: its worker's serve loop, for the worker's life.
         self._limiter = trio.CapacityLimiter(workers)
-        # predict holds a token of _limiter itself (to look at the deadline once a worker is
-        # free), so its trio-parallel call needs no second bound.
-        self._held = _AlreadyHeld()
+        self._lanes = [_Lane(self, os.path.join(folder, f"{i}.sock")) for i in range(workers)]
+        # Calls no lane has taken yet, oldest first. Unbounded here: every call is a request
+        # the server has admitted, and admission is what bounds them.
+        self._queue: deque[_Call] = deque()
+        self._ids = itertools.count()
+        self._closing = False
         self._crashed = 0
         self._crash = trio.Event()
         self._timings: dict[str, _CallTimes] = {}
@@ -154,7 +187,27 @@ class WorkerPool:
         )
         context = await manager.__aenter__()
         try:
-            yield cls(context, workers)
+            # Only this user may connect to the workers' sockets (mkdtemp makes the folder 0700).
+            with tempfile.TemporaryDirectory(prefix="trio-infer-") as folder:
+                # Raised after the lanes' nursery: through it, the error would come out wrapped
+                # in an ExceptionGroup.
+                body_error: BaseException | None = None
+                async with trio.open_nursery() as nursery:
+                    pool = cls(context, workers, folder)
+                    for lane in pool._lanes:
+                        nursery.start_soon(lane.run)
+                    try:
+                        yield pool
+                    except BaseException as exc:
+                        body_error = exc
+                        nursery.cancel_scope.cancel()
+                    finally:
+                        pool._close()
+                        # Lanes close their connections and workers leave within milliseconds;
+                        # one that does not (a call still running) is killed.
+                        nursery.cancel_scope.deadline = trio.current_time() + GRACE_PERIOD
+                if body_error is not None:
+                    raise body_error
         finally:
             # trio-parallel shields the shutdown; GRACE_PERIOD bounds it.
             try:
@@ -175,19 +228,18 @@ class WorkerPool:
                 model). Workers that loaded every model stay warm.
             Unavailable: A worker died while loading.
         """
-        # `workers` concurrent jobs each hold a worker until their job is done, so each gets a
-        # worker of its own: a fresh one when the cache is empty.
         errors: list[InferError] = []
 
-        async def warm_one() -> None:
+        async def warm(lane: _Lane) -> None:
+            call = self._call("loading models", None, worker.load_all, tuple(models))
             try:
-                await self._run("loading models", worker.load_all, tuple(models))
+                await self._submit(call, lane.private)
             except InferError as exc:
                 errors.append(exc)
 
         async with trio.open_nursery() as nursery:
-            for _ in range(self._workers):
-                nursery.start_soon(warm_one)
+            for lane in self._lanes:
+                nursery.start_soon(warm, lane)
         if errors:
             raise errors[0]
 
@@ -196,11 +248,12 @@ class WorkerPool:
     ) -> dict[str, np.ndarray]:
         """Run one model call in a worker, waiting for a free worker first.
 
-        Cancelling the call (a deadline, a client gone) kills the worker running it; the pool
-        starts a replacement on the next call. So that deadlines under load do not turn into a
-        stream of killed workers, a call whose deadline (the enclosing cancel scopes') is closer
-        than the shortest of the model's recent calls when a worker comes free is not started.
-        A model's call time may depend on its inputs, and a call that is not started teaches
+        Cancelling the call (a deadline, a client gone) while it runs kills the worker running
+        it; the pool starts a replacement, which loads its models when they are next called.
+        So that deadlines under load do not turn into a stream of killed workers, a call whose
+        deadline (the enclosing cancel scopes') would pass before the shortest of the model's
+        recent calls could end, counted from when a worker can start it, is not started. A
+        model's call time may depend on its inputs, and a call that is not started teaches
         nothing: so after a few refusals in a row, one call is started anyway.
 
         Args:
@@ -215,34 +268,106 @@ class WorkerPool:
             InferError: The model raised one; its status is kept.
             ModelFailed: The model raised anything else, or returned something other than
                 ``dict[str, numpy.ndarray]``.
-            Unavailable: The worker process died during the call.
+            Unavailable: The worker process died during the call, or the pool is closed.
         """
-        name = settings.name
-        times = self._timings.setdefault(name, _CallTimes())
-        async with self._limiter:
-            shortest = times.shortest()
-            left = trio.current_effective_deadline() - trio.current_time()
-            if left < shortest and times.refused_in_a_row < _MAX_REFUSED_IN_A_ROW:
-                times.refused_in_a_row += 1
-                self._not_started += 1
-                raise InferError(
-                    f"deadline exceeded: model '{name}' has recently taken at least "
-                    f"{shortest * 1000:.0f} ms and {max(left, 0) * 1000:.0f} ms were left when "
-                    "a worker came free",
-                    StatusCode.DEADLINE_EXCEEDED,
-                )
-            times.refused_in_a_row = 0
-            started = trio.current_time()
-            outputs = await self._run(
-                f"running model {name!r}",
-                worker.predict,
-                self._pickled(settings),
-                inputs,
-                parameters,
-                limiter=self._held,
-            )
-            times.recent.append(trio.current_time() - started)
+        call = self._call(
+            f"running model {settings.name!r}",
+            settings.name,
+            worker.predict,
+            self._pickled(settings),
+            inputs,
+            parameters,
+        )
+        outputs: dict[str, np.ndarray] = await self._submit(call, self._queue)
         return outputs
+
+    async def wait_worker_crash(self) -> None:
+        """Wait until a worker process dies unasked (kills on cancel are not crashes)."""
+        await self._crash.wait()
+
+    def statistics(self) -> PoolStatistics:
+        """Return a snapshot of the pool's workers and calls."""
+        return PoolStatistics(
+            workers=len(self._lanes),
+            busy=sum(1 for lane in self._lanes if lane.outstanding),
+            idle=sum(1 for lane in self._lanes if lane.connected and not lane.outstanding),
+            waiting=len(self._queue) + sum(lane.waiting() for lane in self._lanes),
+            crashed=self._crashed,
+            not_started=self._not_started,
+        )
+
+    def _call(
+        self, what: str, model: str | None, function: Callable[..., Any], *args: object
+    ) -> _Call:
+        return _Call(
+            id=next(self._ids),
+            what=what,
+            model=model,
+            message=(function, args),
+            deadline=trio.current_effective_deadline(),
+        )
+
+    async def _submit(self, call: _Call, home: deque[_Call]) -> Any:
+        if self._closing:
+            raise Unavailable(f"the worker pool is shut down (while {call.what})")
+        call.home = home
+        home.append(call)
+        self._wake_lanes()
+        try:
+            return await call.reply.wait()
+        finally:
+            if not call.reply.filled:
+                self._abandon(call)
+
+    def _abandon(self, call: _Call) -> None:
+        call.abandoned = True
+        if call.lane is None:
+            call.home.remove(call)
+        else:
+            call.lane.abandon(call)
+
+    def _wake_lanes(self) -> None:
+        for lane in self._lanes:
+            lane.wake()
+
+    def _in_time(self, call: _Call, lane: _Lane) -> bool:
+        """Whether a call may be sent to ``lane`` now; if not, fail it (see ``predict``)."""
+        if call.model is None:
+            return True
+        times = self._timings.setdefault(call.model, _CallTimes())
+        shortest = times.shortest()
+        now = trio.current_time()
+        left = call.deadline - now - lane.free_in(now)
+        if left >= shortest or times.refused_in_a_row >= _MAX_REFUSED_IN_A_ROW:
+            times.refused_in_a_row = 0
+            return True
+        times.refused_in_a_row += 1
+        self._not_started += 1
+        call.reply.set_error(
+            InferError(
+                f"deadline exceeded: model '{call.model}' has recently taken at least "
+                f"{shortest * 1000:.0f} ms and {max(left, 0) * 1000:.0f} ms were left when "
+                "a worker could start it",
+                StatusCode.DEADLINE_EXCEEDED,
+            )
+        )
+        return False
+
+    def _shortest(self, model: str | None) -> float:
+        times = self._timings.get(model) if model is not None else None
+        return times.shortest() if times is not None else 0.0
+
+    def _note_crash(self) -> None:
+        self._crashed += 1
+        self._crash.set()
+        self._crash = trio.Event()
+
+    def _close(self) -> None:
+        self._closing = True
+        for call in self._queue:
+            call.reply.set_error(Unavailable(f"the worker pool is shut down (while {call.what})"))
+        self._queue.clear()
+        self._wake_lanes()
 
     def _pickled(self, settings: ModelSettings) -> bytes:
         # Keyed by identity (hashing settings would cost more than pickling them); the entry
@@ -256,62 +381,360 @@ class WorkerPool:
             )
         return entry[1]
 
-    async def wait_worker_crash(self) -> None:
-        """Wait until a worker process dies during a call (kills on cancel do not count)."""
-        await self._crash.wait()
 
-    def statistics(self) -> PoolStatistics:
-        """Return a snapshot of the pool's workers and calls."""
-        return PoolStatistics(
-            workers=self._workers,
-            busy=self._limiter.borrowed_tokens,
-            idle=self._context.statistics().idle_workers,
-            waiting=self._limiter.statistics().tasks_waiting,
-            crashed=self._crashed,
-            not_started=self._not_started,
-        )
+# eq=False: calls are compared by identity (deque.remove), never by their arrays.
+@dataclass(eq=False)
+class _Call:
+    """One job for a worker and its requester's reply; the requester is its only reader."""
 
-    async def _run(
-        self,
-        what: str,
-        fn: Callable[..., _T],
-        *args: object,
-        limiter: trio.CapacityLimiter | _AlreadyHeld | None = None,
-    ) -> _T:
-        try:
-            result: _T = await self._context.run_sync(
-                fn, *args, kill_on_cancel=True, limiter=limiter or self._limiter
-            )
-        except InferError:
-            raise
-        except trio.ClosedResourceError:
-            raise Unavailable(f"the worker pool is shut down (while {what})") from None
-        except trio_parallel.BrokenWorkerError as exc:
-            self._crashed += 1
-            self._crash.set()
-            self._crash = trio.Event()
-            raise Unavailable(f"worker process died while {what} ({_exit_cause(exc)})") from exc
-        except Exception as exc:
-            # The job or its result could not cross the process boundary (trio-parallel has
-            # killed that worker): the model's doing, e.g. an unpicklable output.
-            raise ModelFailed(f"{type(exc).__name__}: {exc} (while {what})") from exc
-        return result
+    id: int
+    what: str
+    """What the call does, for error messages: ``running model 'dense'``."""
+    model: str | None
+    """The model whose call times this call teaches (None: not a model call)."""
+    message: tuple[Callable[..., Any], tuple[object, ...]]
+    deadline: float
+    reply: Reply[Any] = field(default_factory=Reply)
+    home: deque[_Call] = field(default_factory=deque)
+    """The queue it waits in until a lane takes it, and goes back to if it must run again."""
+    lane: _Lane | None = None
+    """The lane it was sent to; None while it waits in ``home``."""
+    abandoned: bool = False
 
 
-class _AlreadyHeld:
-    """The limiter trio-parallel is given for a call that already holds a worker token.
+class _Lane:
+    """One worker's place in the pool: at most one process at a time, and the calls sent to it.
 
-    trio-parallel enters its limiter around every call; an unbounded ``CapacityLimiter`` there
-    cost a scheduler pass on each call, between a worker coming free and its next job.
+    ``outstanding`` are the calls sent to the current process, in order; the worker runs them
+    in that order, so the first is running (or about to), and the others have not started.
     """
 
-    async def __aenter__(self) -> None:
-        # A cancelled call must not take a worker (it would be killed at once); this raises
-        # without a scheduler pass when there is no cancellation.
-        await trio.lowlevel.checkpoint_if_cancelled()
+    def __init__(self, pool: WorkerPool, address: str) -> None:
+        self._pool = pool
+        self._address = address
+        self.private: deque[_Call] = deque()
+        """Calls for this worker only (a warm-up), taken before the pool's queue."""
+        self.outstanding: deque[_Call] = deque()
+        self.connected = False
+        self._cancels: list[int] = []
+        self._wake = trio.Event()
+        self._head_started = 0.0
+        # The current process's life:
+        self._process = trio.CancelScope()
+        self._connecting = trio.CancelScope()
+        self._talking = trio.CancelScope()
+        self._killed = False
+        self._leaving = False
+        self._exit_cause = "cause unknown"
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    def wake(self) -> None:
+        """Have the lane look at the queues again."""
+        self._wake.set()
+
+    def abandon(self, call: _Call) -> None:
+        """Stop a call sent to this lane whose requester is gone."""
+        if self.outstanding and call is self.outstanding[0]:
+            self.kill()
+        else:
+            self._cancels.append(call.id)
+            self.wake()
+
+    def waiting(self) -> int:
+        """Calls for this worker that will run but have not started."""
+        sent = sum(1 for call in itertools.islice(self.outstanding, 1, None) if not call.abandoned)
+        return len(self.private) + sent
+
+    def kill(self) -> None:
+        """Kill the current worker process (trio-parallel's ``kill_on_cancel``)."""
+        self._killed = True
+        self._process.cancel()
+
+    def free_in(self, now: float) -> float:
+        """About how long until this worker could start a call sent now."""
+        wait = 0.0
+        for position, call in enumerate(self.outstanding):
+            expected = self._pool._shortest(call.model)
+            wait += max(expected - (now - self._head_started), 0.0) if position == 0 else expected
+        return wait
+
+    async def run(self) -> None:
+        """Start a worker when there is work for it, and another when it ends; until closing."""
+        while True:
+            while not self._has_work():
+                if self._pool._closing:
+                    return
+                await self._sleep()
+            await self._live()
+
+    def _has_work(self) -> bool:
+        pool = self._pool
+        if self.private:
+            return True
+        # A live idle worker elsewhere takes the pool's calls sooner than a new one here.
+        return bool(pool._queue) and not any(
+            lane.connected and not lane.outstanding for lane in pool._lanes
+        )
+
+    async def _sleep(self) -> None:
+        await self._wake.wait()
+        self._wake = trio.Event()
+
+    async def _live(self) -> None:
+        """One worker process's life: start it, talk to it until it ends, settle its calls."""
+        self._process, self._connecting, self._talking = (
+            trio.CancelScope(),
+            trio.CancelScope(),
+            trio.CancelScope(),
+        )
+        self._killed = self._leaving = False
+        self._exit_cause = "cause unknown"
+        orderly = connected = False
+        try:
+            async with trio.open_nursery() as life:
+                with _listening(self._address) as listener:
+                    life.start_soon(self._run_process)
+                    connection = None
+                    with self._connecting:
+                        connection = await _accept(listener)
+                if connection is not None:
+                    connected = True
+                    with connection, self._talking:
+                        self.connected = True
+                        try:
+                            await self._talk(connection)
+                        finally:
+                            self.connected = False
+            orderly = True
+        finally:
+            if orderly and not connected:
+                self._not_started_at_all()
+            else:
+                self._settle(orderly)
+
+    async def _run_process(self) -> None:
+        try:
+            with self._process:
+                await self._pool._context.run_sync(
+                    worker.serve,
+                    self._address,
+                    kill_on_cancel=True,
+                    limiter=self._pool._limiter,
+                )
+        except trio_parallel.BrokenWorkerError as exc:
+            self._exit_cause = _exit_cause(exc)
+        except Exception as exc:
+            # serve itself failed, before or after connecting: this life is over all the same.
+            self._exit_cause = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._connecting.cancel()
+            # The worker's last reports are read at once, normally; this bounds a connection
+            # that outlives its worker (a child process the model started holds it open).
+            self._talking.deadline = min(
+                self._talking.deadline, trio.current_time() + _LAST_REPORTS_TIME
+            )
+
+    async def _talk(self, connection: socket.socket) -> None:
+        async with trio.open_nursery() as talk:
+            talk.start_soon(self._receive, connection, talk.cancel_scope)
+            await self._send(connection)
+
+    async def _send(self, connection: socket.socket) -> None:
+        """Send calls and cancels, one writer for the connection; until the talk ends."""
+        while True:
+            frame = self._next_frame()
+            if frame is not None:
+                await _send_frame(connection, frame)
+            elif self._pool._closing and not self.outstanding:
+                # Done: the worker's serve returns at the end of the connection.
+                self._leaving = True
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_WR)
+                await trio.sleep_forever()
+            else:
+                await self._sleep()
+
+    def _next_frame(self) -> list[worker_wire.Buffer] | None:
+        if self._cancels:
+            frame = worker_wire.pack(list(self._cancels))
+            self._cancels.clear()
+            return frame
+        while (call := self._take()) is not None:
+            function, args = call.message
+            try:
+                frame = worker_wire.pack((call.id, function, args))
+            except Exception as exc:
+                call.reply.set_error(
+                    ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")
+                )
+                continue
+            if not self.outstanding:
+                self._head_started = trio.current_time()
+            self.outstanding.append(call)
+            call.lane = self
+            return frame
         return None
+
+    def _take(self) -> _Call | None:
+        if self.private:
+            return self.private.popleft()
+        pool = self._pool
+        if len(self.outstanding) >= _CALLS_PER_WORKER:
+            return None
+        if self.outstanding and any(not lane.outstanding for lane in pool._lanes):
+            return None  # an idle worker starts it sooner
+        while pool._queue:
+            call = pool._queue.popleft()
+            if pool._in_time(call, self):
+                return call
+        return None
+
+    async def _receive(self, connection: socket.socket, talk: trio.CancelScope) -> None:
+        """Read the worker's reports until the connection ends, then end the talk."""
+        try:
+            while True:
+                try:
+                    report = await _receive_message(connection)
+                except EOFError:
+                    return
+                except Exception as exc:
+                    # A report that does not unpickle here (a class only the worker has): its
+                    # call fails, and the worker, whose state is now unknown, is replaced.
+                    call = self.outstanding.popleft()
+                    call.reply.set_error(
+                        ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")
+                    )
+                    self.kill()
+                    return
+                self._on_report(*report)  # type: ignore[misc]
+        finally:
+            talk.cancel()
+
+    def _on_report(self, done: tuple[int, bool, Any, float] | None, skipped: list[int]) -> None:
+        if skipped:
+            gone = set(skipped)
+            self.outstanding = deque(c for c in self.outstanding if c.id not in gone)
+        if done is not None:
+            call_id, ok, value, seconds = done
+            # Calls run in the order they were sent, so the first outstanding one is done.
+            call = self.outstanding.popleft()
+            assert call.id == call_id, f"report of call {call_id}, expected {call.id}"
+            self._head_started = trio.current_time()
+            if ok:
+                if call.model is not None:
+                    self._pool._timings.setdefault(call.model, _CallTimes()).recent.append(seconds)
+                call.reply.set_result(value)
+            else:
+                call.reply.set_error(value)
+        self.wake()
+        if self.outstanding and self.outstanding[0].abandoned:
+            # Its cancel came too late: the worker has started it.
+            self.kill()
+
+    def _not_started_at_all(self) -> None:
+        # Nothing was sent, so nothing was lost; but what waits for this worker would wait for
+        # ever if each try failed the same way (a broken environment, say).
+        error = Unavailable(f"a worker process could not start ({self._exit_cause})")
+        waiting = list(self.private)
+        self.private.clear()
+        if not any(lane.connected for lane in self._pool._lanes):
+            waiting += self._pool._queue
+            self._pool._queue.clear()
+        for call in waiting:
+            call.reply.set_error(error)
+
+    def _settle(self, orderly: bool) -> None:
+        """Fill or requeue the calls the ended worker held."""
+        pool = self._pool
+        calls = list(self.outstanding)
+        self.outstanding.clear()
+        self._cancels.clear()
+        if orderly and not self._killed and not self._leaving:
+            pool._note_crash()
+            if calls and not calls[0].abandoned:
+                head = calls.pop(0)
+                head.reply.set_error(
+                    Unavailable(f"worker process died while {head.what} ({self._exit_cause})")
+                )
+        calls = [call for call in calls if not call.abandoned]
+        if not orderly or pool._closing:
+            for call in calls:
+                call.reply.set_error(
+                    Unavailable(f"the worker pool is shut down (while {call.what})")
+                )
+            return
+        # These had not started (or were stopped by a kill that was not theirs): run them again.
+        for call in reversed(calls):
+            call.lane = None
+            call.home.appendleft(call)
+        if calls:
+            pool._wake_lanes()
+
+
+async def _accept(listener: socket.socket) -> socket.socket:
+    while True:
+        try:
+            connection, _ = listener.accept()
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(listener)
+        else:
+            connection.setblocking(False)
+            return connection
+
+
+@contextmanager
+def _listening(address: str) -> Iterator[socket.socket]:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.setblocking(False)
+        listener.bind(address)
+        listener.listen(1)
+        yield listener
+    finally:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
+
+
+# The connection is a plain non-blocking socket driven with trio.lowlevel's waits, not a
+# trio.SocketStream: Trio's socket methods end a read or write that did not block with a
+# scheduler pass, and a call makes several; here a task waits only when there is nothing to do.
+
+
+async def _send_frame(connection: socket.socket, frame: list[worker_wire.Buffer]) -> None:
+    try:
+        while frame:
+            try:
+                sent = connection.sendmsg(frame)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(connection)
+            else:
+                frame = worker_wire.unsent(frame, sent)
+    except OSError:
+        # The worker is gone; the receiver sees the end of the connection and ends the talk.
+        await trio.sleep_forever()
+
+
+async def _receive_message(connection: socket.socket) -> object:
+    parse = worker_wire.reader()
+    view = next(parse)
+    while True:
+        while view:
+            try:
+                received = connection.recv_into(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(connection)
+                continue
+            except ConnectionResetError:
+                raise EOFError from None
+            if not received:
+                raise EOFError
+            view = view[received:]
+        try:
+            view = parse.send(None)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass

@@ -1,0 +1,118 @@
+"""How messages cross the socket between the pool and a worker process.
+
+A message is a pickle (protocol 5) whose large buffers, such as numpy arrays' data, travel out of
+band: the sender gives the kernel the arrays' own memory (one ``sendmsg`` of several buffers) and
+the receiver reads each buffer into memory of its own, which the unpickled array then uses. A
+tensor is copied by the kernel once each way and never by Python.
+
+A frame is a header (``!IQ``: buffer count, pickle length), the buffers' lengths (``!Q`` each),
+the pickle, then the buffers. This module is I/O-free apart from the blocking helpers the worker
+uses; the pool drives :func:`reader` with Trio. It must stay importable without Trio.
+
+Messages, pool to worker: a tuple ``(call_id, function, args)`` runs ``function(*args)``; a
+list of call ids cancels those calls that have not started. Worker to pool, after each call (and
+when it skipped cancelled calls): ``(done, skipped)``, where ``done`` is ``None`` or
+``(call_id, ok, value, seconds)`` (``value`` is the result, or the error when not ``ok``) and
+``skipped`` lists the ids of cancelled calls that will not run.
+"""
+
+from __future__ import annotations
+
+import pickle
+import select
+import socket
+import struct
+from collections.abc import Generator, Sequence
+
+__all__ = ["Buffer", "pack", "reader", "receive", "send", "unsent", "waiting"]
+
+Buffer = bytes | bytearray | memoryview
+
+_HEADER = struct.Struct("!IQ")
+#: Buffers smaller than this stay in the pickle: a buffer of its own costs the receiver a
+#: read call, more than copying a few KiB.
+_OUT_OF_BAND_BYTES = 16 * 1024
+
+
+def pack(message: object) -> list[Buffer]:
+    """The frame of a message, as buffers to send in order.
+
+    Raises:
+        Exception: Whatever pickling the message raises (an object that does not pickle).
+    """
+    buffers: list[memoryview] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        view = buffer.raw()
+        if view.nbytes < _OUT_OF_BAND_BYTES:
+            return True  # serialise in band
+        buffers.append(view)
+        return False
+
+    data = pickle.dumps(message, protocol=5, buffer_callback=out_of_band)
+    lengths = struct.pack(f"!{len(buffers)}Q", *(view.nbytes for view in buffers))
+    return [_HEADER.pack(len(buffers), len(data)) + lengths, data, *buffers]
+
+
+def unsent(frame: Sequence[Buffer], sent: int) -> list[Buffer]:
+    """What is left of a frame after its first ``sent`` bytes went out."""
+    left: list[Buffer] = []
+    for buffer in frame:
+        size = memoryview(buffer).nbytes
+        if sent >= size:
+            sent -= size
+            continue
+        left.append(memoryview(buffer)[sent:] if sent else buffer)
+        sent = 0
+    return left
+
+
+def reader() -> Generator[memoryview, None, object]:
+    """Read one message: yields buffers for the caller to fill completely, returns the message.
+
+    Raises:
+        Exception: Whatever unpickling the message raises (a class this process cannot import).
+    """
+    header = bytearray(_HEADER.size)
+    yield memoryview(header)
+    count, size = _HEADER.unpack(header)
+    lengths = bytearray(8 * count)
+    if count:
+        yield memoryview(lengths)
+    data = bytearray(size)
+    yield memoryview(data)
+    buffers = [bytearray(n) for n in struct.unpack(f"!{count}Q", lengths)]
+    for buffer in buffers:
+        yield memoryview(buffer)
+    return pickle.loads(data, buffers=buffers)
+
+
+def send(sock: socket.socket, frame: list[Buffer]) -> None:
+    """Send a packed message on a blocking socket."""
+    while frame:
+        frame = unsent(frame, sock.sendmsg(frame))
+
+
+def receive(sock: socket.socket) -> object:
+    """Receive a message from a blocking socket.
+
+    Raises:
+        EOFError: The peer closed the connection.
+    """
+    parse = reader()
+    view = next(parse)
+    while True:
+        while view:
+            received = sock.recv_into(view)
+            if not received:
+                raise EOFError
+            view = view[received:]
+        try:
+            view = parse.send(None)
+        except StopIteration as done:
+            return done.value
+
+
+def waiting(sock: socket.socket) -> bool:
+    """Whether a read on the socket would not block (a message, or the end of the connection)."""
+    return bool(select.select([sock], [], [], 0)[0])
