@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from tests.probe import process_exists
 from tests.support import GrpcioClient, eventually, start_server
@@ -70,7 +71,7 @@ def test_an_empty_queue_waits_for_a_change() -> None:
 
 def test_a_full_batch_runs_at_once() -> None:
     queue = [Waiting(rows=3), Waiting(rows=5), Waiting(rows=1)]
-    assert plan(*queue, size=8) == BatchPlan((0, 1), 0.0)
+    assert plan(*queue, size=8) == BatchPlan((0, 1), 0.0, full=True)
 
 
 def test_a_batch_waits_until_its_oldest_member_has_waited_max_batch_time() -> None:
@@ -96,20 +97,20 @@ def test_zero_max_batch_time_runs_whatever_is_waiting_at_once() -> None:
 
 
 def test_a_request_larger_than_max_batch_size_runs_alone() -> None:
-    assert plan(Waiting(rows=20), Waiting(rows=1), size=8) == BatchPlan((0,), 0.0)
+    assert plan(Waiting(rows=20), Waiting(rows=1), size=8) == BatchPlan((0,), 0.0, full=True)
 
 
 def test_a_batch_the_next_request_would_overflow_runs_at_once_and_nobody_overtakes() -> None:
     # 5 + 4 > 8 closes the first batch; the 1-row request behind the 4 rows must not jump in.
     queue = [Waiting(rows=5), Waiting(rows=4), Waiting(rows=1)]
-    assert plan(*queue, size=8) == BatchPlan((0,), 0.0)
+    assert plan(*queue, size=8) == BatchPlan((0,), 0.0, full=True)
     assert plan(*queue[1:], size=8) == BatchPlan((), 1.0)
 
 
 def test_requests_with_different_keys_never_share_a_batch() -> None:
     queue = [Waiting("a", 2), Waiting("b", 2), Waiting("a", 2), Waiting("b", 3)]
-    assert plan(*queue, size=4) == BatchPlan((0, 2), 0.0)
-    assert plan(queue[1], queue[3], size=4) == BatchPlan((0,), 0.0)  # 2 + 3 > 4: closed
+    assert plan(*queue, size=4) == BatchPlan((0, 2), 0.0, full=True)
+    assert plan(queue[1], queue[3], size=4) == BatchPlan((0,), 0.0, full=True)  # 2 + 3 > 4: closed
 
 
 def test_a_younger_key_that_is_due_runs_before_an_older_key_that_is_not() -> None:
@@ -120,7 +121,7 @@ def test_a_younger_key_that_is_due_runs_before_an_older_key_that_is_not() -> Non
 
 def test_the_oldest_ready_batch_runs_first() -> None:
     queue = [Waiting("a", 8), Waiting("b", 8)]
-    assert plan(*queue, size=8) == BatchPlan((0,), 0.0)
+    assert plan(*queue, size=8) == BatchPlan((0,), 0.0, full=True)
 
 
 # -- keys, rows, concatenation and splitting ----------------------------------------------------
@@ -256,6 +257,55 @@ async def test_a_crashing_batcher_fails_every_request_it_holds_and_every_later_o
     assert record.levelno == logging.ERROR
     assert record.getMessage() == "model 'm': batching crashed"
     assert "RuntimeError: a bug" in caplog.text
+
+
+class GatedPool:
+    """Holds every call until ``release`` is set; counts the calls it holds."""
+
+    def __init__(self) -> None:
+        self.holding = 0
+        self.release = trio.Event()
+
+    async def predict(
+        self, settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+    ) -> dict[str, np.ndarray]:
+        self.holding += 1
+        try:
+            await self.release.wait()
+            return {"y": inputs["x"]}
+        finally:
+            self.holding -= 1
+
+
+async def test_only_a_full_batch_goes_to_the_pool_ahead_of_a_free_worker() -> None:
+    settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.0)
+    pool = GatedPool()
+    batcher = ModelBatcher(settings, pool, batchers=1, ahead=1)
+    served: list[int] = []
+
+    async def request() -> None:
+        out = await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+        served.append(len(out["y"]))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        # The first batch holds the only worker; two rows could still be joined by others.
+        for _ in range(2):
+            nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (pool.holding, batcher.statistics().waiting) == (1, 2)
+        # Four rows fill a batch: it goes ahead.
+        for _ in range(2):
+            nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (pool.holding, batcher.statistics().waiting) == (2, 0)
+        pool.release.set()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert served == [1] * 5
+    assert batcher.statistics().batches == 2
 
 
 # -- real batches on a real server -------------------------------------------------------------

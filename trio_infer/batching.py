@@ -4,12 +4,15 @@
 
     Batching.run                     a task in the server nursery; stopped after the last call
     └── ModelBatcher.run             one per batching model, with its own nursery
-        └── batcher (one per worker) plans the next batch, awaits the worker call, answers
+        └── batcher (a few per worker) plans the next batch, awaits the worker call, answers
 
 A request task calls :meth:`ModelBatcher.predict`: it joins its model's queue and waits on its own
 reply slot. A batcher takes a batch out of the queue (:func:`plan_batch` decides which requests
 and when), concatenates their inputs along dimension 0, awaits ``pool.predict`` and fills every
-member's slot with its rows of the outputs, or with the error.
+member's slot with its rows of the outputs, or with the error. As many batches as there are
+workers may be in the pool at once, and full ones besides: the pool sends those to a worker
+ahead of time, so it starts them as soon as it is done with the one before. A batch that can
+still grow stays in the queue instead, where the requests that come meanwhile can join it.
 
 Ownership and cancellation:
 
@@ -19,7 +22,7 @@ Ownership and cancellation:
 - A request that is cancelled (deadline, client gone, shutdown) while queued leaves the queue; one
   cancelled while its batch runs leaves the batch and its status is sent at once, while the worker
   call goes on for the others. When the last member leaves, the call is cancelled, which kills
-  its worker (``kill_on_cancel``): nobody is left to read the result.
+  its worker if the call has started (``kill_on_cancel``): nobody is left to read the result.
 - A model error or a dead worker fails the members of that batch, each with its own copy of the
   error. A batcher that crashes (a bug) stops its model's batching: its requests and every later
   one fail with INTERNAL, and the crash is logged with its traceback; it is not restarted.
@@ -169,10 +172,13 @@ class BatchPlan:
             no batch is ready.
         wake_at: When to plan again if the queue does not change first (``math.inf``: only when
             it changes).
+        full: Whether the batch to take can no longer grow (``max_batch_size`` rows, or the
+            next request would not fit).
     """
 
     take: tuple[int, ...] = ()
     wake_at: float = math.inf
+    full: bool = False
 
 
 def plan_batch(
@@ -214,8 +220,9 @@ def plan_batch(
             batch.offer(position, request, max_batch_size, lead)
     wake_at = math.inf
     for batch in forming.values():
-        if batch.closed or batch.rows >= max_batch_size or batch.due <= now:
-            return BatchPlan(tuple(batch.positions), now)
+        full = batch.closed or batch.rows >= max_batch_size
+        if full or batch.due <= now:
+            return BatchPlan(tuple(batch.positions), now, full)
         wake_at = min(wake_at, batch.due)
     return BatchPlan((), wake_at)
 
@@ -381,14 +388,23 @@ class ModelBatcher:
         settings: The model; its ``max_batch_size`` and ``max_batch_time`` shape the batches.
         pool: Where batches run.
         batchers: How many batches of this model may run at once (one batcher task each).
+        ahead: How many more may wait in the pool for a worker, if they are full. A batch sent
+            ahead starts as soon as a worker is done with the one before; one that can still
+            grow waits here, where later requests can join it.
     """
 
-    def __init__(self, settings: ModelSettings, pool: Predictor, *, batchers: int) -> None:
+    def __init__(
+        self, settings: ModelSettings, pool: Predictor, *, batchers: int, ahead: int = 0
+    ) -> None:
         if batchers < 1:
             raise ValueError(f"batchers must be at least 1, got {batchers}")
+        if ahead < 0:
+            raise ValueError(f"ahead must be at least 0, got {ahead}")
         self.settings = settings
         self._pool = pool
         self._batchers = batchers
+        self._ahead = ahead
+        self._in_pool = 0
         # Invariant: arrival order; each member here has no batch and an unfilled reply.
         self._waiting: list[_Member] = []
         self._changed = trio.Event()
@@ -450,7 +466,7 @@ class ModelBatcher:
         name = self.settings.name
         try:
             async with trio.open_nursery() as nursery:
-                for _ in range(self._batchers):
+                for _ in range(self._batchers + self._ahead):
                     nursery.start_soon(self._batcher)
                 task_status.started()
         except* Exception as crash:
@@ -477,10 +493,11 @@ class ModelBatcher:
                 max_batch_time=settings.max_batch_time,
                 lead=self._run_time + _DISPATCH_SLACK,
             )
-            if plan.take:
+            if plan.take and (plan.full or self._in_pool < self._batchers):
                 return self._take(plan.take, now)
             changed = self._changed
-            with trio.move_on_at(plan.wake_at):
+            # A batch that is ready but must not go ahead waits for one in the pool to end.
+            with trio.move_on_at(math.inf if plan.take else plan.wake_at):
                 await changed.wait()
 
     def _take(self, positions: tuple[int, ...], now: float) -> _Batch:
@@ -497,6 +514,7 @@ class ModelBatcher:
 
     async def _run(self, batch: _Batch) -> None:
         members = batch.members
+        self._in_pool += 1
         try:
             with batch.scope:
                 inputs = concatenate_inputs([member.inputs for member in members])
@@ -520,6 +538,8 @@ class ModelBatcher:
             stopped = Unavailable(f"model '{self.settings.name}': batching stopped")
             for member in members:
                 member.reply.set_error(stopped)
+            self._in_pool -= 1
+            self._notify()
 
     def _abandon(self, member: _Member) -> None:
         if member.batch is None:
@@ -553,13 +573,19 @@ class Batching:
         pool: Where batches run.
         batchers: Batches of one model that may run at once (the pool's worker count: each
             batch holds a worker).
+        ahead: Full batches of one model that may wait in the pool besides (see
+            :class:`ModelBatcher`).
     """
 
-    def __init__(self, models: Iterable[ModelSettings], pool: Predictor, *, batchers: int) -> None:
+    def __init__(
+        self, models: Iterable[ModelSettings], pool: Predictor, *, batchers: int, ahead: int = 0
+    ) -> None:
         self._models: dict[str, ModelBatcher] = {}
         for settings in models:
             if batching_enabled(settings):
-                self._models[settings.name] = ModelBatcher(settings, pool, batchers=batchers)
+                self._models[settings.name] = ModelBatcher(
+                    settings, pool, batchers=batchers, ahead=ahead
+                )
             elif settings.max_batch_size > 1:
                 fixed = [spec.name for spec in settings.inputs if spec.shape[:1] != (-1,)]
                 logger.warning(

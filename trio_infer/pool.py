@@ -18,7 +18,7 @@ A call (``predict``, ``warm_up``) joins the pool's queue and waits on its own re
 (``trio_infer.reply``). A lane takes it when its worker has room and from then on owns it: the
 lane fills the reply on every exit path (the result, the model's error, the worker's death, the
 pool's shutdown). A worker is sent its next call while it runs the current one
-(``_CALLS_PER_WORKER``), so that it starts the next at once.
+(``CALLS_PER_WORKER``), so that it starts the next at once.
 
 Cancellation: a cancelled call that waits in the queue leaves it; one that was sent but has not
 started is cancelled in the worker, which skips it; one that runs kills its worker at once (its
@@ -64,7 +64,7 @@ from trio_infer.model import Parameters
 from trio_infer.reply import Reply
 from trio_infer.settings import ModelSettings
 
-__all__ = ["GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
+__all__ = ["CALLS_PER_WORKER", "GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
 
 #: Seconds idle workers get to exit when the pool closes before they are killed. A healthy idle
 #: worker exits within milliseconds; this only bounds how long a stuck one can delay the
@@ -80,7 +80,7 @@ _MAX_REFUSED_IN_A_ROW = 8
 #: 0.7-0.85 ms between two 10 ms calls (25 in flight, 2 workers, 2 cores): the round trip
 #: through the server, most of it waking idle processes on this VM. More would hold more
 #: inputs in the socket and delay cancels no further.
-_CALLS_PER_WORKER = 2
+CALLS_PER_WORKER = 2
 #: Seconds an ended worker's connection is read for its last reports (normally at once).
 _LAST_REPORTS_TIME = 1.0
 
@@ -578,7 +578,7 @@ class _Lane:
         if self.private:
             return self.private.popleft()
         pool = self._pool
-        if len(self.outstanding) >= _CALLS_PER_WORKER:
+        if len(self.outstanding) >= CALLS_PER_WORKER:
             return None
         if self.outstanding and any(not lane.outstanding for lane in pool._lanes):
             return None  # an idle worker starts it sooner

@@ -29,7 +29,7 @@ from trio_infer.errors import (
     Unimplemented,
 )
 from trio_infer.model import Parameters
-from trio_infer.pool import WorkerPool
+from trio_infer.pool import CALLS_PER_WORKER, WorkerPool
 from trio_infer.registry import ModelRegistry
 from trio_infer.settings import ModelSettings
 from trio_infer.tensors import (
@@ -72,7 +72,10 @@ class InferenceService:
         self.registry = registry
         self.pool = pool
         self.admission = admission
-        self.batching = Batching(registry, pool, batchers=pool.statistics().workers)
+        workers = pool.statistics().workers
+        self.batching = Batching(
+            registry, pool, batchers=workers, ahead=workers * (CALLS_PER_WORKER - 1)
+        )
         """The batchers of the models that batch; the server runs and stops them."""
         self.draining = False
         """Set when the server shuts down: readiness turns false so load balancers move on."""
