@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import signal
+import tempfile
 import textwrap
 import time
 from collections.abc import AsyncIterator
@@ -141,6 +142,14 @@ class Count(Model):
         return {}
 
 
+class CountNap(Model):
+    def predict(self, inputs, parameters):
+        with open(parameters["file"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(parameters["delay_ms"] / 1000)
+        return {"pid": np.array([os.getpid()])}
+
+
 class Unsendable(np.ndarray):
     def __reduce_ex__(self, protocol):
         raise TypeError("cannot send this")
@@ -200,6 +209,7 @@ def repo(tmp_path: Path) -> dict[str, ModelSettings]:
         ("params", "Params"),
         ("threads", "Threads"),
         ("count", "Count"),
+        ("count_nap", "CountNap"),
         ("returns_unsendable", "ReturnsUnsendable"),
         ("returns_worker_only", "ReturnsWorkerOnly"),
         ("which_a", "Which"),
@@ -582,3 +592,64 @@ async def test_a_result_the_server_cannot_unpickle_fails_the_call_and_the_pool_g
     out = await pool.predict(examples["echo"], {"a": np.ones(2)}, NO_PARAMETERS)
     np.testing.assert_array_equal(out["a"], np.ones(2))
     assert pool.statistics().crashed == 0
+
+
+async def test_a_call_with_more_large_tensors_than_one_send_takes_crosses_both_ways(
+    pool: WorkerPool, examples: dict[str, ModelSettings]
+) -> None:
+    # Each 16 KiB tensor is a buffer of its own; a system takes at most 1024 in one sendmsg.
+    inputs = {f"t{i}": np.full(4096, i, np.float32) for i in range(1100)}
+    out = await pool.predict(examples["echo"], inputs, NO_PARAMETERS)
+    assert out.keys() == inputs.keys()
+    np.testing.assert_array_equal(out["t1099"], inputs["t1099"])
+    assert pool.statistics().crashed == 0
+
+
+async def test_a_call_cancelled_after_it_ended_in_the_worker_leaves_the_next_one_running(
+    repo: dict[str, ModelSettings], examples: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    # Which of the cancelled call and the reader of its report runs first is up to Trio's
+    # scheduler: a few rounds make both orders likely.
+    async with WorkerPool.open(1) as pool:
+        for round in range(3):
+            starts = tmp_path / f"starts-{round}.txt"
+            first = trio.CancelScope()
+            pids: list[int] = []
+
+            async def first_call(first: trio.CancelScope = first) -> None:
+                with first:
+                    await pool.predict(examples["sleep"], {}, Parameters({"delay_ms": 200}))
+
+            async def second_call(starts: Path = starts, pids: list[int] = pids) -> None:
+                parameters = Parameters({"file": str(starts), "delay_ms": 100})
+                pids.append((await pool.predict(repo["count_nap"], {}, parameters))["pid"].item())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first_call)
+                await eventually(lambda: pool.statistics().busy == 1)
+                nursery.start_soon(second_call)
+                await eventually(lambda: pool.statistics().waiting == 1)
+                # The event loop is blocked while the worker ends the first call and starts the
+                # second; then the first is cancelled: its report is there to read, so the
+                # worker must not be killed, nor the second call run again.
+                stop = time.monotonic() + 10
+                while not starts.exists() and time.monotonic() < stop:
+                    time.sleep(0.01)  # noqa: ASYNC251 - blocking is the point
+                first.cancel()
+            assert len(pids) == 1
+            assert starts.read_text().split() == [str(pids[0])]
+        assert pool.statistics().crashed == 0
+
+
+async def test_workers_that_cannot_start_fail_their_calls_and_the_pool_goes_on(
+    examples: dict[str, ModelSettings], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A socket path longer than AF_UNIX allows: no worker can be given its connection.
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    async with WorkerPool.open(1) as pool:
+        for _ in range(2):
+            with pytest.raises(Unavailable, match=r"^a worker process could not start \(OSError"):
+                await pool.predict(examples["echo"], {}, NO_PARAMETERS)
+        assert pool.statistics().busy == 0

@@ -83,6 +83,8 @@ _MAX_REFUSED_IN_A_ROW = 8
 CALLS_PER_WORKER = 2
 #: Seconds an ended worker's connection is read for its last reports (normally at once).
 _LAST_REPORTS_TIME = 1.0
+#: Seconds a lane waits after its worker failed to start before it starts another.
+_RESTART_PAUSE = 0.1
 
 # Worker type. A replacement worker starts on the request path (after a crash or a cancelled
 # call), so its start-up is latency someone waits for. Measured on 2 cores, Python 3.11,
@@ -113,7 +115,7 @@ class PoolStatistics:
 
     Attributes:
         workers: The number of worker processes the pool runs at most.
-        busy: Calls running (or starting their worker) now.
+        busy: Workers running a call now.
         idle: Live workers waiting for a call.
         waiting: Calls that will run and have not started: in the pool's queue, or sent to a
             worker behind the call it runs.
@@ -364,9 +366,12 @@ class WorkerPool:
 
     def _close(self) -> None:
         self._closing = True
-        for call in self._queue:
-            call.reply.set_error(Unavailable(f"the worker pool is shut down (while {call.what})"))
-        self._queue.clear()
+        for queue in [self._queue, *(lane.private for lane in self._lanes)]:
+            for call in queue:
+                call.reply.set_error(
+                    Unavailable(f"the worker pool is shut down (while {call.what})")
+                )
+            queue.clear()
         self._wake_lanes()
 
     def _pickled(self, settings: ModelSettings) -> bytes:
@@ -420,10 +425,13 @@ class _Lane:
         self._wake = trio.Event()
         self._head_started = 0.0
         # The current process's life:
+        self.live = False
         self._process = trio.CancelScope()
         self._connecting = trio.CancelScope()
         self._talking = trio.CancelScope()
+        self._reading = trio.CancelScope()
         self._killed = False
+        self._moved_on = False
         self._leaving = False
         self._exit_cause = "cause unknown"
 
@@ -433,8 +441,12 @@ class _Lane:
 
     def abandon(self, call: _Call) -> None:
         """Stop a call sent to this lane whose requester is gone."""
-        if self.outstanding and call is self.outstanding[0]:
-            self.kill()
+        if not self.connected:
+            return  # the worker is gone: its calls are being settled
+        if call is self.outstanding[0]:
+            # It runs, or it is done and its report is not read yet: the receiver reads what
+            # the worker has sent, then kills it if this call is still the one it runs.
+            self._reading.cancel()
         else:
             self._cancels.append(call.id)
             self.wake()
@@ -464,38 +476,41 @@ class _Lane:
                 if self._pool._closing:
                     return
                 await self._sleep()
-            await self._live()
+            if not await self._live():
+                # It could not start, and what waited for it has failed: do not spin.
+                await trio.sleep(_RESTART_PAUSE)
 
     def _has_work(self) -> bool:
-        pool = self._pool
         if self.private:
             return True
+        pool = self._pool
         # A live idle worker elsewhere takes the pool's calls sooner than a new one here.
         return bool(pool._queue) and not any(
-            lane.connected and not lane.outstanding for lane in pool._lanes
+            lane.live and not lane.outstanding for lane in pool._lanes
         )
 
     async def _sleep(self) -> None:
         await self._wake.wait()
         self._wake = trio.Event()
 
-    async def _live(self) -> None:
-        """One worker process's life: start it, talk to it until it ends, settle its calls."""
+    async def _live(self) -> bool:
+        """One worker process's life: start it, talk to it until it ends, settle its calls.
+
+        Returns:
+            Whether the worker started (connected).
+        """
         self._process, self._connecting, self._talking = (
             trio.CancelScope(),
             trio.CancelScope(),
             trio.CancelScope(),
         )
-        self._killed = self._leaving = False
+        self._killed = self._moved_on = self._leaving = False
         self._exit_cause = "cause unknown"
+        self.live = True
         orderly = connected = False
         try:
             async with trio.open_nursery() as life:
-                with _listening(self._address) as listener:
-                    life.start_soon(self._run_process)
-                    connection = None
-                    with self._connecting:
-                        connection = await _accept(listener)
+                connection = await self._start(life)
                 if connection is not None:
                     connected = True
                     with connection, self._talking:
@@ -506,10 +521,25 @@ class _Lane:
                             self.connected = False
             orderly = True
         finally:
+            self.live = False
             if orderly and not connected:
                 self._not_started_at_all()
             else:
                 self._settle(orderly)
+        return connected
+
+    async def _start(self, life: trio.Nursery) -> socket.socket | None:
+        """Start a worker process in ``life``; its connection, or None if it ended first."""
+        try:
+            with _listening(self._address) as listener:
+                life.start_soon(self._run_process)
+                with self._connecting:
+                    return await _accept(listener)
+        except OSError as exc:
+            # No socket for it (out of file descriptors, say): stop the process if it started.
+            self._exit_cause = f"{type(exc).__name__}: {exc}"
+            self.kill()
+        return None
 
     async def _run_process(self) -> None:
         try:
@@ -541,9 +571,22 @@ class _Lane:
     async def _send(self, connection: socket.socket) -> None:
         """Send calls and cancels, one writer for the connection; until the talk ends."""
         while True:
-            frame = self._next_frame()
+            frame, call = self._next_frame()
             if frame is not None:
-                await _send_frame(connection, frame)
+                try:
+                    await _send_frame(connection, frame)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The worker is gone: the receiver reads its last reports and ends the talk.
+                    await trio.sleep_forever()
+                except OSError as exc:
+                    # The connection is broken mid-frame: the worker cannot go on with it.
+                    if call is not None:
+                        self.outstanding.remove(call)
+                        call.reply.set_error(
+                            Unavailable(f"cannot send the call to a worker: {exc} ({call.what})")
+                        )
+                    self.kill()
+                    await trio.sleep_forever()
             elif self._pool._closing and not self.outstanding:
                 # Done: the worker's serve returns at the end of the connection.
                 self._leaving = True
@@ -553,11 +596,11 @@ class _Lane:
             else:
                 await self._sleep()
 
-    def _next_frame(self) -> list[worker_wire.Buffer] | None:
+    def _next_frame(self) -> tuple[list[worker_wire.Buffer] | None, _Call | None]:
         if self._cancels:
             frame = worker_wire.pack(list(self._cancels))
             self._cancels.clear()
-            return frame
+            return frame, None
         while (call := self._take()) is not None:
             function, args = call.message
             try:
@@ -571,16 +614,21 @@ class _Lane:
                 self._head_started = trio.current_time()
             self.outstanding.append(call)
             call.lane = self
-            return frame
-        return None
+            if self._pool._queue:
+                # More work: a lane without a worker may start one for it.
+                self._pool._wake_lanes()
+            return frame, call
+        return None, None
 
     def _take(self) -> _Call | None:
+        if self._killed:
+            return None
         if self.private:
             return self.private.popleft()
         pool = self._pool
         if len(self.outstanding) >= CALLS_PER_WORKER:
             return None
-        if self.outstanding and any(not lane.outstanding for lane in pool._lanes):
+        if self.outstanding and any(lane.live and not lane.outstanding for lane in pool._lanes):
             return None  # an idle worker starts it sooner
         while pool._queue:
             call = pool._queue.popleft()
@@ -591,23 +639,48 @@ class _Lane:
     async def _receive(self, connection: socket.socket, talk: trio.CancelScope) -> None:
         """Read the worker's reports until the connection ends, then end the talk."""
         try:
+            parse = worker_wire.reader()
+            view = next(parse)
             while True:
                 try:
-                    report = await _receive_message(connection)
-                except EOFError:
+                    received = connection.recv_into(view)
+                except BlockingIOError:
+                    # Every report the worker has sent is read, so the first outstanding call
+                    # is the one it runs: a worker running an abandoned call is killed here.
+                    if self.outstanding and self.outstanding[0].abandoned and not self._killed:
+                        self.kill()
+                    with trio.CancelScope() as self._reading:
+                        await trio.lowlevel.wait_readable(connection)
+                    continue
+                except ConnectionResetError:
                     return
+                if not received:
+                    return
+                view = view[received:]
+                if view:
+                    continue
+                try:
+                    view = parse.send(None)
+                    continue
+                except StopIteration as done:
+                    report = done.value
                 except Exception as exc:
-                    # A report that does not unpickle here (a class only the worker has): its
-                    # call fails, and the worker, whose state is now unknown, is replaced.
-                    call = self.outstanding.popleft()
-                    call.reply.set_error(
-                        ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")
-                    )
-                    self.kill()
+                    self._unreadable_report(exc)
                     return
-                self._on_report(*report)  # type: ignore[misc]
+                self._on_report(*report)
+                parse = worker_wire.reader()
+                view = next(parse)
         finally:
             talk.cancel()
+
+    def _unreadable_report(self, exc: Exception) -> None:
+        # A report that does not unpickle here (a class only the worker has): its call fails.
+        # The worker went on to its next call, and its state is unknown: it is replaced.
+        if self.outstanding:
+            call = self.outstanding.popleft()
+            call.reply.set_error(ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})"))
+        self._moved_on = True
+        self.kill()
 
     def _on_report(self, done: tuple[int, bool, Any, float] | None, skipped: list[int]) -> None:
         if skipped:
@@ -619,6 +692,8 @@ class _Lane:
             call = self.outstanding.popleft()
             assert call.id == call_id, f"report of call {call_id}, expected {call.id}"
             self._head_started = trio.current_time()
+            # Reported after the kill was decided: the call after it may have started since.
+            self._moved_on = self._killed
             if ok:
                 if call.model is not None:
                     self._pool._timings.setdefault(call.model, _CallTimes()).recent.append(seconds)
@@ -626,17 +701,15 @@ class _Lane:
             else:
                 call.reply.set_error(value)
         self.wake()
-        if self.outstanding and self.outstanding[0].abandoned:
-            # Its cancel came too late: the worker has started it.
-            self.kill()
 
     def _not_started_at_all(self) -> None:
         # Nothing was sent, so nothing was lost; but what waits for this worker would wait for
-        # ever if each try failed the same way (a broken environment, say).
+        # ever if each try failed the same way (a broken environment, say). Calls in the pool's
+        # queue fail too when no other worker is there or starting to take them.
         error = Unavailable(f"a worker process could not start ({self._exit_cause})")
         waiting = list(self.private)
         self.private.clear()
-        if not any(lane.connected for lane in self._pool._lanes):
+        if not any(lane.live for lane in self._pool._lanes):
             waiting += self._pool._queue
             self._pool._queue.clear()
         for call in waiting:
@@ -648,21 +721,28 @@ class _Lane:
         calls = list(self.outstanding)
         self.outstanding.clear()
         self._cancels.clear()
-        if orderly and not self._killed and not self._leaving:
-            pool._note_crash()
-            if calls and not calls[0].abandoned:
-                head = calls.pop(0)
-                head.reply.set_error(
-                    Unavailable(f"worker process died while {head.what} ({self._exit_cause})")
-                )
-        calls = [call for call in calls if not call.abandoned]
         if not orderly or pool._closing:
-            for call in calls:
+            for call in calls + list(self.private):
                 call.reply.set_error(
                     Unavailable(f"the worker pool is shut down (while {call.what})")
                 )
+            self.private.clear()
             return
-        # These had not started (or were stopped by a kill that was not theirs): run them again.
+        crashed = not self._killed and not self._leaving
+        if crashed:
+            pool._note_crash()
+        # The first call was running if the worker died on its own, or if it went on to it
+        # after it was told to stop; the others had not started.
+        if calls and not calls[0].abandoned and (crashed or self._moved_on):
+            head = calls.pop(0)
+            message = (
+                f"worker process died while {head.what} ({self._exit_cause})"
+                if crashed
+                else f"worker process was stopped while {head.what} (another call it held "
+                "was cancelled)"
+            )
+            head.reply.set_error(Unavailable(message))
+        calls = [call for call in calls if not call.abandoned]
         for call in reversed(calls):
             call.lane = None
             call.home.appendleft(call)
@@ -703,38 +783,11 @@ def _listening(address: str) -> Iterator[socket.socket]:
 
 
 async def _send_frame(connection: socket.socket, frame: list[worker_wire.Buffer]) -> None:
-    try:
-        while frame:
-            try:
-                sent = connection.sendmsg(frame)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(connection)
-            else:
-                frame = worker_wire.unsent(frame, sent)
-    except OSError:
-        # The worker is gone; the receiver sees the end of the connection and ends the talk.
-        await trio.sleep_forever()
-
-
-async def _receive_message(connection: socket.socket) -> object:
-    parse = worker_wire.reader()
-    view = next(parse)
-    while True:
-        while view:
-            try:
-                received = connection.recv_into(view)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(connection)
-                continue
-            except ConnectionResetError:
-                raise EOFError from None
-            if not received:
-                raise EOFError
-            view = view[received:]
+    while frame:
         try:
-            view = parse.send(None)
-        except StopIteration as done:
-            return done.value
+            frame = worker_wire.send_some(connection, frame)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(connection)
 
 
 @dataclass

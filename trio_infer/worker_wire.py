@@ -24,11 +24,14 @@ import socket
 import struct
 from collections.abc import Generator, Sequence
 
-__all__ = ["Buffer", "pack", "reader", "receive", "send", "unsent", "waiting"]
+__all__ = ["Buffer", "pack", "reader", "receive", "send", "send_some", "waiting"]
 
 Buffer = bytes | bytearray | memoryview
 
 _HEADER = struct.Struct("!IQ")
+#: Buffers one sendmsg takes, well below any system's IOV_MAX (1024 on Linux): a message with
+#: more tensors is sent in several calls.
+_BUFFERS_PER_SEND = 512
 #: Buffers smaller than this stay in the pickle: a buffer of its own costs the receiver a
 #: read call, more than copying a few KiB.
 _OUT_OF_BAND_BYTES = 16 * 1024
@@ -54,8 +57,14 @@ def pack(message: object) -> list[Buffer]:
     return [_HEADER.pack(len(buffers), len(data)) + lengths, data, *buffers]
 
 
-def unsent(frame: Sequence[Buffer], sent: int) -> list[Buffer]:
-    """What is left of a frame after its first ``sent`` bytes went out."""
+def send_some(sock: socket.socket, frame: Sequence[Buffer]) -> list[Buffer]:
+    """Send what one ``sendmsg`` takes of a frame; return the rest (empty when all is sent).
+
+    Raises:
+        BlockingIOError: The socket is non-blocking and its buffer is full.
+        OSError: The connection is broken.
+    """
+    sent = sock.sendmsg(frame[:_BUFFERS_PER_SEND])
     left: list[Buffer] = []
     for buffer in frame:
         size = memoryview(buffer).nbytes
@@ -90,7 +99,7 @@ def reader() -> Generator[memoryview, None, object]:
 def send(sock: socket.socket, frame: list[Buffer]) -> None:
     """Send a packed message on a blocking socket."""
     while frame:
-        frame = unsent(frame, sock.sendmsg(frame))
+        frame = send_some(sock, frame)
 
 
 def receive(sock: socket.socket) -> object:
