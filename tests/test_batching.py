@@ -308,6 +308,29 @@ async def test_only_a_full_batch_goes_to_the_pool_ahead_of_a_free_worker() -> No
     assert batcher.statistics().batches == 2
 
 
+async def test_a_request_that_fills_a_batch_alone_goes_to_the_pool_directly() -> None:
+    settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=10.0)
+    pool = GatedPool()
+    batcher = ModelBatcher(settings, pool, batchers=1)
+
+    async def request(rows: int) -> None:
+        out = await batcher.predict({"x": np.ones((rows, 2))}, Parameters(), math.inf)
+        assert len(out["y"]) == rows
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        nursery.start_soon(request, 1)  # waits up to max_batch_time for others to join it
+        nursery.start_soon(request, 4)
+        nursery.start_soon(request, 5)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (pool.holding, batcher.statistics().waiting) == (2, 1)
+        pool.release.set()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    statistics = batcher.statistics()
+    assert (statistics.alone, statistics.batches) == (2, 0)
+
+
 # -- real batches on a real server -------------------------------------------------------------
 
 ROWS_MODEL = """
@@ -553,7 +576,8 @@ async def test_when_every_member_leaves_a_running_batch_its_worker_is_killed(
     await eventually(lambda: server.service.pool.statistics().busy == 0)
     after = decode_outputs(await client.call("ModelInfer", rows_request(2), timeout=5))
     assert pid not in after["pid"].tolist()
-    assert statistics(server, "rows").batches == 2
+    # The last request filled a batch by itself: it went to the pool without one.
+    assert (statistics(server, "rows").batches, statistics(server, "rows").alone) == (1, 1)
 
 
 async def test_a_failing_batch_fails_only_its_own_members_each_with_the_error(

@@ -7,9 +7,10 @@
         └── batcher (a few per worker) plans the next batch, awaits the worker call, answers
 
 A request task calls :meth:`ModelBatcher.predict`: it joins its model's queue and waits on its own
-reply slot. A batcher takes a batch out of the queue (:func:`plan_batch` decides which requests
-and when), concatenates their inputs along dimension 0, awaits ``pool.predict`` and fills every
-member's slot with its rows of the outputs, or with the error. As many batches as there are
+reply slot (a request that fills a batch by itself goes to the pool directly). A batcher takes a
+batch out of the queue (:func:`plan_batch` decides which requests and when), concatenates their
+inputs along dimension 0, awaits ``pool.predict`` and fills every member's slot with its rows of
+the outputs, or with the error. As many batches as there are
 workers may be in the pool at once, and full ones besides: the pool sends those to a worker
 ahead of time, so it starts them as soon as it is done with the one before. A batch that can
 still grow stays in the queue instead, where the requests that come meanwhile can join it.
@@ -309,6 +310,7 @@ class BatchStatistics:
         max_queue_wait: The longest one of them waited.
         waiting: Requests in the queue now.
         abandoned: Requests that left the queue before their batch ran (deadline, cancel).
+        alone: Requests that filled a batch by themselves, so went to the pool directly.
         crashed: Whether a batcher crashed, which stopped this model's batching.
     """
 
@@ -321,6 +323,7 @@ class BatchStatistics:
     max_queue_wait: float = 0.0
     waiting: int = 0
     abandoned: int = 0
+    alone: int = 0
     crashed: bool = False
 
     @property
@@ -441,6 +444,12 @@ class ModelBatcher:
             raise type(self._stopped)(self._stopped.message, self._stopped.code)
         rows = batch_rows(inputs)
         if rows is None:
+            return await self._pool.predict(self.settings, inputs, parameters)
+        if rows >= self.settings.max_batch_size:
+            # It would run alone, as a full batch: it goes to the pool as one, without the
+            # queue, the planning and two task switches (measured: `dense` 64 rows at 25 calls
+            # in flight, 1,410-1,440 requests/s through the batchers, 1,800 without).
+            self._statistics = replace(self._statistics, alone=self._statistics.alone + 1)
             return await self._pool.predict(self.settings, inputs, parameters)
         key = batch_key(inputs, parameters)
         member = _Member(inputs, parameters, key, rows, trio.current_time(), deadline)

@@ -172,12 +172,14 @@ async def run_server(
             nursery.cancel_scope.deadline = trio.current_time() + _CLOSE_SLACK
     for name, batches in service.batching.statistics().items():
         logger.info(
-            "model '%s': %d batches, %d requests, %d rows (mean %.1f requests per batch)",
+            "model '%s': %d batches, %d requests, %d rows (mean %.1f requests per batch); "
+            "%d requests filled a batch alone",
             name,
             batches.batches,
             batches.requests,
             batches.rows,
             batches.mean_batch_requests,
+            batches.alone,
         )
     logger.info("server stopped")
 
