@@ -441,8 +441,8 @@ class _Lane:
 
     def abandon(self, call: _Call) -> None:
         """Stop a call sent to this lane whose requester is gone."""
-        if not self.connected:
-            return  # the worker is gone: its calls are being settled
+        if not self.connected or call not in self.outstanding:
+            return  # the worker is gone (its calls are being settled), or the call is done
         if call is self.outstanding[0]:
             # It runs, or it is done and its report is not read yet: the receiver reads what
             # the worker has sent, then kills it if this call is still the one it runs.
@@ -709,7 +709,9 @@ class _Lane:
         error = Unavailable(f"a worker process could not start ({self._exit_cause})")
         waiting = list(self.private)
         self.private.clear()
-        if not any(lane.live for lane in self._pool._lanes):
+        if any(lane.live for lane in self._pool._lanes):
+            self._pool._wake_lanes()  # a busy worker may take more now that this one is gone
+        else:
             waiting += self._pool._queue
             self._pool._queue.clear()
         for call in waiting:
