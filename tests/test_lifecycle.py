@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import time
 from collections import Counter
@@ -75,6 +76,29 @@ async def test_a_call_that_cannot_finish_in_time_is_not_started(
     assert not probe.started("doomed")
     assert await probe.call(deadline=5) == pid
     assert probe.server.statistics().pool.not_started == 1
+
+
+async def test_a_call_that_cannot_finish_even_on_a_free_worker_is_refused_without_waiting(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    probe = await start_probe(nursery, tmp_path, server={"workers": 1})
+    await probe.call(deadline=5, action="sleep", delay_ms=300)
+    busy = probe.client.stub.ModelInfer.future(
+        probe_request(tag="busy", action="sleep", delay_ms=1000), timeout=10
+    )
+    await probe.wait_started("busy")
+    # Waiting in the queue for the busy worker, it would end at its deadline with a bare
+    # DEADLINE_EXCEEDED; it is refused on arrival instead, with the reason.
+    error = await probe.error(deadline=0.15, tag="doomed")
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert re.fullmatch(
+        r"deadline exceeded: model 'probe' has recently taken at least 3\d\d ms and "
+        r"\d+ ms were left",
+        error.details(),
+    )
+    assert not busy.done()
+    await trio.to_thread.run_sync(busy.result)
+    assert not probe.started("doomed")
 
 
 async def test_calls_that_got_faster_are_not_refused_forever(

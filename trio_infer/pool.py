@@ -254,7 +254,8 @@ class WorkerPool:
         it; the pool starts a replacement, which loads its models when they are next called.
         So that deadlines under load do not turn into a stream of killed workers, a call whose
         deadline (the enclosing cancel scopes') would pass before the shortest of the model's
-        recent calls could end, counted from when a worker can start it, is not started. A
+        recent calls could end is not started: it is refused at once if even a free worker
+        could not end it in time, otherwise when a worker could take it. A
         model's call time may depend on its inputs, and a call that is not started teaches
         nothing: so after a few refusals in a row, one call is started anyway.
 
@@ -312,9 +313,12 @@ class WorkerPool:
     async def _submit(self, call: _Call, home: deque[_Call]) -> Any:
         if self._closing:
             raise Unavailable(f"the worker pool is shut down (while {call.what})")
-        call.home = home
-        home.append(call)
-        self._wake_lanes()
+        # A call that could not end in time on a worker free now is refused now, rather than
+        # when a worker could take it: its caller learns at once, and it holds no place.
+        if self._in_time(call, None):
+            call.home = home
+            home.append(call)
+            self._wake_lanes()
         try:
             return await call.reply.wait()
         finally:
@@ -332,24 +336,31 @@ class WorkerPool:
         for lane in self._lanes:
             lane.wake()
 
-    def _in_time(self, call: _Call, lane: _Lane) -> bool:
-        """Whether a call may be sent to ``lane`` now; if not, fail it (see ``predict``)."""
-        if call.model is None:
+    def _in_time(self, call: _Call, lane: _Lane | None) -> bool:
+        """Whether a call may go to ``lane`` now (None: to a free worker); if not, fail it.
+
+        See ``predict``; a call started to learn the model's call time again is let through.
+        """
+        if call.model is None or call.forced:
             return True
         times = self._timings.setdefault(call.model, _CallTimes())
         shortest = times.shortest()
         now = trio.current_time()
-        left = call.deadline - now - lane.free_in(now)
-        if left >= shortest or times.refused_in_a_row >= _MAX_REFUSED_IN_A_ROW:
+        left = call.deadline - now - (lane.free_in(now) if lane is not None else 0.0)
+        if left >= shortest:
             times.refused_in_a_row = 0
+            return True
+        if times.refused_in_a_row >= _MAX_REFUSED_IN_A_ROW:
+            times.refused_in_a_row = 0
+            call.forced = True
             return True
         times.refused_in_a_row += 1
         self._not_started += 1
+        when = " when a worker could start it" if lane is not None else ""
         call.reply.set_error(
             InferError(
                 f"deadline exceeded: model '{call.model}' has recently taken at least "
-                f"{shortest * 1000:.0f} ms and {max(left, 0) * 1000:.0f} ms were left when "
-                "a worker could start it",
+                f"{shortest * 1000:.0f} ms and {max(left, 0) * 1000:.0f} ms were left{when}",
                 StatusCode.DEADLINE_EXCEEDED,
             )
         )
@@ -405,6 +416,8 @@ class _Call:
     lane: _Lane | None = None
     """The lane it was sent to; None while it waits in ``home``."""
     abandoned: bool = False
+    forced: bool = False
+    """Sent whatever its deadline, after refusals in a row, to learn the call time again."""
 
 
 class _Lane:
