@@ -366,6 +366,10 @@ class WorkerPool:
         )
         return False
 
+    def _learn(self, model: str | None, seconds: float) -> None:
+        if model is not None:
+            self._timings.setdefault(model, _CallTimes()).recent.append(seconds)
+
     def _shortest(self, model: str | None) -> float:
         times = self._timings.get(model) if model is not None else None
         return times.shortest() if times is not None else 0.0
@@ -592,7 +596,9 @@ class _Lane:
                     # The worker is gone: the receiver reads its last reports and ends the talk.
                     await trio.sleep_forever()
                 except OSError as exc:
-                    # The connection is broken mid-frame: the worker cannot go on with it.
+                    # The connection is broken mid-frame: the worker cannot go on with it, and
+                    # the call it runs may have started.
+                    self._moved_on = True
                     if call is not None:
                         self.outstanding.remove(call)
                         call.reply.set_error(
@@ -654,14 +660,15 @@ class _Lane:
         try:
             parse = worker_wire.reader()
             view = next(parse)
+            reporting = False  # part of a report is read: the call it reports on has ended
             while True:
                 try:
                     received = connection.recv_into(view)
                 except BlockingIOError:
-                    # Every report the worker has sent is read, so the first outstanding call
-                    # is the one it runs: a worker running an abandoned call is killed here.
-                    if self.outstanding and self.outstanding[0].abandoned and not self._killed:
-                        self.kill()
+                    if not reporting:
+                        # Every report the worker has sent is read, so the first outstanding
+                        # call is the one it runs: if abandoned, the worker is killed.
+                        self._stop_abandoned()
                     with trio.CancelScope() as self._reading:
                         await trio.lowlevel.wait_readable(connection)
                     continue
@@ -669,6 +676,7 @@ class _Lane:
                     return
                 if not received:
                     return
+                reporting = True
                 view = view[received:]
                 if view:
                     continue
@@ -683,8 +691,14 @@ class _Lane:
                 self._on_report(*report)
                 parse = worker_wire.reader()
                 view = next(parse)
+                reporting = False
         finally:
             talk.cancel()
+
+    def _stop_abandoned(self) -> None:
+        head = self.outstanding[0] if self.outstanding else None
+        if head is not None and head.abandoned and not self._killed:
+            self.kill()
 
     def _unreadable_report(self, exc: Exception) -> None:
         # A report that does not unpickle here (a class only the worker has): its call fails.
@@ -708,8 +722,7 @@ class _Lane:
             # Reported after the kill was decided: the call after it may have started since.
             self._moved_on = self._killed
             if ok:
-                if call.model is not None:
-                    self._pool._timings.setdefault(call.model, _CallTimes()).recent.append(seconds)
+                self._pool._learn(call.model, seconds)
                 call.reply.set_result(value)
             else:
                 call.reply.set_error(value)
@@ -753,8 +766,8 @@ class _Lane:
             message = (
                 f"worker process died while {head.what} ({self._exit_cause})"
                 if crashed
-                else f"worker process was stopped while {head.what} (another call it held "
-                "was cancelled)"
+                else f"worker process was stopped while {head.what} (because of another call "
+                "it held)"
             )
             head.reply.set_error(Unavailable(message))
         calls = [call for call in calls if not call.abandoned]
