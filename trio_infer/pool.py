@@ -74,7 +74,7 @@ GRACE_PERIOD = 0.25
 _log = logging.getLogger(__name__)
 #: How many recent successful calls of a model its shortest call time is taken from.
 _RECENT_CALLS = 16
-#: Calls of a model stopped while running, in a row, after which the shortest of their runs is
+#: Calls of a model stopped while running, in a row, after which the longest of their runs is
 #: taken as a lower bound of its call time.
 _STOPPED_TO_LEARN = 3
 #: After this many calls of a model refused in a row, one is started anyway.
@@ -832,23 +832,24 @@ class _CallTimes:
     refused_in_a_row: int = 0
     stopped_in_a_row: int = 0
     """Calls stopped while running (their caller gone) since the last one that ended."""
-    stopped_after: float = math.inf
-    """The shortest run among those: a lower bound of the model's call time."""
+    stopped_after: float = 0.0
+    """The longest run among those: each call took longer than it ran."""
 
     def ran(self, seconds: float) -> None:
         self.recent.append(seconds)
-        self.stopped_in_a_row, self.stopped_after = 0, math.inf
+        self.stopped_in_a_row, self.stopped_after = 0, 0.0
 
     def stopped(self, seconds: float) -> None:
         self.stopped_in_a_row += 1
-        self.stopped_after = min(self.stopped_after, seconds)
+        self.stopped_after = max(self.stopped_after, seconds)
 
     def shortest(self) -> float:
         fastest = min(self.recent, default=0.0)
-        # A stopped call says only that it took longer than it ran. One may be an odd input
-        # (a call that hangs); several in a row with none ending, as in a storm of deadlines
-        # shorter than the model's calls, say the model now takes at least that long. Without
-        # this, such a storm would start every call and kill its worker at each deadline.
+        # A stopped call says only that it took longer than it ran (which may be little: it
+        # may have started late). One may be an odd input (a call that hangs); several in a row
+        # with none ending, as in a storm of deadlines shorter than the model's calls, say the
+        # model now takes longer than the longest of their runs. Without this, such a storm
+        # would start every call and kill its worker at each deadline.
         if self.stopped_in_a_row >= _STOPPED_TO_LEARN:
             return max(fastest, self.stopped_after)
         return fastest
