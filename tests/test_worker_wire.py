@@ -1,0 +1,103 @@
+"""The pool's framing: any message survives any split of its bytes, both ways, over a socket."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_infer import worker_wire
+
+# Sizes either side of the 16 KiB out-of-band threshold, and arrays that are not contiguous
+# (those travel in the pickle).
+_arrays = st.builds(
+    lambda rows, columns, transposed, seed: _array(rows, columns, transposed, seed),
+    st.sampled_from([0, 1, 3, 64, 1100]),
+    st.sampled_from([1, 4, 16]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+_messages = st.tuples(
+    st.integers(0, 2**40),
+    st.dictionaries(st.text(max_size=3), _arrays, max_size=4),
+    st.lists(st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=40)), max_size=3),
+)
+
+
+def _array(rows: int, columns: int, transposed: bool, seed: int) -> np.ndarray:
+    values = np.random.default_rng(seed).standard_normal((rows, columns)).astype(np.float32)
+    return values[:, ::2] if transposed else values
+
+
+def _read(frame: list[worker_wire.Buffer], cuts: list[int]) -> object:
+    """Feed a frame's bytes to the reader in pieces that end at ``cuts``."""
+    data = b"".join(bytes(buffer) for buffer in frame)
+    parse = worker_wire.reader()
+    view = next(parse)
+    position = 0
+    pieces = sorted({min(cut, len(data)) for cut in cuts} | {len(data)})
+    for end in pieces:
+        while position < end:
+            taken = min(end - position, len(view))
+            view[:taken] = data[position : position + taken]
+            position += taken
+            view = view[taken:]
+            if not view:
+                try:
+                    view = parse.send(None)
+                except StopIteration as done:
+                    assert position == len(data)
+                    return done.value
+    raise AssertionError("the reader wanted more than the frame holds")
+
+
+def _assert_same(got: object, sent: object) -> None:
+    number, arrays, rest = sent  # type: ignore[misc]
+    assert got[0] == number  # type: ignore[index]
+    assert got[2] == rest  # type: ignore[index]
+    assert got[1].keys() == arrays.keys()  # type: ignore[index]
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(got[1][name], array)  # type: ignore[index]
+        assert got[1][name].dtype == array.dtype  # type: ignore[index]
+
+
+@settings(max_examples=200, deadline=None)
+@given(message=_messages, cuts=st.lists(st.integers(0, 2**20), max_size=20))
+def test_a_message_read_in_any_pieces_is_the_message_sent(
+    message: tuple[object, ...], cuts: list[int]
+) -> None:
+    _assert_same(_read(worker_wire.pack(message), cuts), message)
+
+
+def test_large_contiguous_tensors_travel_out_of_band_and_small_ones_in_the_pickle() -> None:
+    large = np.zeros(4096, np.float32)  # 16 KiB
+    small = np.zeros(4095, np.float32)
+    frame = worker_wire.pack({"large": large, "small": small, "strided": np.zeros(8192)[::2]})
+    assert len(frame) == 3  # header, pickle, and the one large buffer
+    assert memoryview(frame[2]).nbytes == large.nbytes
+
+
+@pytest.mark.parametrize("buffers", [1, 600, 1100])
+def test_send_some_goes_on_until_a_frame_with_many_buffers_is_sent(buffers: int) -> None:
+    message = [np.full(4096, i, np.float32) for i in range(buffers)]
+    frame = worker_wire.pack(message)
+    sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with sender, receiver:
+        sender.setblocking(False)
+        received = bytearray()
+        left = frame
+        while left:
+            try:
+                left = worker_wire.send_some(sender, left)
+            except BlockingIOError:
+                received += receiver.recv(1 << 20)
+        total = sum(memoryview(buffer).nbytes for buffer in frame)
+        while len(received) < total:
+            received += receiver.recv(1 << 20)
+    got = _read([bytes(received)], [])
+    assert isinstance(got, list)
+    assert len(got) == buffers
+    np.testing.assert_array_equal(got[-1], message[-1])
