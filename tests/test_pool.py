@@ -653,35 +653,3 @@ async def test_workers_that_cannot_start_fail_their_calls_and_the_pool_goes_on(
             with pytest.raises(Unavailable, match=r"^a worker process could not start \(OSError"):
                 await pool.predict(examples["echo"], {}, NO_PARAMETERS)
         assert pool.statistics().busy == 0
-
-
-async def test_calls_stopped_in_a_row_teach_a_lower_bound_until_one_ends(
-    pool: WorkerPool, examples: dict[str, ModelSettings]
-) -> None:
-    # A storm of deadlines shorter than the model's calls: each started call would only get
-    # its worker killed.
-    sleep = partial(pool.predict, examples["sleep"], {})
-    await pool.warm_up([examples["sleep"]])
-
-    async def stop_one() -> None:
-        with trio.move_on_after(0.2):
-            await sleep(Parameters({"delay_ms": 20_000}))
-
-    async def quick_one(within: float) -> bool:
-        with trio.move_on_after(within) as scope:
-            await sleep(Parameters({"delay_ms": 0}))
-        return not scope.cancelled_caught
-
-    # One stopped call teaches nothing: its input may be an odd one.
-    await stop_one()
-    assert await quick_one(0.1)
-    # Three in a row, after at least 0.2 s each: a call with less time left is refused.
-    for _ in range(3):
-        await stop_one()
-    with pytest.raises(InferError, match=r"recently taken at least (1[5-9]|2\d)\d ms"):
-        await quick_one(0.1)
-    assert pool.statistics().not_started == 1
-    # One that ends: the model is fast again.
-    assert await quick_one(5)
-    assert await quick_one(0.1)
-    assert pool.statistics().crashed == 0

@@ -74,9 +74,6 @@ GRACE_PERIOD = 0.25
 _log = logging.getLogger(__name__)
 #: How many recent successful calls of a model its shortest call time is taken from.
 _RECENT_CALLS = 16
-#: Calls of a model stopped while running, in a row, after which the longest of their runs is
-#: taken as a lower bound of its call time.
-_STOPPED_TO_LEARN = 3
 #: After this many calls of a model refused in a row, one is started anyway.
 _MAX_REFUSED_IN_A_ROW = 8
 #: Calls a worker holds at once: the one it runs and the next. With one, a worker waited
@@ -258,8 +255,7 @@ class WorkerPool:
         So that deadlines under load do not turn into a stream of killed workers, a call whose
         deadline (the enclosing cancel scopes') would pass before the shortest of the model's
         recent calls could end is not started: it is refused at once if even a free worker
-        could not end it in time, otherwise when a worker could take it. Calls stopped while
-        running, several in a row, count too: they took at least as long as they ran. A
+        could not end it in time, otherwise when a worker could take it. A
         model's call time may depend on its inputs, and a call that is not started teaches
         nothing: so after a few refusals in a row, one call is started anyway.
 
@@ -347,7 +343,7 @@ class WorkerPool:
         """
         if call.model is None or call.forced:
             return True
-        times = self._times(call.model)
+        times = self._timings.setdefault(call.model, _CallTimes())
         shortest = times.shortest()
         now = trio.current_time()
         left = call.deadline - now - (lane.free_in(now) if lane is not None else 0.0)
@@ -370,8 +366,9 @@ class WorkerPool:
         )
         return False
 
-    def _times(self, model: str) -> _CallTimes:
-        return self._timings.setdefault(model, _CallTimes())
+    def _learn(self, model: str | None, seconds: float) -> None:
+        if model is not None:
+            self._timings.setdefault(model, _CallTimes()).recent.append(seconds)
 
     def _shortest(self, model: str | None) -> float:
         times = self._timings.get(model) if model is not None else None
@@ -701,8 +698,6 @@ class _Lane:
     def _stop_abandoned(self) -> None:
         head = self.outstanding[0] if self.outstanding else None
         if head is not None and head.abandoned and not self._killed:
-            if head.model is not None:
-                self._pool._times(head.model).stopped(trio.current_time() - self._head_started)
             self.kill()
 
     def _unreadable_report(self, exc: Exception) -> None:
@@ -727,8 +722,7 @@ class _Lane:
             # Reported after the kill was decided: the call after it may have started since.
             self._moved_on = self._killed
             if ok:
-                if call.model is not None:
-                    self._pool._times(call.model).ran(seconds)
+                self._pool._learn(call.model, seconds)
                 call.reply.set_result(value)
             else:
                 call.reply.set_error(value)
@@ -830,29 +824,9 @@ class _CallTimes:
 
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT_CALLS))
     refused_in_a_row: int = 0
-    stopped_in_a_row: int = 0
-    """Calls stopped while running (their caller gone) since the last one that ended."""
-    stopped_after: float = 0.0
-    """The longest run among those: each call took longer than it ran."""
-
-    def ran(self, seconds: float) -> None:
-        self.recent.append(seconds)
-        self.stopped_in_a_row, self.stopped_after = 0, 0.0
-
-    def stopped(self, seconds: float) -> None:
-        self.stopped_in_a_row += 1
-        self.stopped_after = max(self.stopped_after, seconds)
 
     def shortest(self) -> float:
-        fastest = min(self.recent, default=0.0)
-        # A stopped call says only that it took longer than it ran (which may be little: it
-        # may have started late). One may be an odd input (a call that hangs); several in a row
-        # with none ending, as in a storm of deadlines shorter than the model's calls, say the
-        # model now takes longer than the longest of their runs. Without this, such a storm
-        # would start every call and kill its worker at each deadline.
-        if self.stopped_in_a_row >= _STOPPED_TO_LEARN:
-            return max(fastest, self.stopped_after)
-        return fastest
+        return min(self.recent, default=0.0)
 
 
 def _exit_cause(exc: trio_parallel.BrokenWorkerError) -> str:
