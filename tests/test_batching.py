@@ -71,7 +71,7 @@ def test_an_empty_queue_waits_for_a_change() -> None:
 
 def test_a_full_batch_runs_at_once() -> None:
     queue = [Waiting(rows=3), Waiting(rows=5), Waiting(rows=1)]
-    assert plan(*queue, size=8) == BatchPlan((0, 1), 0.0, full=True)
+    assert plan(*queue, size=8) == BatchPlan((0, 1), 0.0)
 
 
 def test_a_batch_waits_until_its_oldest_member_has_waited_max_batch_time() -> None:
@@ -97,20 +97,31 @@ def test_zero_max_batch_time_runs_whatever_is_waiting_at_once() -> None:
 
 
 def test_a_request_larger_than_max_batch_size_runs_alone() -> None:
-    assert plan(Waiting(rows=20), Waiting(rows=1), size=8) == BatchPlan((0,), 0.0, full=True)
+    assert plan(Waiting(rows=20), Waiting(rows=1), size=8) == BatchPlan((0,), 0.0)
 
 
 def test_a_batch_the_next_request_would_overflow_runs_at_once_and_nobody_overtakes() -> None:
     # 5 + 4 > 8 closes the first batch; the 1-row request behind the 4 rows must not jump in.
     queue = [Waiting(rows=5), Waiting(rows=4), Waiting(rows=1)]
-    assert plan(*queue, size=8) == BatchPlan((0,), 0.0, full=True)
+    assert plan(*queue, size=8) == BatchPlan((0,), 0.0)
     assert plan(*queue[1:], size=8) == BatchPlan((), 1.0)
+
+
+def test_with_full_only_a_full_batch_of_another_key_runs_before_an_older_open_one() -> None:
+    queue = [Waiting("a", 2, arrived=0.0), Waiting("b", 8, arrived=0.5)]
+    full_only = plan_batch(
+        queue, now=5.0, max_batch_size=8, max_batch_time=1.0, lead=0.0, full_only=True
+    )
+    assert full_only == BatchPlan((1,), 5.0)
+    assert plan_batch(
+        queue[:1], now=5.0, max_batch_size=8, max_batch_time=1.0, lead=0.0, full_only=True
+    ) == BatchPlan((), math.inf)
 
 
 def test_requests_with_different_keys_never_share_a_batch() -> None:
     queue = [Waiting("a", 2), Waiting("b", 2), Waiting("a", 2), Waiting("b", 3)]
-    assert plan(*queue, size=4) == BatchPlan((0, 2), 0.0, full=True)
-    assert plan(queue[1], queue[3], size=4) == BatchPlan((0,), 0.0, full=True)  # 2 + 3 > 4: closed
+    assert plan(*queue, size=4) == BatchPlan((0, 2), 0.0)
+    assert plan(queue[1], queue[3], size=4) == BatchPlan((0,), 0.0)  # 2 + 3 > 4: closed
 
 
 def test_a_younger_key_that_is_due_runs_before_an_older_key_that_is_not() -> None:
@@ -121,7 +132,7 @@ def test_a_younger_key_that_is_due_runs_before_an_older_key_that_is_not() -> Non
 
 def test_the_oldest_ready_batch_runs_first() -> None:
     queue = [Waiting("a", 8), Waiting("b", 8)]
-    assert plan(*queue, size=8) == BatchPlan((0,), 0.0, full=True)
+    assert plan(*queue, size=8) == BatchPlan((0,), 0.0)
 
 
 # -- keys, rows, concatenation and splitting ----------------------------------------------------

@@ -173,13 +173,10 @@ class BatchPlan:
             no batch is ready.
         wake_at: When to plan again if the queue does not change first (``math.inf``: only when
             it changes).
-        full: Whether the batch to take can no longer grow (``max_batch_size`` rows, or the
-            next request would not fit).
     """
 
     take: tuple[int, ...] = ()
     wake_at: float = math.inf
-    full: bool = False
 
 
 def plan_batch(
@@ -189,6 +186,7 @@ def plan_batch(
     max_batch_size: int,
     max_batch_time: float,
     lead: float,
+    full_only: bool = False,
 ) -> BatchPlan:
     """Decide which waiting requests run as the next batch, and when.
 
@@ -208,6 +206,8 @@ def plan_batch(
         max_batch_time: The longest a batch's oldest member waits for others, in seconds.
         lead: How long before a member's deadline its batch must start: the expected duration
             of a worker call plus the time to send the answer.
+        full_only: Only a closed or full batch is ready (one that can still grow must wait,
+            whatever its age): the oldest of those runs.
 
     Returns:
         The batch to run now, or when to plan again.
@@ -221,10 +221,10 @@ def plan_batch(
             batch.offer(position, request, max_batch_size, lead)
     wake_at = math.inf
     for batch in forming.values():
-        full = batch.closed or batch.rows >= max_batch_size
-        if full or batch.due <= now:
-            return BatchPlan(tuple(batch.positions), now, full)
-        wake_at = min(wake_at, batch.due)
+        if batch.closed or batch.rows >= max_batch_size or (batch.due <= now and not full_only):
+            return BatchPlan(tuple(batch.positions), now)
+        if not full_only:
+            wake_at = min(wake_at, batch.due)
     return BatchPlan((), wake_at)
 
 
@@ -501,12 +501,14 @@ class ModelBatcher:
                 max_batch_size=settings.max_batch_size,
                 max_batch_time=settings.max_batch_time,
                 lead=self._run_time + _DISPATCH_SLACK,
+                # Past the workers' number, only full batches go ahead: the others wait for
+                # one in the pool to end (it notifies), still open to later requests.
+                full_only=self._in_pool >= self._batchers,
             )
-            if plan.take and (plan.full or self._in_pool < self._batchers):
+            if plan.take:
                 return self._take(plan.take, now)
             changed = self._changed
-            # A batch that is ready but must not go ahead waits for one in the pool to end.
-            with trio.move_on_at(math.inf if plan.take else plan.wake_at):
+            with trio.move_on_at(plan.wake_at):
                 await changed.wait()
 
     def _take(self, positions: tuple[int, ...], now: float) -> _Batch:
