@@ -224,6 +224,47 @@ async def test_a_full_queue_is_refused_at_once_and_other_models_are_served(
     assert statistics.in_flight == {}
 
 
+async def test_requests_wait_for_a_worker_by_priority_then_in_arrival_order(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    probe = await start_probe(nursery, tmp_path, server={"workers": 1})
+    pool = probe.server.service.pool
+    futures = [
+        probe.client.stub.ModelInfer.future(
+            probe_request(tag="busy", action="sleep", delay_ms=300), timeout=20
+        )
+    ]
+    await probe.wait_started("busy")
+    # The worker is sent one call ahead of the one it runs, whatever its priority; the others
+    # wait in the pool's queue.
+    arrivals = [("ahead", 3), ("low", 3), ("default", 0), ("normal", 2), ("high", 1), ("high 2", 1)]
+    for waiting, (tag, priority) in enumerate(arrivals, start=1):
+        request = probe_request(tag=tag, action="sleep", delay_ms=20, priority=priority)
+        futures.append(probe.client.stub.ModelInfer.future(request, timeout=20))
+        await eventually(lambda: pool.statistics().waiting == waiting)  # noqa: B023 (awaited here)
+    assert not probe.started("ahead")
+    for future in futures:
+        await trio.to_thread.run_sync(future.result)
+    started = sorted(
+        ["busy", *(tag for tag, _ in arrivals)],
+        key=lambda tag: (probe.log_dir / f"{tag}.start").stat().st_mtime_ns,
+    )
+    assert started == ["busy", "ahead", "high", "high 2", "default", "normal", "low"]
+
+
+@pytest.mark.parametrize("priority", [4, -1, True, 1.0, "high"])
+async def test_a_priority_that_is_not_a_level_is_invalid_argument(
+    probe: Probe, priority: bool | int | float | str
+) -> None:
+    error = await probe.error(deadline=5, tag="bad", priority=priority)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == (
+        "parameter 'priority' must be an integer from 0 to 3 (1 is the highest level, 3 the "
+        f"lowest, 0 the default, 2), got {priority!r}"
+    )
+    assert not probe.started("bad")
+
+
 def echo_request(nbytes: int) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name="echo")
     encode_inputs(request, [("x", np.zeros(nbytes, np.uint8))], raw=True)

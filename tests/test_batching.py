@@ -38,6 +38,7 @@ from trio_infer.batching import (
 )
 from trio_infer.errors import InferError, ModelFailed, StatusCode
 from trio_infer.model import Parameters
+from trio_infer.priority import DEFAULT_PRIORITY
 from trio_infer.server import RunningServer
 from trio_infer.settings import EXAMPLES, ModelSettings, load_repository
 from trio_infer.tensors import (
@@ -57,6 +58,7 @@ class Waiting:
     rows: int = 1
     arrived: float = 0.0
     deadline: float = math.inf
+    priority: int = DEFAULT_PRIORITY
 
 
 def plan(
@@ -133,6 +135,19 @@ def test_a_younger_key_that_is_due_runs_before_an_older_key_that_is_not() -> Non
 def test_the_oldest_ready_batch_runs_first() -> None:
     queue = [Waiting("a", 8), Waiting("b", 8)]
     assert plan(*queue, size=8) == BatchPlan((0,), 0.0)
+
+
+def test_of_the_ready_batches_the_oldest_of_the_highest_level_runs_first() -> None:
+    queue = [
+        Waiting("low", 8, priority=3),
+        Waiting("normal", 8, priority=2),
+        Waiting("high", 1, priority=1),  # can still grow: not ready
+        Waiting("high too", 8, priority=1),
+        Waiting("high last", 8, priority=1),
+    ]
+    assert plan(*queue, size=8) == BatchPlan((3,), 0.0)
+    assert plan(*queue[:3], size=8) == BatchPlan((1,), 0.0)
+    assert plan(*queue[:3], size=8, now=1.0) == BatchPlan((2,), 1.0)
 
 
 # -- keys, rows, concatenation and splitting ----------------------------------------------------
@@ -229,7 +244,11 @@ class CrashingPool:
         self.release = trio.Event()
 
     async def predict(
-        self, settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+        self,
+        settings: ModelSettings,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        priority: int = DEFAULT_PRIORITY,
     ) -> dict[str, np.ndarray]:
         self.calls += 1
         await self.release.wait()
@@ -276,11 +295,18 @@ class GatedPool:
     def __init__(self) -> None:
         self.holding = 0
         self.release = trio.Event()
+        self.calls: list[tuple[int, int]] = []
+        """Each call's rows and priority, in the order they came."""
 
     async def predict(
-        self, settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+        self,
+        settings: ModelSettings,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        priority: int = DEFAULT_PRIORITY,
     ) -> dict[str, np.ndarray]:
         self.holding += 1
+        self.calls.append((len(inputs["x"]), priority))
         try:
             await self.release.wait()
             return {"y": inputs["x"]}
@@ -340,6 +366,28 @@ async def test_a_request_that_fills_a_batch_alone_goes_to_the_pool_directly() ->
         nursery.cancel_scope.cancel()
     statistics = batcher.statistics()
     assert (statistics.alone, statistics.batches) == (2, 0)
+
+
+async def test_batches_of_a_higher_priority_run_first_and_levels_never_share_one() -> None:
+    settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.0)
+    pool = GatedPool()
+    batcher = ModelBatcher(settings, pool, batchers=1)
+
+    async def request(priority: int) -> None:
+        await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf, priority)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        async with trio.open_nursery() as requests:
+            requests.start_soon(request, 2)
+            await trio.testing.wait_all_tasks_blocked()
+            for priority in (3, 2, 3, 1, 1):
+                requests.start_soon(request, priority)
+                await trio.testing.wait_all_tasks_blocked()
+            assert (pool.holding, batcher.statistics().waiting) == (1, 5)
+            pool.release.set()
+        nursery.cancel_scope.cancel()
+    assert pool.calls == [(1, 2), (2, 1), (1, 2), (2, 3)]
 
 
 # -- real batches on a real server -------------------------------------------------------------

@@ -286,12 +286,14 @@ async def custom_server(nursery: trio.Nursery, tmp_path: Path) -> RunningServer:
 async def test_parameters_and_headers_reach_the_model(custom_server: RunningServer) -> None:
     client = GrpcioClient(custom_server.port)
     request = infer_request("inspect", {"x": np.zeros(1, np.int32)})
-    encode_parameters(request.parameters, {"flag": True, "n": 7, "name": "z", "ratio": 0.5})
+    parameters = {"flag": True, "n": 7, "name": "z", "ratio": 0.5}
+    # The server's own parameter: it orders the request, and the model does not see it.
+    encode_parameters(request.parameters, parameters | {"priority": 1})
     encode_parameters(request.inputs[0].parameters, {"scale": 2})
     response = await client.call("ModelInfer", request, metadata=(("x-user", "alice"),))
     seen = json.loads(outputs_of(response)["seen"][0])
     assert seen == {
-        "parameters": {"flag": True, "n": 7, "name": "z", "ratio": 0.5},
+        "parameters": parameters,
         "tensor_parameters": {"x": {"scale": 2}},
         "headers": {"x-user": "alice"},
     }

@@ -45,7 +45,8 @@ report["id"] = result.get_response().id
 text = np.array([b"hello", b"", "h\u00e9".encode()], dtype=np.object_)
 echo_input = triton.InferInput("text", [3], "BYTES")
 echo_input.set_data_from_numpy(text)
-echoed = client.infer("echo", [echo_input]).as_numpy("text")
+# Triton's priority (sent as a uint64 parameter) is taken as a priority level here too.
+echoed = client.infer("echo", [echo_input], priority=1).as_numpy("text")
 report["bytes_ok"] = echoed.tolist() == text.tolist()
 
 try:

@@ -43,6 +43,7 @@ import trio
 
 from trio_infer.errors import InferError, ModelFailed, Unavailable
 from trio_infer.model import Parameters, ParameterValue
+from trio_infer.priority import DEFAULT_PRIORITY
 from trio_infer.reply import Reply
 from trio_infer.settings import ModelSettings
 
@@ -77,7 +78,11 @@ class Predictor(Protocol):
     """What a batcher calls: :class:`trio_infer.pool.WorkerPool` or a test's fake."""
 
     async def predict(
-        self, settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+        self,
+        settings: ModelSettings,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        priority: int = DEFAULT_PRIORITY,
     ) -> dict[str, np.ndarray]:
         """Run one model call; see :meth:`trio_infer.pool.WorkerPool.predict`."""
         ...
@@ -145,7 +150,12 @@ class Pending(Protocol):
 
     @property
     def key(self) -> Hashable:
-        """Its :func:`batch_key`; only requests with equal keys share a batch."""
+        """Its :func:`batch_key` and its priority; only requests with equal keys share a batch."""
+        ...
+
+    @property
+    def priority(self) -> int:
+        """Its priority level: 1 is the highest (see :mod:`trio_infer.priority`)."""
         ...
 
     @property
@@ -196,8 +206,8 @@ def plan_batch(
     older one of its key, so a batch that the next request would overflow cannot grow: it is
     closed. A batch is ready when it is closed or full (``max_batch_size`` rows or more), or when
     it is due: when its oldest member has waited ``max_batch_time``, or when a member's deadline
-    is no more than ``lead`` away, whichever comes first. Of the ready batches, the one whose
-    oldest member arrived first runs.
+    is no more than ``lead`` away, whichever comes first. Of the ready batches, the one of the
+    highest priority level whose oldest member arrived first runs.
 
     Args:
         waiting: The queue, in arrival order.
@@ -207,7 +217,7 @@ def plan_batch(
         lead: How long before a member's deadline its batch must start: the expected duration
             of a worker call plus the time to send the answer.
         full_only: Only a closed or full batch is ready (one that can still grow must wait,
-            whatever its age): the oldest of those runs.
+            whatever its age).
 
     Returns:
         The batch to run now, or when to plan again.
@@ -220,11 +230,17 @@ def plan_batch(
         elif not batch.closed:
             batch.offer(position, request, max_batch_size, lead)
     wake_at = math.inf
+    ready: _Forming | None = None
+    # Batches in the order of their oldest members, so the first ready one of a level is its
+    # oldest.
     for batch in forming.values():
         if batch.closed or batch.rows >= max_batch_size or (batch.due <= now and not full_only):
-            return BatchPlan(tuple(batch.positions), now)
-        if not full_only:
+            if ready is None or batch.priority < ready.priority:
+                ready = batch
+        elif not full_only:
             wake_at = min(wake_at, batch.due)
+    if ready is not None:
+        return BatchPlan(tuple(ready.positions), now)
     return BatchPlan((), wake_at)
 
 
@@ -233,6 +249,7 @@ class _Forming:
 
     def __init__(self, position: int, head: Pending, max_batch_time: float, lead: float) -> None:
         self.positions = [position]
+        self.priority = head.priority
         self.rows = head.rows
         self.closed = False
         self.due = min(head.arrived + max_batch_time, head.deadline - lead)
@@ -363,6 +380,7 @@ class BatchStatistics:
 class _Member:
     inputs: dict[str, np.ndarray]
     parameters: Parameters
+    priority: int
     key: Hashable
     rows: int
     arrived: float
@@ -419,7 +437,11 @@ class ModelBatcher:
         self._statistics = BatchStatistics()
 
     async def predict(
-        self, inputs: dict[str, np.ndarray], parameters: Parameters, deadline: float
+        self,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        deadline: float,
+        priority: int = DEFAULT_PRIORITY,
     ) -> dict[str, np.ndarray]:
         """Run one request as part of a batch.
 
@@ -431,6 +453,8 @@ class ModelBatcher:
             parameters: The request's parameters.
             deadline: When the caller stops waiting (Trio clock): its batch is dispatched in
                 time for it.
+            priority: The request's level: a batch of a higher level runs first, and requests
+                of different levels never share one.
 
         Returns:
             The request's rows of the batch's outputs.
@@ -444,15 +468,15 @@ class ModelBatcher:
             raise type(self._stopped)(self._stopped.message, self._stopped.code)
         rows = batch_rows(inputs)
         if rows is None:
-            return await self._pool.predict(self.settings, inputs, parameters)
+            return await self._pool.predict(self.settings, inputs, parameters, priority)
         if rows >= self.settings.max_batch_size:
             # It would run alone, as a full batch: it goes to the pool as one, without the
             # queue, the planning and two task switches (measured: `dense` 64 rows at 25 calls
             # in flight, 1,410-1,440 requests/s through the batchers, 1,800 without).
             self._statistics = replace(self._statistics, alone=self._statistics.alone + 1)
-            return await self._pool.predict(self.settings, inputs, parameters)
-        key = batch_key(inputs, parameters)
-        member = _Member(inputs, parameters, key, rows, trio.current_time(), deadline)
+            return await self._pool.predict(self.settings, inputs, parameters, priority)
+        key = (priority, batch_key(inputs, parameters))
+        member = _Member(inputs, parameters, priority, key, rows, trio.current_time(), deadline)
         self._waiting.append(member)
         self._notify()
         try:
@@ -530,8 +554,12 @@ class ModelBatcher:
             with batch.scope:
                 inputs = concatenate_inputs([member.inputs for member in members])
                 started = trio.current_time()
-                # Every member's parameters are equal (batch_key): the first's stand for all.
-                outputs = await self._pool.predict(self.settings, inputs, members[0].parameters)
+                # Every member's parameters and priority are equal (their key): the first's
+                # stand for all.
+                head = members[0]
+                outputs = await self._pool.predict(
+                    self.settings, inputs, head.parameters, head.priority
+                )
                 elapsed = trio.current_time() - started
                 self._run_time += _RUN_TIME_WEIGHT * (elapsed - self._run_time)
                 parts = split_outputs(outputs, [m.rows for m in members], self.settings.name)

@@ -14,7 +14,8 @@ without taking the server with it. Each worker keeps the models it has loaded
                 ├── receiver      reads the worker's reports, fills their calls' replies
                 └── sender        sends calls (the next before the current ends), cancels
 
-A call (``predict``, ``warm_up``) joins the pool's queue and waits on its own reply
+A call (``predict``, ``warm_up``) joins the pool's queue (one per priority level,
+``trio_infer.priority``) and waits on its own reply
 (``trio_infer.reply``). A lane takes it when its worker has room and from then on owns it: the
 lane fills the reply on every exit path (the result, the model's error, the worker's death, the
 pool's shutdown). A worker is sent its next call while it runs the current one
@@ -61,6 +62,7 @@ import trio_parallel
 from trio_infer import worker, worker_wire
 from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
+from trio_infer.priority import DEFAULT_PRIORITY, PRIORITY_LEVELS
 from trio_infer.reply import Reply
 from trio_infer.settings import ModelSettings
 
@@ -144,9 +146,9 @@ class WorkerPool:
         # Each lane runs one trio-parallel job: its worker's serve loop, for the worker's life.
         self._limiter = trio.CapacityLimiter(workers)
         self._lanes = [_Lane(self, os.path.join(folder, f"{i}.sock")) for i in range(workers)]
-        # Calls no lane has taken yet, oldest first. Unbounded here: every call is a request
-        # the server has admitted, and admission is what bounds them.
-        self._queue: deque[_Call] = deque()
+        # Unbounded here: every call is a request the server has admitted, and admission is
+        # what bounds them.
+        self._queue = _Queue()
         self._ids = itertools.count()
         self._closing = False
         self._crashed = 0
@@ -246,9 +248,16 @@ class WorkerPool:
             raise errors[0]
 
     async def predict(
-        self, settings: ModelSettings, inputs: dict[str, np.ndarray], parameters: Parameters
+        self,
+        settings: ModelSettings,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        priority: int = DEFAULT_PRIORITY,
     ) -> dict[str, np.ndarray]:
         """Run one model call in a worker, waiting for a free worker first.
+
+        Calls wait for a worker by priority level, then in arrival order (see
+        :mod:`trio_infer.priority`).
 
         Cancelling the call (a deadline, a client gone) while it runs kills the worker running
         it; the pool starts a replacement, which loads its models when they are next called.
@@ -263,6 +272,7 @@ class WorkerPool:
             settings: The model; a worker loads it on first use.
             inputs: The input tensors by name.
             parameters: The request's parameters.
+            priority: The call's level, 1 (the highest) to ``PRIORITY_LEVELS``.
 
         Returns:
             The model's outputs by name.
@@ -281,7 +291,7 @@ class WorkerPool:
             inputs,
             parameters,
         )
-        outputs: dict[str, np.ndarray] = await self._submit(call, self._queue)
+        outputs: dict[str, np.ndarray] = await self._submit(call, self._queue.level(priority))
         return outputs
 
     async def wait_worker_crash(self) -> None:
@@ -381,7 +391,8 @@ class WorkerPool:
 
     def _close(self) -> None:
         self._closing = True
-        for queue in [self._queue, *(lane.private for lane in self._lanes)]:
+        queues: list[_Queue | deque[_Call]] = [self._queue, *(lane.private for lane in self._lanes)]
+        for queue in queues:
             for call in queue:
                 call.reply.set_error(
                     Unavailable(f"the worker pool is shut down (while {call.what})")
@@ -400,6 +411,37 @@ class WorkerPool:
                 worker.pickled_settings(settings),
             )
         return entry[1]
+
+
+class _Queue:
+    """Calls no lane has taken yet: one first-in, first-out queue per priority level."""
+
+    def __init__(self) -> None:
+        self._levels = tuple(deque[_Call]() for _ in range(PRIORITY_LEVELS))
+
+    def level(self, priority: int) -> deque[_Call]:
+        """The queue of level ``priority``: a call's home (see ``_Call.home``)."""
+        return self._levels[priority - 1]
+
+    def popleft(self) -> _Call:
+        """Remove and return the oldest call of the highest level that has one."""
+        for level in self._levels:
+            if level:
+                return level.popleft()
+        raise IndexError("pop from an empty queue")
+
+    def clear(self) -> None:
+        for level in self._levels:
+            level.clear()
+
+    def __iter__(self) -> Iterator[_Call]:
+        return itertools.chain.from_iterable(self._levels)
+
+    def __bool__(self) -> bool:
+        return any(self._levels)
+
+    def __len__(self) -> int:
+        return sum(len(level) for level in self._levels)
 
 
 # eq=False: calls are compared by identity (deque.remove), never by their arrays.

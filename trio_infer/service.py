@@ -30,6 +30,7 @@ from trio_infer.errors import (
 )
 from trio_infer.model import Parameters
 from trio_infer.pool import CALLS_PER_WORKER, WorkerPool
+from trio_infer.priority import take_priority
 from trio_infer.registry import ModelRegistry
 from trio_infer.settings import ModelSettings
 from trio_infer.tensors import (
@@ -167,16 +168,18 @@ class InferenceService:
         self, settings: ModelSettings, request: pb.ModelInferRequest, call: Call
     ) -> Message:
         raw = len(request.raw_input_contents) > 0
+        values = decode_parameters(request.parameters)
+        priority = take_priority(values)
         inputs = decode_inputs(request)
         # The arrays are views of their own copies of the raw buffers: the request's are not
         # needed any more, and a large request would otherwise be held twice.
         request.ClearField("raw_input_contents")
         parameters = Parameters(
-            values=decode_parameters(request.parameters),
+            values=values,
             inputs={tensor.name: decode_parameters(tensor.parameters) for tensor in request.inputs},
             headers={name: value for name, value in call.metadata if isinstance(value, str)},
         )
-        outputs = await self._predict(settings, inputs, parameters, call.deadline)
+        outputs = await self._predict(settings, inputs, parameters, priority, call.deadline)
         selected = select_outputs(
             outputs, [output.name for output in request.outputs], settings.name
         )
@@ -191,6 +194,7 @@ class InferenceService:
         settings: ModelSettings,
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
+        priority: int,
         deadline: float,
     ) -> dict[str, np.ndarray]:
         # The caller's deadline is already the call's cancel scope. A model's own timeout
@@ -201,9 +205,9 @@ class InferenceService:
             limit = min(deadline, trio.current_time() + settings.timeout)
         if limit >= deadline:
             # The call's own scope enforces its deadline.
-            return await self._run_on_worker(settings, inputs, parameters, deadline)
+            return await self._run_on_worker(settings, inputs, parameters, priority, deadline)
         with trio.move_on_at(limit):
-            return await self._run_on_worker(settings, inputs, parameters, limit)
+            return await self._run_on_worker(settings, inputs, parameters, priority, limit)
         raise InferError(
             f"model '{settings.name}' did not answer within its timeout of {settings.timeout:g} s",
             StatusCode.DEADLINE_EXCEEDED,
@@ -214,13 +218,14 @@ class InferenceService:
         settings: ModelSettings,
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
+        priority: int,
         limit: float,
     ) -> dict[str, np.ndarray]:
         batcher = self.batching.get(settings.name)
         if batcher is None:
-            return await self.pool.predict(settings, inputs, parameters)
+            return await self.pool.predict(settings, inputs, parameters, priority)
         # The batch is dispatched in time for the call's limit.
-        return await batcher.predict(inputs, parameters, limit)
+        return await batcher.predict(inputs, parameters, limit, priority)
 
     async def _health_check(
         self, request: health_pb2.HealthCheckRequest, call: Call, reservation: Reservation
