@@ -150,6 +150,14 @@ def test_of_the_ready_batches_the_oldest_of_the_highest_level_runs_first() -> No
     assert plan(*queue[:3], size=8, now=1.0) == BatchPlan((2,), 1.0)
 
 
+def test_with_full_only_no_batch_goes_ahead_of_a_waiting_one_of_a_higher_level() -> None:
+    queue = [Waiting("high", 1, priority=1), Waiting("low", 8, priority=3)]
+    options = {"now": 5.0, "max_batch_size": 8, "max_batch_time": 1.0, "lead": 0.0}
+    assert plan_batch(queue, full_only=True, **options) == BatchPlan((), math.inf)
+    assert plan_batch(queue[1:], full_only=True, **options) == BatchPlan((0,), 5.0)
+    assert plan_batch(queue, **options) == BatchPlan((0,), 5.0)
+
+
 # -- keys, rows, concatenation and splitting ----------------------------------------------------
 
 

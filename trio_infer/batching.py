@@ -217,7 +217,8 @@ def plan_batch(
         lead: How long before a member's deadline its batch must start: the expected duration
             of a worker call plus the time to send the answer.
         full_only: Only a closed or full batch is ready (one that can still grow must wait,
-            whatever its age).
+            whatever its age), and none runs while a batch of a higher level waits: that one
+            goes first, once a running batch ends.
 
     Returns:
         The batch to run now, or when to plan again.
@@ -231,17 +232,20 @@ def plan_batch(
             batch.offer(position, request, max_batch_size, lead)
     wake_at = math.inf
     ready: _Forming | None = None
+    highest = math.inf
     # Batches in the order of their oldest members, so the first ready one of a level is its
     # oldest.
     for batch in forming.values():
+        highest = min(highest, batch.priority)
         if batch.closed or batch.rows >= max_batch_size or (batch.due <= now and not full_only):
             if ready is None or batch.priority < ready.priority:
                 ready = batch
         elif not full_only:
             wake_at = min(wake_at, batch.due)
-    if ready is not None:
-        return BatchPlan(tuple(ready.positions), now)
-    return BatchPlan((), wake_at)
+    if ready is None or (full_only and ready.priority > highest):
+        # Sent ahead, the lower batch would hold the batcher the higher one needs next.
+        return BatchPlan((), wake_at)
+    return BatchPlan(tuple(ready.positions), now)
 
 
 class _Forming:

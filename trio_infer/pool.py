@@ -421,6 +421,8 @@ class _Queue:
 
     def level(self, priority: int) -> deque[_Call]:
         """The queue of level ``priority``: a call's home (see ``_Call.home``)."""
+        if not 1 <= priority <= PRIORITY_LEVELS:
+            raise ValueError(f"priority must be from 1 to {PRIORITY_LEVELS}, got {priority}")
         return self._levels[priority - 1]
 
     def popleft(self) -> _Call:
