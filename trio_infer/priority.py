@@ -1,13 +1,13 @@
 """Request priority: Triton's ``priority`` request parameter, on three levels.
 
 A request may set the parameter ``priority`` to an integer: 1 is the highest level, 3 the
-lowest, and 0 or no parameter means 2 (Triton's client sends none unless told a level). The server takes
-the parameter out of the request's parameters (the model does not see it) and orders by it what
-waits for a worker: the pool's queue and each batching model's queue serve a higher level first,
-and the requests of one level in arrival order. Requests of different levels do not share a
-batch. A worker is sent its next call while it runs one: a call already sent is not overtaken.
-Triton treats a level it does not have as the default; here it is an error, so that a client
-learns its level means nothing.
+lowest, and 0 or no parameter means 2 (Triton's client sends none unless told a level). The
+server takes the parameter out of the request's parameters (the model does not see it) and
+orders by it what waits for a worker: the pool's queue and each batching model's queue serve a
+higher level first, and the requests of one level in arrival order. Requests of different levels
+do not share a batch. A worker is sent its next call while it runs one: a call already sent is
+not overtaken. Triton treats a level it does not have as the default; here it is an error, so
+that a client learns its level means nothing.
 
 It orders nothing else. The memory budget is reserved from a message's gRPC prefix, before the
 message and its parameters are read, so its waiters stay first come, first served; and a model
