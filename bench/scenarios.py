@@ -12,7 +12,11 @@
                     times the clients the budget admits (L = 1, 10): refusals, latency of the
                     admitted calls, RSS of the server and of its workers over time, CPU of the
                     client and the server. A refused request is resent at once, or, in
-                    ``overload-x10-backoff``, after an exponential backoff with jitter.
+                    ``overload-x10-backoff``, after an exponential backoff with jitter;
+                    ``-nowait``: the server lets no request wait for room in its budget.
+``priority``        ``sleep`` 10 ms from 25 clients, 5 of which send ``priority`` 1 (Triton's
+                    parameter; MLServer and KServe ignore it): latency of those 5 against
+                    that of the other 20.
 ``batching-M-cC``   ``dense`` 1 row at concurrency C, on a copy of the example repository with
                     batching off (``max_batch_size`` 0) or on (the example's): throughput,
                     latency and the mean batch size.
@@ -36,6 +40,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +72,8 @@ OVERLOAD_BACKOFF = client.Backoff(initial=0.05, maximum=1.0, multiplier=2.0, jit
 RSS_INTERVAL = 0.1
 #: batching: the concurrencies, each run with batching off and on.
 BATCHING_CONCURRENCY = (25, 100)
+#: priority: of the ``sleep`` scenario's clients, how many send priority 1.
+PRIORITY_CLIENTS = 5
 #: Scenario kinds that run on a server of their own, started with their own settings.
 OWN_SERVER_KINDS = frozenset({"overload", "batching"})
 
@@ -88,6 +95,8 @@ class Scenario:
     """overload: each call's deadline in seconds."""
     backoff: bool = False
     """overload: a refused request is resent after :data:`OVERLOAD_BACKOFF`, not at once."""
+    no_waiting: bool = False
+    """overload: the server runs with ``--max-waiting-bytes 0``: what does not fit is refused."""
     batching: bool = False
     """batching: ``dense`` keeps the example's ``max_batch_size`` (on) or gets 0 (off)."""
 
@@ -108,6 +117,7 @@ def all_scenarios() -> list[Scenario]:
                 for c in (1, 25, 100)
             ]
     scenarios.append(Scenario("sleep10-c25", "sleep", 25, delay_ms=10))
+    scenarios.append(Scenario("priority", "priority", 25, delay_ms=10))
     scenarios.append(Scenario("kill", "kill", 25, delay_ms=10))
     scenarios.append(Scenario("storm", "storm", 25, delay_ms=100))
     fit = overload_fit()
@@ -127,6 +137,17 @@ def all_scenarios() -> list[Scenario]:
             load=10,
             deadline=OVERLOAD_DEADLINE,
             backoff=True,
+        )
+    )
+    scenarios.append(
+        Scenario(
+            "overload-x10-backoff-nowait",
+            "overload",
+            fit * 10,
+            load=10,
+            deadline=OVERLOAD_DEADLINE,
+            backoff=True,
+            no_waiting=True,
         )
     )
     for c in BATCHING_CONCURRENCY:
@@ -273,6 +294,48 @@ async def _load(server: ServerProcess, scenario: Scenario, timing: Timing) -> Re
             call_timeout=timing.timeout,
         )
     result.absorb(samples.summary())
+    return result
+
+
+async def _priority(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
+    """The high-priority clients' numbers in the row; the others' in its notes."""
+    result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
+    echo = _echo_input()
+    high = client.infer_request("sleep", echo, raw=True, delay_ms=scenario.delay_ms, priority=1)
+    default = client.infer_request("sleep", echo, raw=True, delay_ms=scenario.delay_ms)
+    async with client.open_channel(server.target) as channel:
+        stub = client.stub_for(channel)
+        result.check = await _checked_first_call(
+            _infer(stub, high), lambda response: client.check_echo(response, echo)
+        )
+        loops = [
+            client.closed_loop(
+                _infer(stub, request),
+                concurrency=concurrency,
+                warmup=timing.warmup,
+                duration=timing.duration,
+                call_timeout=timing.timeout,
+            )
+            for request, concurrency in (
+                (high, PRIORITY_CLIENTS),
+                (default, scenario.concurrency - PRIORITY_CLIENTS),
+            )
+        ]
+        high_samples, default_samples = await asyncio.gather(*loops)
+    result.absorb(high_samples.summary())
+    others = default_samples.summary()
+    result.errors = dict(Counter(result.errors) + Counter(others.errors))
+    result.notes = (
+        f"{PRIORITY_CLIENTS} clients at priority 1 (the row); the other "
+        f"{scenario.concurrency - PRIORITY_CLIENTS}: {others.throughput:,.0f} req/s, "
+        f"p50 {others.p50_ms:.1f} p99 {others.p99_ms:.1f} ms"
+    )
+    result.extra = {
+        "priority_clients": PRIORITY_CLIENTS,
+        "others_throughput": others.throughput,
+        "others_p50_ms": others.p50_ms,
+        "others_p99_ms": others.p99_ms,
+    }
     return result
 
 
@@ -642,6 +705,8 @@ def run_on_own_server(
         runner: Callable[[ServerProcess, Scenario, Timing], Awaitable[Result]]
         if scenario.kind == "overload":
             args: tuple[str, ...] = ("--memory-budget", str(OVERLOAD_BUDGET))
+            if scenario.no_waiting:
+                args += ("--max-waiting-bytes", "0")
             runner = _overload
         else:
             repository = _batching_repository(Path(tmp), scenario.batching)
@@ -664,5 +729,5 @@ def run_on_own_server(
 
 def run(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
     """Run one scenario against a started server (not one of :data:`OWN_SERVER_KINDS`)."""
-    runner = {"kill": _kill, "storm": _storm}.get(scenario.kind, _load)
+    runner = {"kill": _kill, "storm": _storm, "priority": _priority}.get(scenario.kind, _load)
     return asyncio.run(runner(server, scenario, timing))

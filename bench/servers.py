@@ -64,7 +64,8 @@ class ServerKind:
     Attributes:
         name: The name used in ``--servers`` and the table.
         requirements: pip requirements of its own venv; empty to run in this interpreter.
-        serves: Scenario kinds it can run (``live``, ``dense``, ``sleep``, ``storm``, ``kill``).
+        serves: Scenario kinds it can run (``live``, ``dense``, ``sleep``, ``priority``, ``storm``,
+            ``kill``).
         command: Builds the command line from (python, ports, workers).
         environment: Extra environment variables from (ports, workers).
         find_workers: Worker pids from the server's pid; None when it has no worker processes.
@@ -379,7 +380,7 @@ def _no_env(ports: Ports, workers: int) -> dict[str, str]:
     return {}
 
 
-ALL_KINDS = frozenset({"live", "dense", "sleep", "storm", "kill"})
+ALL_KINDS = frozenset({"live", "dense", "sleep", "priority", "storm", "kill"})
 #: trio-infer alone also runs the scenarios that start it with its own settings.
 TRIO_INFER_KINDS = ALL_KINDS | {"overload", "batching"}
 

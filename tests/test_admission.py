@@ -107,8 +107,8 @@ async def test_past_the_waiting_room_a_request_is_refused_at_once() -> None:
             async with admission.reserve(10, math.inf):
                 pass  # pragma: no cover - never admitted
         assert caught.value.message == (
-            "memory budget full: 100 of 100 bytes reserved and 20 bytes already waiting "
-            "(--memory-budget)"
+            "memory budget full: 100 of 100 bytes reserved and 20 of 25 bytes that may wait "
+            "for room already waiting (--memory-budget, --max-waiting-bytes)"
         )
         assert admission.statistics().waiting == 1
         release.set()
@@ -195,6 +195,35 @@ async def test_a_standing_queue_turns_waiting_into_refusal_until_the_overload_en
     assert outcomes.count("refused") <= 4 * admission.interval / 0.01
     assert outcomes[-100:] == ["admitted"] * 100
     assert admission.statistics().reserved_bytes == 0
+
+
+async def test_while_shedding_a_probe_waits_at_most_target_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    admission = Admission(budget_bytes=100, max_waiting_bytes=200)
+    refused: dict[str, float] = {}
+
+    async def request(name: str, hold: float) -> None:
+        arrived = trio.current_time()
+        try:
+            async with admission.reserve(100, math.inf):
+                await trio.sleep(hold)
+        except Overloaded:
+            refused[name] = trio.current_time() - arrived
+
+    async with trio.open_nursery() as nursery:
+        # Each waits 0.3 s for the one before: a queue that stands for over an interval.
+        for name in ("first", "second", "third"):
+            nursery.start_soon(request, name, 0.3)
+            await trio.sleep(0.01)
+        await trio.sleep(0.65 - 0.03)
+        assert admission.statistics().shedding  # seen when "third" got room, at 0.6 s
+        nursery.start_soon(request, "refused", 0.0)  # within an interval of that: no probe
+        await trio.sleep(admission.interval)
+        nursery.start_soon(request, "probe", 0.0)
+    assert refused == {"refused": 0.0, "probe": pytest.approx(admission.target_wait)}
+    statistics = admission.statistics()
+    assert (statistics.shedding, statistics.waiting, statistics.reserved_bytes) == (True, 0, 0)
 
 
 # -- the bounds over the wire -----------------------------------------------------------------
@@ -328,6 +357,37 @@ async def test_requests_beyond_the_budget_wait_or_are_refused_and_never_exceed_i
         == outcomes["RESOURCE_EXHAUSTED"]
     )
     await eventually(lambda: probe.server.statistics().admission.reserved_bytes == 0)
+
+
+async def test_with_no_waiting_room_what_does_not_fit_is_refused_at_once(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    probe = await start_probe(
+        nursery, tmp_path, server={"memory_budget": 4 * MiB, "max_waiting_bytes": 0}
+    )
+    # 1 MiB reserves 3 MiB of the 4; then 512 KiB (1.5 MiB) does not fit.
+    holder = probe.client.stub.ModelInfer.future(
+        sized_probe_request(MiB, tag="holder", action="sleep", delay_ms=600), timeout=10
+    )
+    await probe.wait_started("holder")
+    with trio.fail_after(5):
+        error = await probe.client.error("ModelInfer", sized_probe_request(MiB // 2), timeout=5)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.details().startswith("memory budget full: ")
+    assert error.details().endswith(
+        " bytes reserved and 0 of 0 bytes that may wait for room already waiting "
+        "(--memory-budget, --max-waiting-bytes)"
+    )
+    assert probe.server.statistics().admission.waiting == 0
+    await trio.to_thread.run_sync(holder.result)
+
+
+def sized_probe_request(nbytes: int, **parameters: str | int) -> pb.ModelInferRequest:
+    request = probe_request(**parameters)
+    del request.inputs[:]
+    del request.raw_input_contents[:]
+    encode_inputs(request, [("x", np.zeros(nbytes, np.uint8))], raw=True)
+    return request
 
 
 async def test_reservations_return_to_zero_after_cancels_and_errors(probe: Probe) -> None:

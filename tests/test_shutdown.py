@@ -450,10 +450,11 @@ def busy_port() -> Iterator[int]:
         ("--grpc-port", "65536", 2, r"--grpc-port must be between 0 and 65535"),
         ("--grace-period", "-1", 2, r"--grace-period must be a number of seconds"),
         ("--grace-period", "nan", 2, r"--grace-period must be a number of seconds"),
+        ("--max-waiting-bytes", "-1", 2, r"--max-waiting-bytes must be at least 0"),
     ],
-    ids=["port-in-use", "port-out-of-range", "negative-grace", "nan-grace"],
+    ids=["port-in-use", "port-out-of-range", "negative-grace", "nan-grace", "negative-waiting"],
 )
-def test_a_bad_port_or_grace_period_is_one_line_and_a_nonzero_status(
+def test_a_bad_option_is_one_line_and_a_nonzero_status(
     serve: Callable[..., Server],
     busy_port: int,
     option: str,
@@ -465,7 +466,8 @@ def test_a_bad_port_or_grace_period_is_one_line_and_a_nonzero_status(
     if option == "--grpc-port":
         port = str(busy_port) if value == "busy" else value
     grace = value if option == "--grace-period" else "30"
-    server = serve(grace=grace, args=("--host", "127.0.0.1", "--grpc-port", port))
+    extra = (option, value) if option == "--max-waiting-bytes" else ()
+    server = serve(grace=grace, args=("--host", "127.0.0.1", "--grpc-port", port, *extra))
     assert server.process.wait(TIMEOUT) == status
     lines = server.stderr().splitlines()
     assert len(lines) == 1, lines

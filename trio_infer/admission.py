@@ -17,11 +17,13 @@ Two bounds, checked in order as a request's data becomes known:
    Waiting is for bursts, not for sustained overload. As in CoDel (RFC 8289), a queue whose
    requests have all waited longer than ``target_wait`` for ``interval`` is a standing queue:
    from then on a request that does not fit is refused at once instead of joining it. Once per
-   ``interval`` one such request is let wait as a probe; shedding ends when three probes in a
-   row get room within ``target_wait``. (Measured in ``bench``'s
-   ``overload-x10-backoff``: a waiting room of a quarter of the budget, always full under
-   sustained overload, gave admitted p50 / p99 of 167 / 233 ms against 92 / 150 ms unloaded;
-   shedding as here gives 157-159 / 214-222 ms against 86-93 / 128-134 ms.)
+   ``interval`` one such request is let wait as a probe, for at most ``target_wait``: room by
+   then counts towards the end of shedding, none gets it refused like the others (a probe that
+   waited for room would be the slowest of the admitted requests, one in every interval).
+   Shedding ends when three probes in a row get room within ``target_wait``. (Measured in
+   ``bench``'s ``overload-x10-backoff``: a waiting room of a quarter of the budget, always full
+   under sustained overload, gave admitted p50 / p99 of 167 / 233 ms against 92 / 150 ms
+   unloaded; shedding as here gives 157-159 / 214-222 ms against 86-93 / 128-134 ms.)
 2. The **per-model queue** (``max_queue_size`` in model settings): once the request is parsed and
    its model known, it takes one of the model's slots, or is refused at once when all are taken.
    A slot is held while the request waits for and runs on a worker. Refusing at once rather
@@ -226,29 +228,26 @@ class Admission:
 
     async def _wait_for_room(self, nbytes: int) -> Reservation:
         now = trio.current_time()
+        patience = math.inf
         if self._shedding:
-            if not self._waiters and now - self._last_probe >= self.interval:
-                # This one waits: how long it takes tells whether the queue still stands.
-                self._last_probe = now
-            else:
-                raise self._refuse(
-                    "memory_budget",
-                    f"memory budget full: {self._reserved} of {self.budget_bytes} bytes "
-                    f"reserved, and requests have waited over {self.target_wait * 1000:g} ms "
-                    f"for room for {self.interval:g} s: refused rather than queued "
-                    "(--memory-budget)",
-                )
+            if self._waiters or now - self._last_probe < self.interval:
+                raise self._shed()
+            # A probe: whether it gets room within target_wait tells if the queue still stands.
+            self._last_probe = now
+            patience = self.target_wait
         if self._waiting_bytes + nbytes > self.max_waiting_bytes:
             raise self._refuse(
                 "memory_budget",
                 f"memory budget full: {self._reserved} of {self.budget_bytes} bytes reserved "
-                f"and {self._waiting_bytes} bytes already waiting (--memory-budget)",
+                f"and {self._waiting_bytes} of {self.max_waiting_bytes} bytes that may wait for "
+                "room already waiting (--memory-budget, --max-waiting-bytes)",
             )
         waiter = _Waiter(nbytes, trio.Event(), now)
         self._waiters.append(waiter)
         self._waiting_bytes += nbytes
         try:
-            await waiter.granted.wait()
+            with trio.move_on_after(patience):
+                await waiter.granted.wait()
         except BaseException:
             if waiter.granted.is_set():
                 # Granted in the same tick as cancelled: give the bytes back.
@@ -263,6 +262,13 @@ class Admission:
                 # A large waiter leaving the head may let smaller ones behind it in.
                 self._grant_waiters()
             raise
+        if not waiter.granted.is_set():
+            # A probe that found no room in time: the queue stands.
+            self._waiters.remove(waiter)
+            self._waiting_bytes -= nbytes
+            self._observe_wait(math.inf)
+            self._grant_waiters()
+            raise self._shed()
         return Reservation(self, nbytes)
 
     def _release(self, nbytes: int) -> None:
@@ -293,6 +299,14 @@ class Admission:
         elif now - self._slow_since >= self.interval and not self._shedding:
             self._shedding = True
             self._last_probe = now  # the first probe, an interval from now
+
+    def _shed(self) -> Overloaded:
+        return self._refuse(
+            "memory_budget",
+            f"memory budget full: {self._reserved} of {self.budget_bytes} bytes reserved, and "
+            f"requests have waited over {self.target_wait * 1000:g} ms for room for "
+            f"{self.interval:g} s: refused rather than queued (--memory-budget)",
+        )
 
     def _refuse(self, bound: str, message: str) -> Overloaded:
         self._rejected[bound] += 1

@@ -74,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         "%(default)s)",
     )
     serve.add_argument(
+        "--max-waiting-bytes",
+        type=int,
+        default=None,
+        help="bytes requests waiting for room in the memory budget may ask for together; 0 "
+        "refuses at once what does not fit (default: a quarter of the budget)",
+    )
+    serve.add_argument(
         "--max-concurrent-streams",
         type=int,
         default=defaults.max_concurrent_streams,
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_budget < 1 or args.max_concurrent_streams < 1:
         logger.error("--memory-budget and --max-concurrent-streams must be at least 1")
         return 2
+    if args.max_waiting_bytes is not None and args.max_waiting_bytes < 0:
+        logger.error("--max-waiting-bytes must be at least 0")
+        return 2
     if not args.grace_period >= 0:  # also catches NaN
         # Otherwise the shutdown itself fails, with a traceback, when the first signal comes.
         logger.error("--grace-period must be a number of seconds, at least 0")
@@ -153,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         grace_period=args.grace_period,
         max_message_size=args.max_message_size,
         memory_budget=args.memory_budget,
+        max_waiting_bytes=args.max_waiting_bytes,
         max_concurrent_streams=args.max_concurrent_streams,
         debug=args.debug,
     )

@@ -60,6 +60,9 @@ class ServerConfig:
         max_message_size: The largest request message accepted, in bytes.
         memory_budget: The most bytes requests in flight may reserve together (see
             :mod:`trio_infer.admission`); default a quarter of the machine's memory.
+        max_waiting_bytes: The most bytes requests waiting for room in the budget may ask for
+            together (default: a quarter of the budget); 0 refuses at once a request that
+            does not fit.
         max_concurrent_streams: Calls one client connection may have open at once.
         debug: Include tracebacks in the messages of model errors.
     """
@@ -71,6 +74,7 @@ class ServerConfig:
     grace_period: float = 30.0
     max_message_size: int = 64 * 1024 * 1024
     memory_budget: int = field(default_factory=lambda: _physical_memory() // 4)
+    max_waiting_bytes: int | None = None
     max_concurrent_streams: int = 100
     debug: bool = False
 
@@ -135,7 +139,11 @@ async def run_server(
     """
     registry = ModelRegistry(load_repository(config.repository))
     async with WorkerPool.open(config.workers, debug=config.debug) as pool:
-        service = InferenceService(registry, pool, Admission(config.memory_budget))
+        service = InferenceService(
+            registry,
+            pool,
+            Admission(config.memory_budget, max_waiting_bytes=config.max_waiting_bytes),
+        )
         limits = ProtocolLimits(
             max_message_size=config.max_message_size,
             max_concurrent_streams=config.max_concurrent_streams,
