@@ -197,7 +197,7 @@ async def test_a_standing_queue_turns_waiting_into_refusal_until_the_overload_en
     assert admission.statistics().reserved_bytes == 0
 
 
-async def test_while_shedding_a_probe_waits_at_most_target_wait(
+async def test_while_shedding_a_probe_waits_at_most_target_wait_and_light_load_ends_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     admission = Admission(budget_bytes=100, max_waiting_bytes=200)
@@ -224,6 +224,10 @@ async def test_while_shedding_a_probe_waits_at_most_target_wait(
     assert refused == {"refused": 0.0, "probe": pytest.approx(admission.target_wait)}
     statistics = admission.statistics()
     assert (statistics.shedding, statistics.waiting, statistics.reserved_bytes) == (True, 0, 0)
+    # Requests that find room at once bring no probe; an interval after the last refusal,
+    # one of them ends shedding.
+    async with admission.reserve(50, math.inf):
+        assert not admission.statistics().shedding
 
 
 # -- the bounds over the wire -----------------------------------------------------------------

@@ -270,6 +270,16 @@ GOOD_HEADERS = [
 ]
 
 
+async def test_a_call_whose_deadline_passed_before_it_ran_never_gets_its_message(
+    harness: Harness,
+) -> None:
+    # HEADERS and DATA in one write: the message is there when the call first runs.
+    [answer] = await trio.to_thread.run_sync(
+        _raw_h2_exchange, harness.port, [[*GOOD_HEADERS, ("grpc-timeout", "1n")]]
+    )
+    assert (answer["grpc-status"], answer["grpc-message"]) == ("4", "deadline%20exceeded")
+
+
 async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -> None:
     good = GOOD_HEADERS
     bad_content_type = [(k, "text/plain" if k == "content-type" else v) for k, v in good]

@@ -2,16 +2,16 @@
 
 Two bounds, checked in order as a request's data becomes known:
 
-1. The **memory budget** (server-wide, ``--memory-budget``). A request announces its size in
-   the 5-byte gRPC prefix before its body is read; it reserves room for that message, its
-   decoded copy and a response of the same size before the transport lets the client send the
-   body. A request larger than the whole budget is refused at once. Others wait, first come
-   first served, until room frees up, for at most their deadline (or ``max_wait`` when they set
-   none), as long as the waiting room has space: the requests already waiting must need less
-   than ``max_waiting_bytes`` (a quarter of the budget by default). Past that, a request is
-   refused at once: under overload the admitted requests keep their latency and the excess is
-   turned away fast, instead of every request waiting longer. (Measured with a waiting room of
-   a whole budget: at 10x overload, admitted p99 was 2.3x that of an unloaded server, as
+1. The **memory budget** (server-wide, ``--memory-budget``). A request announces its size in the
+   5-byte gRPC prefix before its body is read; it reserves room for that message, its decoded
+   copy and a response of the same size before the transport lets the client send the body. A
+   request larger than the whole budget is refused at once. Others wait, first come first
+   served, until room frees up, for at most their deadline (or ``max_wait`` when they set none),
+   as long as the waiting room has space: with it, the requests waiting must need no more than
+   ``max_waiting_bytes`` (a quarter of the budget by default; 0: none waits). Past that, a
+   request is refused at once: under overload the admitted requests keep their latency and the
+   excess is turned away fast, instead of every request waiting longer. (Measured with a waiting
+   room of a whole budget: at 10x overload, admitted p99 was 2.3x that of an unloaded server, as
    Little's law predicts for twice the requests inside.)
 
    Waiting is for bursts, not for sustained overload. As in CoDel (RFC 8289), a queue whose
@@ -20,10 +20,12 @@ Two bounds, checked in order as a request's data becomes known:
    ``interval`` one such request is let wait as a probe, for at most ``target_wait``: room by
    then counts towards the end of shedding, none gets it refused like the others (a probe that
    waited for room would be the slowest of the admitted requests, one in every interval).
-   Shedding ends when three probes in a row get room within ``target_wait``. (Measured in
-   ``bench``'s ``overload-x10-backoff``: a waiting room of a quarter of the budget, always full
-   under sustained overload, gave admitted p50 / p99 of 167 / 233 ms against 92 / 150 ms
-   unloaded; shedding as here gives 157-159 / 214-222 ms against 86-93 / 128-134 ms.)
+   Shedding ends when three probes in a row get room within ``target_wait``, or when a request
+   finds room at once an interval after the last one refused for want of room (light load
+   brings no probes).
+   (Measured in ``bench``'s ``overload-x10-backoff``: a waiting room of a quarter of the budget,
+   always full under sustained overload, gave admitted p50 / p99 of 167 / 233 ms against 92 /
+   150 ms unloaded; shedding as here gives 157-159 / 214-222 ms against 86-93 / 128-134 ms.)
 2. The **per-model queue** (``max_queue_size`` in model settings): once the request is parsed and
    its model known, it takes one of the model's slots, or is refused at once when all are taken.
    A slot is held while the request waits for and runs on a worker. Refusing at once rather
@@ -142,12 +144,16 @@ class Admission:
         self.max_waiting_bytes = (
             budget_bytes // 4 if max_waiting_bytes is None else max_waiting_bytes
         )
+        if self.max_waiting_bytes < 0:
+            raise ValueError(f"max_waiting_bytes must be at least 0, got {max_waiting_bytes}")
         self.target_wait = target_wait
         self.interval = interval
         #: When waits first went above target, with none below since (None: they are not).
         self._slow_since: float | None = None
         self._shedding = False
         self._last_probe = -math.inf
+        #: When a request was last refused for want of room (not for its size).
+        self._last_turned_away = -math.inf
         self._short_probes = 0
         self._reserved = 0
         self._waiting_bytes = 0
@@ -192,6 +198,10 @@ class Admission:
             reservation = Reservation(self, nbytes)
             # Room without waiting: whatever queue there was has drained.
             self._slow_since = None
+            if self._shedding and trio.current_time() - self._last_turned_away >= self.interval:
+                # Light load: probes only come from requests that must wait, and none has
+                # had to for an interval.
+                self._shedding = False
         else:
             with trio.move_on_after(self.max_wait if math.isinf(deadline) else math.inf):
                 reservation = await self._wait_for_room(nbytes)
@@ -228,6 +238,14 @@ class Admission:
 
     async def _wait_for_room(self, nbytes: int) -> Reservation:
         now = trio.current_time()
+        if self._waiting_bytes + nbytes > self.max_waiting_bytes:
+            self._last_turned_away = now
+            raise self._refuse(
+                "memory_budget",
+                f"memory budget full: {self._reserved} of {self.budget_bytes} bytes reserved "
+                f"and {self._waiting_bytes} of {self.max_waiting_bytes} bytes that may wait for "
+                "room already waiting (--memory-budget, --max-waiting-bytes)",
+            )
         patience = math.inf
         if self._shedding:
             if self._waiters or now - self._last_probe < self.interval:
@@ -235,13 +253,6 @@ class Admission:
             # A probe: whether it gets room within target_wait tells if the queue still stands.
             self._last_probe = now
             patience = self.target_wait
-        if self._waiting_bytes + nbytes > self.max_waiting_bytes:
-            raise self._refuse(
-                "memory_budget",
-                f"memory budget full: {self._reserved} of {self.budget_bytes} bytes reserved "
-                f"and {self._waiting_bytes} of {self.max_waiting_bytes} bytes that may wait for "
-                "room already waiting (--memory-budget, --max-waiting-bytes)",
-            )
         waiter = _Waiter(nbytes, trio.Event(), now)
         self._waiters.append(waiter)
         self._waiting_bytes += nbytes
@@ -301,6 +312,7 @@ class Admission:
             self._last_probe = now  # the first probe, an interval from now
 
     def _shed(self) -> Overloaded:
+        self._last_turned_away = trio.current_time()
         return self._refuse(
             "memory_budget",
             f"memory budget full: {self._reserved} of {self.budget_bytes} bytes reserved, and "

@@ -147,10 +147,11 @@ class Call:
         return item
 
     async def _next_item(self) -> int | bytes | None:
+        # A unary call's request usually arrives whole in the read that starts the call: taken
+        # at once, it costs no pass of the scheduler (a checkpoint is one). A call cancelled
+        # before it ran must still stop here, before the handler admits or queues it.
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            # A unary call's request usually arrives whole in the read that starts the call:
-            # taken at once, it costs no pass of the scheduler (a checkpoint is one); the
-            # handler's own waits check for cancellation.
             item = self._inbound.receive_nowait()
         except trio.WouldBlock:
             try:
