@@ -152,7 +152,7 @@ class MessageReceived:
     """A whole request message arrived on a stream."""
 
     stream_id: int
-    data: bytes
+    data: bytes | bytearray
 
 
 @dataclass(frozen=True)
@@ -374,9 +374,15 @@ class _InboundStream:
                 events.append(MessageAnnounced(self.stream_id, length))
             if len(self.buffer) < self.length:
                 return events
-            with memoryview(self.buffer) as view, view[: self.length] as body:
-                message = bytes(body)  # one copy (slicing the bytearray first made two)
-            del self.buffer[: self.length]
+            message: bytes | bytearray
+            if len(self.buffer) == self.length:
+                # The usual case, a unary call's one message: the buffer is handed over, not
+                # copied (a copy of 4 MiB took about 1 ms here).
+                message, self.buffer = self.buffer, bytearray()
+            else:
+                with memoryview(self.buffer) as view, view[: self.length] as body:
+                    message = bytes(body)  # one copy (slicing the bytearray first made two)
+                del self.buffer[: self.length]
             self.length = None
             events.append(MessageReceived(self.stream_id, message))
 
@@ -510,6 +516,17 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         except h2.exceptions.ProtocolError as exc:
             raise ProtocolViolation(f"HTTP/2 protocol error: {exc}") from exc
         return events
+
+    def data_to_send(self) -> bytearray:
+        """Take everything queued to send.
+
+        h2's buffer itself is handed over and replaced (purerpc copies it into ``bytes``, a
+        copy of every byte sent: about 1 ms for a 4 MiB response here).
+        """
+        h2_connection = self.h2_connection
+        data: bytearray = h2_connection._data_to_send
+        h2_connection._data_to_send = bytearray()
+        return data
 
     def send_window(self, stream_id: int) -> int:
         """Bytes of DATA that may be sent on ``stream_id`` now (0 when the stream is closed)."""

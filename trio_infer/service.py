@@ -104,7 +104,8 @@ class InferenceService:
             data = await call.receive_message()
             assert data is not None, "an announced message arrives or the call fails"
             try:
-                request = route.request_type.FromString(data)
+                # The stubs say bytes; protobuf parses any bytes-like object.
+                request = route.request_type.FromString(data)  # type: ignore[arg-type]
             except DecodeError as exc:
                 name = route.request_type.DESCRIPTOR.full_name
                 raise InvalidInput(f"the request is not a valid {name}: {exc}") from None

@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 Handler = Callable[["Call"], Awaitable[None]]
 
 _READ_SIZE = 256 * 1024
-_Inbound = int | bytes | InferError
+_Inbound = int | bytes | bytearray | InferError
 # Subscripted once: a generic alias built per call costs a few microseconds on the hot path.
 _open_inbound_channel = trio.open_memory_channel[_Inbound]
 _MESSAGE_PREFIX = struct.Struct(">?I")
@@ -125,7 +125,7 @@ class Call:
             self._announced = item
         return self._announced
 
-    async def receive_message(self) -> bytes | None:
+    async def receive_message(self) -> bytes | bytearray | None:
         """Admit the next request message and wait for all of it; ``None`` once the client
         has sent its last one.
 
@@ -142,11 +142,11 @@ class Call:
             raise InferError(
                 "the client ended the call in the middle of a message", StatusCode.INVALID_ARGUMENT
             )
-        assert isinstance(item, bytes), "an announced message is followed by its bytes"
+        assert isinstance(item, bytes | bytearray), "an announced message is followed by it"
         self._announced = None
         return item
 
-    async def _next_item(self) -> int | bytes | None:
+    async def _next_item(self) -> int | bytes | bytearray | None:
         # A unary call's request usually arrives whole in the read that starts the call: taken
         # at once, it costs no pass of the scheduler (a checkpoint is one). A call cancelled
         # before it ran must still stop here, before the handler admits or queues it.
