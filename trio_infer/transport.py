@@ -16,7 +16,8 @@ Invariants:
   cancelled it gave. A call the client reset gets nothing: nobody is listening.
 - Whatever a call waits on is woken when its producer goes away: the reader closes every call's
   inbound channel when it exits, for whatever reason, and a stream reset cancels the call's scope.
-- Nothing here knows protobuf or models: a handler sees bytes.
+- Nothing here knows protobuf or models: a handler sees bytes (a request message may come as
+  the ``bytearray`` it was received into, which the handler then owns).
 """
 
 from __future__ import annotations
