@@ -30,7 +30,9 @@ _MAX_MESSAGE_SIZE = 1024 * 1024 * 1024
 def _parser() -> argparse.ArgumentParser:
     from trio_infer.server import ServerConfig
 
-    parser = argparse.ArgumentParser(prog="trio-infer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="trio-infer", description="An Open Inference Protocol (KServe V2) gRPC model server."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model repository over gRPC")
     defaults = ServerConfig()
@@ -41,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.repository,
         help="folder with one subfolder per model (default: the built-in examples)",
     )
-    serve.add_argument("--host", default=defaults.host, help="address to listen on")
+    serve.add_argument(
+        "--host", default=defaults.host, help="address to listen on (default: %(default)s)"
+    )
     serve.add_argument(
         "--grpc-port",
         type=int,
