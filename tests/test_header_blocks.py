@@ -203,7 +203,7 @@ def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() 
         server.end_response(
             stream_id, StatusCode.RESOURCE_EXHAUSTED, message, (), headers_sent=False
         )
-        for event in client.receive_data(server.data_to_send()):
+        for event in client.receive_data(b"".join(server.data_to_send())):
             if isinstance(event, h2.events.ResponseReceived):
                 trailers.append(dict(event.headers))
     assert [t[b"grpc-message"] for t in trailers] == [

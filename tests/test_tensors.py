@@ -28,6 +28,7 @@ from trio_infer.tensors import (
     encode_outputs,
     encode_parameters,
     select_outputs,
+    serialize_response,
     validate_request,
 )
 
@@ -71,10 +72,15 @@ def as_request(response: ModelInferResponse) -> ModelInferRequest:
     return wire
 
 
-def round_trip(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> dict[str, np.ndarray]:
+def sent(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> ModelInferResponse:
+    """The response a client receives for ``outputs``, parsed from the bytes the server sends."""
     response = ModelInferResponse()
-    encode_outputs(response, outputs, raw=raw)
-    return decode_inputs(as_request(response))
+    parts = serialize_response(response, encode_outputs(response, outputs, raw=raw))
+    return ModelInferResponse.FromString(b"".join(parts))
+
+
+def round_trip(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> dict[str, np.ndarray]:
+    return decode_inputs(as_request(sent(outputs, raw=raw)))
 
 
 def assert_same(got: np.ndarray, expected: np.ndarray, datatype: str) -> None:
@@ -121,8 +127,7 @@ def length_prefixed(*elements: bytes) -> bytes:
 @pytest.mark.parametrize("datatype", TYPED)
 def test_typed_round_trip(datatype: str) -> None:
     array = sample(datatype)
-    response = ModelInferResponse()
-    encode_outputs(response, [("OUT", array)], raw=False)
+    response = sent([("OUT", array)], raw=False)
     assert not response.raw_output_contents
     [tensor] = response.outputs
     assert (tensor.name, tensor.datatype, list(tensor.shape)) == ("OUT", datatype, [2, 3])
@@ -132,8 +137,7 @@ def test_typed_round_trip(datatype: str) -> None:
 @pytest.mark.parametrize("datatype", list(DATATYPES))
 def test_raw_round_trip(datatype: str) -> None:
     array = sample(datatype)
-    response = ModelInferResponse()
-    encode_outputs(response, [("OUT", array)], raw=True)
+    response = sent([("OUT", array)], raw=True)
     assert len(response.raw_output_contents) == 1
     assert not response.outputs[0].HasField("contents")
     assert_same(decode_inputs(as_request(response))["OUT"], array, datatype)
@@ -161,9 +165,8 @@ def test_round_trip_scalar_and_empty_shapes(raw: bool, shape: tuple[int, ...]) -
 
 def test_fp16_output_makes_the_response_raw() -> None:
     # FP16 has no typed field and a response cannot mix raw and typed outputs.
-    response = ModelInferResponse()
     half = np.array([1.5, -2.0], dtype=np.float16)
-    encode_outputs(response, [("A", np.arange(3)), ("H", half)], raw=False)
+    response = sent([("A", np.arange(3)), ("H", half)], raw=False)
     assert len(response.raw_output_contents) == 2
     assert not any(output.HasField("contents") for output in response.outputs)
     decoded = decode_inputs(as_request(response))
@@ -187,8 +190,7 @@ def test_raw_bytes_layout_matches_tritonclient() -> None:
     import tritonclient.utils as utils  # a test dependency; safe to import in-process
 
     array = sample("BYTES")
-    response = ModelInferResponse()
-    encode_outputs(response, [("B", array)], raw=True)
+    response = sent([("B", array)], raw=True)
     assert response.raw_output_contents[0] == utils.serialize_byte_tensor(array).item()
     request = raw_request(("B", "BYTES", [6], utils.serialize_byte_tensor(array).item()))
     assert decode_inputs(request)["B"].tolist() == array.ravel().tolist()
@@ -690,9 +692,7 @@ def client_round_trip(
     request = ModelInferRequest()
     encode_inputs(request, inputs, raw=raw)
     received = decode_inputs(through_the_wire(request))
-    response = ModelInferResponse()
-    encode_outputs(response, list(received.items()), raw=raw)
-    return decode_outputs(through_the_wire(response))
+    return decode_outputs(sent(list(received.items()), raw=raw))
 
 
 @pytest.mark.parametrize("raw", [True, False])
@@ -714,9 +714,7 @@ def test_encode_inputs_every_datatype(datatype: str, raw: bool) -> None:
 @pytest.mark.parametrize("datatype", list(DATATYPES))
 def test_decode_outputs_every_datatype(datatype: str, raw: bool) -> None:
     array = sample(datatype)
-    response = ModelInferResponse()
-    encode_outputs(response, [("OUT", array)], raw=raw)
-    assert_same(decode_outputs(through_the_wire(response))["OUT"], array, datatype)
+    assert_same(decode_outputs(sent([("OUT", array)], raw=raw))["OUT"], array, datatype)
 
 
 @pytest.mark.parametrize("raw", [True, False])
@@ -842,3 +840,28 @@ def test_decode_outputs_raw_bytes_truncated() -> None:
 
 def test_decode_outputs_of_an_empty_response() -> None:
     assert decode_outputs(ModelInferResponse()) == {}
+
+
+def test_serialized_response_is_the_response_with_its_raw_outputs() -> None:
+    outputs = [("A", np.arange(6, dtype=np.int32)), ("B", np.array([b"x", b"yz"], dtype=object))]
+    response = ModelInferResponse(model_name="m", model_version="2", id="call-7")
+    parts = serialize_response(response, encode_outputs(response, outputs, raw=True))
+    whole = ModelInferResponse(model_name="m", model_version="2", id="call-7")
+    encode_outputs(whole, outputs, raw=True)
+    whole.raw_output_contents.extend(
+        [np.arange(6, dtype="<i4").tobytes(), length_prefixed(b"x", b"yz")]
+    )
+    assert b"".join(parts) == whole.SerializeToString()
+
+
+def test_raw_outputs_are_sent_from_the_arrays_own_memory() -> None:
+    array = np.arange(100_000, dtype="<f4").reshape(1000, 100)
+    [view] = encode_outputs(ModelInferResponse(), [("OUT", array)], raw=True)
+    assert np.shares_memory(np.frombuffer(view, np.uint8), array)
+
+
+def test_raw_outputs_of_any_byte_order_and_strides_are_little_endian_c_order() -> None:
+    array = np.arange(24, dtype=">i8").reshape(4, 6)[::2, ::-3]
+    [view] = encode_outputs(ModelInferResponse(), [("OUT", array)], raw=True)
+    assert bytes(view) == np.ascontiguousarray(array, "<i8").tobytes()
+    assert_same(round_trip([("OUT", array)], raw=True)["OUT"], array.astype("<i8"), "INT64")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import socket
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
@@ -14,6 +15,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import numpy as np
 import pytest
 import trio
 from hyperframe.frame import GoAwayFrame
@@ -66,6 +68,11 @@ def make_handler(harness_ref: list[Harness]) -> Callable[[Call], Any]:
                 )
                 call.trailing_metadata = (("x-length", str(len(data))),)
                 await call.send_message(data)
+            elif method == "Parts":
+                # Small parts (joined into frames) between large ones (sent from this memory).
+                view = memoryview(data)
+                cuts = [0, 3, 3 + 70_000, 3 + 70_010, 3 + 70_010 + 65_536, 200_000, len(data)]
+                await call.send_message([view[a:b] for a, b in itertools.pairwise(cuts)])
             elif method == "Invalid":
                 raise InvalidInput("input 'x' is wrong")
             elif method == "Crash":
@@ -162,6 +169,12 @@ async def test_large_messages_cross_both_ways(harness: Harness) -> None:
         payload = bytes(range(256)) * (size // 256)
         response, _ = await harness.call("Echo", payload)
         assert response == payload
+
+
+async def test_a_message_sent_in_parts_arrives_whole(harness: Harness) -> None:
+    payload = np.random.default_rng(5).bytes(3 * MiB)
+    response, _ = await harness.call("Parts", payload)
+    assert response == payload
 
 
 async def test_25_concurrent_256k_calls_keep_the_connection(harness: Harness) -> None:

@@ -20,6 +20,7 @@ from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer._proto import health_pb2
 from trio_infer.admission import Admission, Reservation, estimate_output_bytes
 from trio_infer.batching import Batching
+from trio_infer.buffers import Buffer
 from trio_infer.errors import (
     InferError,
     InvalidInput,
@@ -39,6 +40,7 @@ from trio_infer.tensors import (
     decode_parameters,
     encode_outputs,
     select_outputs,
+    serialize_response,
     validate_request,
 )
 from trio_infer.transport import Call
@@ -58,7 +60,8 @@ _HEALTH = "/grpc.health.v1.Health/"
 @dataclass(frozen=True)
 class _Route:
     request_type: type[Message]
-    handler: Callable[[Any, Call, Reservation], Awaitable[Message]]
+    #: A handler returns its response, or (ModelInfer) the buffers of one already serialised.
+    handler: Callable[[Any, Call, Reservation], Awaitable[Message | list[Buffer]]]
 
 
 class InferenceService:
@@ -111,7 +114,9 @@ class InferenceService:
                 raise InvalidInput(f"the request is not a valid {name}: {exc}") from None
             del data  # the parsed request holds its own copy; drop this one early
             response = await route.handler(request, call, reservation)
-            await call.send_message(response.SerializeToString())
+            await call.send_message(
+                response.SerializeToString() if isinstance(response, Message) else response
+            )
 
     def _server_is_ready(self) -> bool:
         return not self.draining and self.registry.all_ready()
@@ -153,7 +158,7 @@ class InferenceService:
 
     async def _model_infer(
         self, request: pb.ModelInferRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    ) -> list[Buffer]:
         settings = self.registry.lookup(request.model_name, request.model_version)
         # Draining is not checked here: a call accepted before GOAWAY is served to the end.
         if not self.registry.is_ready(settings.name):
@@ -167,7 +172,7 @@ class InferenceService:
 
     async def _run_model(
         self, settings: ModelSettings, request: pb.ModelInferRequest, call: Call
-    ) -> Message:
+    ) -> list[Buffer]:
         raw = len(request.raw_input_contents) > 0
         values = decode_parameters(request.parameters)
         priority = take_priority(values)
@@ -187,8 +192,9 @@ class InferenceService:
         response = pb.ModelInferResponse(
             model_name=settings.name, model_version=settings.version, id=request.id
         )
-        encode_outputs(response, selected, raw=raw)
-        return response
+        # Raw outputs go to the socket from the arrays' memory: a large one used to be copied
+        # six times on its way there (measured: about 40 % of the server's time for 4 MiB).
+        return serialize_response(response, encode_outputs(response, selected, raw=raw))
 
     async def _predict(
         self,

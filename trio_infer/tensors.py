@@ -29,6 +29,7 @@ from trio_infer._proto.grpc_predict_v2_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
+from trio_infer.buffers import Buffer
 from trio_infer.errors import InferError, InvalidInput, ModelFailed
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "encode_outputs",
     "encode_parameters",
     "select_outputs",
+    "serialize_response",
     "validate_request",
 ]
 
@@ -451,13 +453,14 @@ def encode_outputs(
     outputs: Sequence[tuple[str, np.ndarray]],
     *,
     raw: bool,
-) -> None:
+) -> list[memoryview]:
     """Append one output tensor per ``(name, array)`` to a response, in order.
 
-    Each tensor's datatype comes from :func:`datatype_of` and its shape from the array. Raw
-    outputs go to ``raw_output_contents`` as little-endian C-order bytes whatever the array's
-    byte order and strides; typed outputs go to the datatype's ``contents`` field. ``str``
-    elements of BYTES outputs are encoded as UTF-8.
+    Each tensor's datatype comes from :func:`datatype_of` and its shape from the array. Typed
+    outputs go to the datatype's ``contents`` field. Raw outputs are returned rather than added
+    to ``raw_output_contents``, as views of little-endian C-order bytes whatever the array's
+    byte order and strides (an array already so is not copied): :func:`serialize_response`
+    sends them from there. ``str`` elements of BYTES outputs are encoded as UTF-8.
 
     FP16 has no typed field, so a response with an FP16 output is encoded raw even when
     ``raw`` is false: the protocol does not let one response mix raw and typed outputs.
@@ -468,13 +471,47 @@ def encode_outputs(
         outputs: The arrays to send, by name, in the order to send them.
         raw: Whether to use ``raw_output_contents`` rather than typed contents.
 
+    Returns:
+        The raw contents, one per output, in order; empty when the outputs are typed.
+
     Raises:
         ModelFailed: If an array's dtype has no datatype, a BYTES output holds an element that
             is neither ``bytes`` nor ``str``, or a raw BYTES element exceeds 4 GiB.
     """
-    _encode_tensors(
-        response.outputs.add, response.raw_output_contents.append, outputs, raw, _RESPONSE_OUT
-    )
+    contents: list[memoryview] = []
+    _encode_tensors(response.outputs.add, contents.append, outputs, raw, _RESPONSE_OUT)
+    return contents
+
+
+def serialize_response(response: ModelInferResponse, raw: Sequence[memoryview]) -> list[Buffer]:
+    """``response`` serialised with ``raw`` as its ``raw_output_contents``, as buffers in order.
+
+    Together they are the bytes of the response holding those contents (the entries of a
+    repeated field are encoded one after the other, and parsers take fields in any order),
+    but each raw buffer is itself one of them: a large output is not copied into the message.
+    """
+    parts: list[Buffer] = [response.SerializeToString()]
+    for view in raw:
+        parts.append(_RAW_OUTPUT_KEY + _varint(view.nbytes))
+        parts.append(view)
+    return parts
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (at least 0) in the protocol buffer varint encoding."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+#: The key of a ``raw_output_contents`` entry: its field number and wire type 2 (length
+#: delimited).
+_RAW_OUTPUT_KEY = _varint(
+    ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number << 3 | 2
+)
 
 
 def encode_inputs(
@@ -502,14 +539,16 @@ def encode_inputs(
         InvalidInput: If an array's dtype has no datatype, a BYTES input holds an element that
             is neither ``bytes`` nor ``str``, or a raw BYTES element exceeds 4 GiB.
     """
-    _encode_tensors(
-        request.inputs.add, request.raw_input_contents.append, inputs, raw, _REQUEST_OUT
-    )
+
+    def add_raw(view: memoryview) -> None:
+        request.raw_input_contents.append(view.tobytes())
+
+    _encode_tensors(request.inputs.add, add_raw, inputs, raw, _REQUEST_OUT)
 
 
 def _encode_tensors(
     add_tensor: Callable[[], _Tensor],
-    add_raw: Callable[[bytes], None],
+    add_raw: Callable[[memoryview], None],
     arrays: Sequence[tuple[str, np.ndarray]],
     raw: bool,
     side: _Side,
@@ -532,13 +571,13 @@ def _encode_tensors(
         if datatype == "BYTES":
             elements = _bytes_elements(where, array, side)
             if raw:
-                add_raw(_pack_bytes(where, elements, side))
+                add_raw(memoryview(_pack_bytes(where, elements, side)))
             else:
                 tensor.contents.bytes_contents.extend(elements)
         elif raw:
-            # astype is a no-op for little-endian arrays; tobytes makes C order from any strides.
-            little = array.astype(DATATYPES[datatype].newbyteorder("<"), copy=False)
-            add_raw(little.tobytes())
+            # A no-op for a little-endian C-order array; a copy in that order for any other.
+            little = np.ascontiguousarray(array, DATATYPES[datatype].newbyteorder("<"))
+            add_raw(little.reshape(-1).view(np.uint8).data)
         else:
             field = _CONTENTS_FIELD[datatype]
             assert field is not None  # FP16, the only datatype without one, forces raw above

@@ -17,22 +17,26 @@ Invariants:
 - Whatever a call waits on is woken when its producer goes away: the reader closes every call's
   inbound channel when it exits, for whatever reason, and a stream reset cancels the call's scope.
 - Nothing here knows protobuf or models: a handler sees bytes (a request message may come as
-  the ``bytearray`` it was received into, which the handler then owns).
+  the ``bytearray`` it was received into, which the handler then owns) and sends bytes, as one
+  buffer or several (large ones go to the socket from the handler's own memory).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
 
+from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent
 from trio_infer.errors import InferError, StatusCode
 from trio_infer.grpc_protocol import (
+    BY_REFERENCE_BYTES,
     CallRejected,
     ConnectionTerminated,
     MessageAnnounced,
@@ -165,8 +169,12 @@ class Call:
             raise item
         return item
 
-    async def send_message(self, data: bytes) -> None:
-        """Send one response message, waiting for the client's flow-control window as needed."""
+    async def send_message(self, message: Buffer | Sequence[Buffer]) -> None:
+        """Send one response message, waiting for the client's flow-control window as needed.
+
+        The message may come in parts, sent back to back as one message. Parts of 64 KiB or
+        more are sent from their own memory, which must not change until the call has ended.
+        """
         connection = self._connection
         protocol = connection.protocol
         if self._reset:
@@ -176,16 +184,13 @@ class Call:
         if not self._headers_sent:
             protocol.start_response(self._stream_id, self.initial_metadata)
             self._headers_sent = True
-        # Frames are cut from views of the message: a large response is never copied whole
-        # (only the first frame, which carries the 5-byte prefix, is assembled).
-        prefix = _MESSAGE_PREFIX.pack(False, len(data))
-        pending = memoryview(data)
+        pending = _data_frames(message)
         send_timeout = protocol.limits.send_timeout
         progress = trio.current_time()
         self._message_half_sent = True
-        while prefix or pending:
+        while pending:
             window = protocol.send_window(self._stream_id)
-            if window <= len(prefix):
+            if not window:
                 connection.flush()
                 # A client that stops reading must not hold its call (and what the call has
                 # reserved) for ever, deadline or not.
@@ -197,17 +202,39 @@ class Call:
                         StatusCode.CANCELLED,
                     )
                 continue
-            chunk: bytes | memoryview
-            if prefix:
-                chunk = prefix + pending[: window - len(prefix)]
-                pending = pending[window - len(prefix) :]
-                prefix = b""
-            else:
-                chunk, pending = pending[:window], pending[window:]
+            chunk = pending.pop()
+            if len(chunk) > window:
+                pending.append(chunk[window:])
+                chunk = chunk[:window]
             protocol.send_data(self._stream_id, chunk)
             progress = trio.current_time()
         self._message_half_sent = False
         connection.flush()
+
+
+def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
+    """A message with its gRPC prefix, as the payloads of its DATA frames, last one first.
+
+    Parts too small to be worth a frame of their own are joined (with the prefix); larger ones
+    are views of the caller's memory. A payload larger than the client's window or frame size
+    is cut when it is sent.
+    """
+    parts = [message] if isinstance(message, bytes | bytearray | memoryview) else message
+    views = [memoryview(part).cast("B") for part in parts]
+    frames: list[memoryview] = []
+    joined = bytearray(_MESSAGE_PREFIX.pack(False, sum(len(view) for view in views)))
+    for view in views:
+        if len(view) < BY_REFERENCE_BYTES:
+            joined += view
+            continue
+        if joined:
+            frames.append(memoryview(joined))
+            joined = bytearray()
+        frames.append(view)
+    if joined:
+        frames.append(memoryview(joined))
+    frames.reverse()
+    return frames
 
 
 @dataclass
@@ -231,7 +258,7 @@ class Connection:
 
     def __init__(
         self,
-        stream: trio.abc.Stream,
+        stream: trio.SocketStream,
         handler: Handler,
         limits: ProtocolLimits,
         calls_in_flight: CallCounter,
@@ -289,7 +316,7 @@ class Connection:
         with trio.move_on_after(0.2) as scope:
             scope.shield = True
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self._stream.send_all(self.protocol.data_to_send())
+                await self._send(self.protocol.data_to_send())
 
     def drain(self) -> None:
         """Refuse new calls (GOAWAY) and let the calls in flight finish."""
@@ -319,7 +346,7 @@ class Connection:
                 # Everything queued since the last send goes out in one write: many small
                 # frames from many calls cost one syscall per scheduling tick, not per frame.
                 try:
-                    await self._stream.send_all(data)
+                    await self._send(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     # The client is gone: its calls have nobody to answer to.
                     self._nursery.cancel_scope.cancel()
@@ -328,6 +355,18 @@ class Connection:
             # that before closing, or its status is lost with the connection.
             if self._closing and not self._calls and not self._flush_needed.is_set():
                 self._nursery.cancel_scope.cancel()
+
+    async def _send(self, data: list[Buffer]) -> None:
+        """Write buffers in order with as few ``sendmsg`` calls as the socket takes them in."""
+        sock = self._stream.socket
+        try:
+            while data:
+                data = unsent(data, await sock.sendmsg(data[:MAX_BUFFERS]))
+        except OSError as exc:
+            # As SocketStream.send_all reports them.
+            if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+                raise trio.ClosedResourceError("this socket was already closed") from None
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
     async def _reader(self) -> None:
         while True:

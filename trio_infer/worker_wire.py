@@ -24,14 +24,11 @@ import socket
 import struct
 from collections.abc import Generator, Sequence
 
+from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent
+
 __all__ = ["Buffer", "pack", "reader", "receive", "send", "send_some", "waiting"]
 
-Buffer = bytes | bytearray | memoryview
-
 _HEADER = struct.Struct("!IQ")
-#: Buffers one sendmsg takes, well below any system's IOV_MAX (1024 on Linux): a message with
-#: more tensors is sent in several calls.
-_BUFFERS_PER_SEND = 512
 #: Buffers smaller than this stay in the pickle: a buffer of its own costs the receiver a
 #: read call, more than copying a few KiB.
 _OUT_OF_BAND_BYTES = 16 * 1024
@@ -64,16 +61,7 @@ def send_some(sock: socket.socket, frame: Sequence[Buffer]) -> list[Buffer]:
         BlockingIOError: The socket is non-blocking and its buffer is full.
         OSError: The connection is broken.
     """
-    sent = sock.sendmsg(frame[:_BUFFERS_PER_SEND])
-    left: list[Buffer] = []
-    for buffer in frame:
-        size = memoryview(buffer).nbytes
-        if sent >= size:
-            sent -= size
-            continue
-        left.append(memoryview(buffer)[sent:] if sent else buffer)
-        sent = 0
-    return left
+    return unsent(frame, sock.sendmsg(frame[:MAX_BUFFERS]))
 
 
 def reader() -> Generator[memoryview, None, object]:
