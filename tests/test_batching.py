@@ -228,6 +228,15 @@ def test_outputs_are_split_by_each_members_row_count() -> None:
     ]
 
 
+def test_members_of_a_batch_get_their_own_rows_and_a_batch_of_one_the_outputs() -> None:
+    # A response is sent from its arrays' memory: a member slow to read its response must
+    # hold its rows, not the whole batch's.
+    y = np.arange(12).reshape(6, 2)
+    assert not any(np.shares_memory(part["y"], y) for part in split_outputs({"y": y}, [2, 4], "m"))
+    [alone] = split_outputs({"y": y}, [6], "m")
+    assert alone["y"] is y
+
+
 @pytest.mark.parametrize("output", [np.zeros((5, 2)), np.float32(1.0) * np.ones(())])
 def test_an_output_without_the_batchs_rows_fails_the_batch_naming_the_output(
     output: np.ndarray,

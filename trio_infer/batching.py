@@ -293,7 +293,9 @@ def split_outputs(
         model_name: Named in error messages.
 
     Returns:
-        Each member's outputs (views of the batch's arrays), in batch order.
+        Each member's outputs, in batch order: copies of its rows, so that a member whose
+        response is slow to send holds its own rows and not the whole batch's (responses are
+        sent from the arrays' memory); for a batch of one, the arrays themselves.
 
     Raises:
         ModelFailed: An output does not have the batch's total row count as its first
@@ -307,8 +309,10 @@ def split_outputs(
                 f"model '{model_name}' output '{name}' has shape {list(array.shape)}, but a "
                 f"batched model must return one row per input row: its batch had {total} row(s)"
             )
+    if len(rows) == 1:
+        return [dict(outputs)]
     return [
-        {name: array[start:stop] for name, array in outputs.items()}
+        {name: array[start:stop].copy() for name, array in outputs.items()}
         for start, stop in pairwise(accumulate(rows, initial=0))
     ]
 

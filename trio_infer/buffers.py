@@ -26,6 +26,7 @@ def unsent(buffers: Sequence[Buffer], sent: int) -> list[Buffer]:
         if sent >= size:
             sent -= size
             continue
-        left.append(memoryview(buffer)[sent:] if sent else buffer)
+        # Cut by bytes, whatever the view's item size.
+        left.append(memoryview(buffer).cast("B")[sent:] if sent else buffer)
         sent = 0
     return left

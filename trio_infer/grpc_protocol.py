@@ -235,8 +235,9 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
 
 class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     """h2's connection, tolerant of the late frames RFC 9113 §5.1 allows on closed streams,
-    failing only the stream of a malformed header block, and doing the work for header blocks
-    that repeat once per connection.
+    failing only the stream of a malformed header block, doing the work for header blocks
+    that repeat once per connection, and queueing large DATA payloads by reference (take what
+    is queued with :meth:`ServerProtocol.data_to_send`, not h2's own ``data_to_send``).
 
     It is configured to hand over inbound headers unchecked, as bytes: they are checked (by h2's
     own validation) and decoded here, once per distinct header list.
@@ -275,6 +276,10 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                 _FRAME_HEADER.pack(size >> 8, size & 0xFF, frame.type, 0, frame.stream_id)
             )
             self.queued.append(frame.data)
+
+    def clear_outbound_data_buffer(self) -> None:
+        super().clear_outbound_data_buffer()
+        self.queued.clear()
 
     def _is_cleaned_up(self, stream_id: int) -> bool:
         return (

@@ -173,7 +173,8 @@ class Call:
         """Send one response message, waiting for the client's flow-control window as needed.
 
         The message may come in parts, sent back to back as one message. Parts of 64 KiB or
-        more are sent from their own memory, which must not change until the call has ended.
+        more are sent from their own memory, which passes to the connection: it is written to
+        the socket later, possibly after the call has ended, and must never change.
         """
         connection = self._connection
         protocol = connection.protocol
@@ -216,8 +217,9 @@ def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
     """A message with its gRPC prefix, as the payloads of its DATA frames, last one first.
 
     Parts too small to be worth a frame of their own are joined (with the prefix); larger ones
-    are views of the caller's memory. A payload larger than the client's window or frame size
-    is cut when it is sent.
+    are views of the caller's memory. So a response with one raw output is two frames: the
+    prefix, the protobuf fields and the output's field key, then the output. A payload larger
+    than the client's window or frame size is cut when it is sent.
     """
     parts = [message] if isinstance(message, bytes | bytearray | memoryview) else message
     views = [memoryview(part).cast("B") for part in parts]
@@ -351,7 +353,7 @@ class Connection:
                     # The client is gone: its calls have nobody to answer to.
                     self._nursery.cancel_scope.cancel()
                     return
-            # A call that ended during send_all queued its status and asked for a flush: send
+            # A call that ended during the write queued its status and asked for a flush: send
             # that before closing, or its status is lost with the connection.
             if self._closing and not self._calls and not self._flush_needed.is_set():
                 self._nursery.cancel_scope.cancel()
