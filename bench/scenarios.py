@@ -480,7 +480,7 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
     with MemorySampler(server, RSS_INTERVAL) as sampler:
         await asyncio.sleep(3 * RSS_INTERVAL)  # idle samples first
         async with client.open_channel(server.target) as channel:
-            call = _infer(client.stub_for(channel), request)
+            call = client.infer_serialized_once(channel, request)
             result.check = await _checked_first_call(call, lambda r: client.check_echo(r, x))
             origin = time.perf_counter() + timing.overload_warmup
             samples = await client.closed_loop(
