@@ -1,10 +1,13 @@
 """``python -m bench``: run the scenarios against every server, then print and save the table.
 
-Each server is installed (first use), started, measured scenario by scenario, and stopped
-before the next one starts, so the servers never compete for the two cores; the overload and
-batching scenarios start one of their own each. Results go to ``bench/results/<timestamp>/``
-(and ``bench/results/latest``): ``table.md``, ``results.jsonl``, ``chart.png``, ``rss.png``
-and the servers' logs.
+Every server is installed (first use) and started, then each scenario is measured on one
+server after the other: the servers being compared are measured within seconds of each other,
+not minutes, on a shared machine whose speed drifts. The load scenarios (live, dense, sleep)
+run in rounds, the servers taking turns in alternating order, and each row is the median of
+its rounds. Only the server being measured has work: the others sit idle. The overload and
+batching scenarios (trio-infer only) then start a server of their own each, once the shared
+ones have stopped. Results go to ``bench/results/<timestamp>/`` (and ``bench/results/latest``):
+``table.md``, ``results.jsonl``, ``chart.png``, ``rss.png`` and the servers' logs.
 """
 
 from __future__ import annotations
@@ -50,7 +53,12 @@ def _parser() -> argparse.ArgumentParser:
         "kill, storm, overload, batching, dense-n1-raw-c25, batching-on, ... (default: all)",
     )
     parser.add_argument(
-        "--duration", type=float, help="measured seconds per load scenario (default 5; 0.8 quick)"
+        "--duration",
+        type=float,
+        help="measured seconds per round of a load scenario (default 2; 0.8 quick)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="rounds of each load scenario (default 3; 1 quick)"
     )
     parser.add_argument(
         "--quick", action="store_true", help="short windows: every server in about 2 minutes"
@@ -74,80 +82,100 @@ def _summary_line(result: Result) -> str:
     return f"{result.server} {result.scenario}: {numbers}{tail}{check}{notes}"
 
 
+def run_all(
+    kinds: Sequence[ServerKind],
+    chosen: Sequence[Scenario],
+    timing: Timing,
+    workers: int,
+    run_dir: Path,
+    results: list[Result],
+) -> None:
+    """Install every server, measure the shared scenarios, then those on a server of their own,
+    adding rows to ``results`` as they come (a Ctrl+C keeps those measured); a server that
+    cannot be installed or started becomes a ``missing`` row."""
+    pythons: dict[ServerKind, Path] = {}
+    for kind in kinds:
+        if any(s.kind in kind.serves for s in chosen):
+            try:
+                pythons[kind] = servers.ensure_installed(kind, log)
+            except PeerUnavailable as error:
+                results.append(_missing(kind, str(error)))
+    shared = [s for s in chosen if not s.own_server]
+    if shared:
+        _run_shared(pythons, shared, timing, workers, run_dir, results)
+    for kind, python in pythons.items():
+        for scenario in (s for s in chosen if s.own_server and s.kind in kind.serves):
+            try:
+                result = scenarios.run_on_own_server(
+                    kind, python, workers, run_dir, scenario, timing, log
+                )
+            except PeerUnavailable as error:
+                log(f"{kind.name} for {scenario.name} did not start: {error}")
+                result = Result(kind.name, scenario.name, "crash", 0, notes=f"no server: {error}")
+            results.append(result)
+            log(_summary_line(result))
+
+
 def _missing(kind: ServerKind, why: str) -> Result:
     log(f"{kind.name} is missing: {why}")
     return Result(kind.name, "(all)", "missing", 0, notes=f"missing: {why}")
 
 
-def run_server(
-    kind: ServerKind,
-    chosen: Sequence[Scenario],
-    timing: Timing,
-    workers: int,
-    run_dir: Path,
-) -> list[Result]:
-    """Install, start, measure and stop one server; a failure becomes a ``missing`` row.
-
-    The scenarios that need a server of their own (overload, batching) run last, each on a
-    server started for it alone once the shared one is stopped.
-    """
-    mine = [s for s in chosen if s.kind in kind.serves]
-    if not mine:
-        return []
-    try:
-        python = servers.ensure_installed(kind, log)
-    except PeerUnavailable as error:
-        return [_missing(kind, str(error))]
-    shared = [s for s in mine if not s.own_server]
-    results = _run_shared(kind, python, shared, timing, workers, run_dir) if shared else []
-    for scenario in (s for s in mine if s.own_server):
-        try:
-            result = scenarios.run_on_own_server(
-                kind, python, workers, run_dir, scenario, timing, log
-            )
-        except PeerUnavailable as error:
-            log(f"{kind.name} for {scenario.name} did not start: {error}")
-            result = Result(kind.name, scenario.name, "crash", 0, notes=f"no server: {error}")
-        results.append(result)
-        log(_summary_line(result))
-    return results
-
-
 def _run_shared(
-    kind: ServerKind,
-    python: Path,
-    mine: Sequence[Scenario],
+    pythons: dict[ServerKind, Path],
+    shared: Sequence[Scenario],
     timing: Timing,
     workers: int,
     run_dir: Path,
-) -> list[Result]:
-    """Run scenarios one after the other on one server, restarted when one leaves it broken."""
-    server = ServerProcess(kind, python, workers, run_dir)
-    results: list[Result] = []
+    results: list[Result],
+) -> None:
+    """Start the servers together and measure each scenario on one after the other."""
+    running: dict[ServerKind, ServerProcess] = {}
     try:
-        try:
-            took = server.start()
-        except PeerUnavailable as error:
-            return [_missing(kind, str(error))]
-        log(f"{kind.name} ready on {server.target} in {took:.1f} s (pid {server.pid})")
-        for index, scenario in enumerate(mine):
-            if not server.alive():
-                log(f"{kind.name} died (see {server.log_path}); restarting it")
-                results.append(
-                    Result(kind.name, scenario.name, "crash", 0, notes="server died before this")
-                )
-                server.start()
-            result = scenarios.run(server, scenario, timing)
-            results.append(result)
-            log(_summary_line(result))
-            if result.restart and index + 1 < len(mine):
-                log(f"{kind.name} left degraded by {scenario.name}: restarting it")
-                server.start()
-    except PeerUnavailable as error:
-        results.append(_missing(kind, f"restart failed: {error}"))
+        for kind, python in pythons.items():
+            if not any(s.kind in kind.serves for s in shared):
+                continue
+            server = ServerProcess(kind, python, workers, run_dir)
+            try:
+                took = server.start()
+            except PeerUnavailable as error:
+                results.append(_missing(kind, str(error)))
+                continue
+            log(f"{kind.name} ready on {server.target} in {took:.1f} s (pid {server.pid})")
+            running[kind] = server
+        for scenario in shared:
+            serving = [kind for kind in running if scenario.kind in kind.serves]
+            rounds: dict[ServerKind, list[Result]] = {kind: [] for kind in serving}
+            count = timing.rounds if scenario.kind in scenarios.ROUND_KINDS else 1
+            for index in range(count):
+                # Alternating order: a drift of the machine's speed favours no server.
+                for kind in serving if index % 2 == 0 else serving[::-1]:
+                    rounds[kind].append(_measure(running[kind], scenario, timing))
+            for kind in serving:
+                result = scenarios.merge_rounds(rounds[kind])
+                results.append(result)
+                log(_summary_line(result))
     finally:
-        server.stop()
-    return results
+        for server in running.values():
+            server.stop()
+
+
+def _measure(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
+    """One round of a scenario on a running server, restarted before if it died and after if
+    the scenario left it degraded (kill, storm)."""
+    name = server.kind.name
+    try:
+        if not server.alive():
+            log(f"{name} died (see {server.log_path}); restarting it")
+            server.start()
+        result = scenarios.run(server, scenario, timing)
+        if result.restart:
+            log(f"{name} left degraded by {scenario.name}: restarting it")
+            server.start()
+    except PeerUnavailable as error:
+        log(f"{name} did not restart: {error}")
+        return Result(name, scenario.name, "crash", 0, notes=f"no server: {error}")
+    return result
 
 
 def _chart(results_path: Path, chart_path: Path, rss_path: Path) -> str:
@@ -194,7 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workers < 1:
         log("--workers must be at least 1")
         return 2
-    timing = Timing.choose(args.duration, args.quick)
+    if args.rounds is not None and args.rounds < 1:
+        log("--rounds must be at least 1")
+        return 2
+    timing = Timing.choose(args.duration, args.quick, args.rounds)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = servers.RESULTS / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -206,8 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     interrupted = False
     try:
-        for kind in kinds:
-            results += run_server(kind, chosen, timing, args.workers, run_dir)
+        run_all(kinds, chosen, timing, args.workers, run_dir, results)
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted: servers stopped; reporting what was measured")

@@ -22,15 +22,18 @@
                     latency and the mean batch size.
 =================  ========================================================================
 
-Scenarios always run in this order; ``kill`` and ``storm`` come last on the shared server
-because they can leave it degraded (the server is restarted when they do). ``overload`` and
-``batching`` (trio-infer only) each start a server of their own, after the shared one stopped.
+Scenarios always run in this order, each on every server before the next; ``kill`` and
+``storm`` come last because they can leave a server degraded (it is restarted when they do).
+``live``, ``dense`` and ``sleep`` run in rounds (``--rounds``), the servers taking turns.
+``overload`` and ``batching`` (trio-infer only) each start a server of their own, after the
+shared ones stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -38,10 +41,11 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +80,8 @@ BATCHING_CONCURRENCY = (25, 100)
 PRIORITY_CLIENTS = 5
 #: Scenario kinds that run on a server of their own, started with their own settings.
 OWN_SERVER_KINDS = frozenset({"overload", "batching"})
+#: Scenario kinds measured in several rounds, the servers taking turns (see :func:`merge_rounds`).
+ROUND_KINDS = frozenset({"live", "dense", "sleep"})
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,9 @@ class Timing:
 
     warmup: float
     duration: float
+    """Measured seconds of a load scenario, in each round."""
+    rounds: int
+    """Rounds of each load scenario (:data:`ROUND_KINDS`); the others run once."""
     storm: float
     recovery_limit: float
     kill_before: float
@@ -198,17 +207,17 @@ class Timing:
     timeout: float = 10.0
 
     @classmethod
-    def choose(cls, duration: float | None, quick: bool) -> Timing:
+    def choose(cls, duration: float | None, quick: bool, rounds: int | None = None) -> Timing:
         """The full run's timing, or ``--quick``'s (a run of every server under 2 minutes)."""
         if quick:
             return cls(
-                warmup=0.25, duration=duration or 0.8, storm=2.0, recovery_limit=5.0,
-                kill_before=1.0, kill_after=2.0, overload_warmup=1.5,
+                warmup=0.25, duration=duration or 0.8, rounds=rounds or 1, storm=2.0,
+                recovery_limit=5.0, kill_before=1.0, kill_after=2.0, overload_warmup=1.5,
                 overload=max(2.0, duration or 0.0),
             )  # fmt: skip
-        duration = duration or 5.0
+        duration = duration or 2.0
         return cls(
-            warmup=1.0, duration=duration, storm=4.0, recovery_limit=60.0,
+            warmup=1.0, duration=duration, rounds=rounds or 3, storm=4.0, recovery_limit=60.0,
             kill_before=2.0, kill_after=max(4.0, duration), overload_warmup=5.0,
             overload=max(10.0, duration),
         )  # fmt: skip
@@ -240,6 +249,43 @@ class Result:
         self.p99_ms = summary.p99_ms
         self.requests = summary.requests
         self.errors = summary.errors
+
+
+def merge_rounds(rounds: Sequence[Result]) -> Result:
+    """One row from the rounds of a scenario on one server: the median of each number.
+
+    The servers take turns within each round, so every server's rounds are spread over the
+    same minutes; the median keeps one round that the shared machine slowed down from moving
+    the row. Errors are those of every round, and ``extra["rounds"]`` keeps each round's numbers.
+    """
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = dataclasses.replace(rounds[0], errors={}, notes="", extra={})
+    for name in ("throughput", "p50_ms", "p99_ms"):
+        values = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
+        setattr(merged, name, statistics.median(values) if values else None)
+    merged.requests = sum(r.requests for r in rounds)
+    for r in rounds:
+        for status, count in r.errors.items():
+            merged.errors[status] = merged.errors.get(status, 0) + count
+    merged.check = next((r.check for r in rounds if r.check not in ("", "ok")), rounds[0].check)
+    merged.restart = any(r.restart for r in rounds)
+    merged.notes = "; ".join(
+        [r.notes for r in rounds if r.notes]
+        + [
+            f"median of {len(rounds)} rounds: req/s "
+            + "/".join(f"{r.throughput or 0:,.0f}" for r in rounds)
+            + ", p99 "
+            + "/".join(f"{r.p99_ms or 0:.2f}" for r in rounds)
+            + " ms"
+        ]
+    )
+    merged.extra = {
+        "rounds": [
+            {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms} for r in rounds
+        ]
+    }
+    return merged
 
 
 def _echo_input() -> np.ndarray:
