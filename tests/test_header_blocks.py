@@ -212,3 +212,40 @@ def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() 
     ]
     table = server.h2_connection.encoder.header_table.dynamic_entries
     assert all(name != b"grpc-message" for name, _ in table)
+
+
+def test_each_request_is_parsed_for_itself_when_header_lists_repeat() -> None:
+    # The parse of a header list is remembered: every request must still get its own stream,
+    # timeout and metadata.
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    server = ServerProtocol(ProtocolLimits())
+    server.initiate_connection()
+    base = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/pkg.S/M"),
+        (":authority", "x"),
+        ("te", "trailers"),
+        ("content-type", "application/grpc"),
+    ]
+    sent = [
+        (1, [*base, ("grpc-timeout", "5S"), ("x-tag", "a")]),
+        (3, [*base, ("grpc-timeout", "5S"), ("x-tag", "a")]),
+        (5, [*base, ("grpc-timeout", "7m"), ("x-tag", "a")]),
+        (7, [*base, ("grpc-timeout", "5S"), ("x-tag", "b")]),
+    ]
+    received = []
+    for stream_id, headers in sent:
+        client.send_headers(stream_id, headers)
+        client.send_data(stream_id, b"\0\0\0\0\0", end_stream=True)
+        received += [e for e in server.receive_data(client.data_to_send()) if hasattr(e, "timeout")]
+    assert [
+        (r.stream_id, r.method_name, r.timeout.total_seconds(), r.custom_metadata) for r in received
+    ] == [
+        (1, "M", 5.0, (("x-tag", "a"),)),
+        (3, "M", 5.0, (("x-tag", "a"),)),
+        (5, "M", 0.007, (("x-tag", "a"),)),
+        (7, "M", 5.0, (("x-tag", "b"),)),
+    ]
+    assert received[0] is not received[1]
