@@ -6,6 +6,7 @@ import concurrent.futures
 import functools
 import itertools
 import socket
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,6 +16,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 import numpy as np
 import pytest
 import trio
@@ -281,6 +283,67 @@ GOOD_HEADERS = [
     ("te", "trailers"),
     ("content-type", "application/grpc"),
 ]
+
+
+def _late_reader_echo(port: int, message: bytes) -> tuple[bytes, dict[str, str]]:
+    """Send one Echo call, wait before reading any of the answer, then read it all."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.local_settings = h2.settings.Settings(
+        client=True,
+        initial_values={
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 16 * MiB,
+            h2.settings.SettingCodes.MAX_FRAME_SIZE: 16 * MiB - 1,
+        },
+    )
+    connection.max_inbound_frame_size = (
+        16 * MiB - 1
+    )  # h2 takes it from the settings only once acknowledged
+    connection.initiate_connection()
+    connection.increment_flow_control_window(64 * MiB)
+    stream_id = connection.get_next_available_stream_id()
+    connection.send_headers(stream_id, GOOD_HEADERS)
+    body = b"\x00" + len(message).to_bytes(4, "big") + message
+    received = bytearray()
+    trailers: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        sock.settimeout(5)
+        while body:  # the request, as the server's window allows
+            while body and connection.local_flow_control_window(stream_id):
+                step = min(
+                    connection.local_flow_control_window(stream_id),
+                    connection.max_outbound_frame_size,
+                    len(body),
+                )
+                connection.send_data(stream_id, body[:step], end_stream=step == len(body))
+                body = body[step:]
+            sock.sendall(connection.data_to_send())
+            if body:
+                connection.receive_data(sock.recv(65536))
+        time.sleep(0.5)  # the server's answer fills the socket's buffers meanwhile
+        while "grpc-status" not in trailers:
+            data = sock.recv(1 << 20)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    received += event.data
+                    connection.acknowledge_received_data(event.flow_controlled_length, stream_id)
+                if isinstance(event, h2.events.TrailersReceived):
+                    trailers = {name.decode(): value.decode() for name, value in event.headers}
+            sock.sendall(connection.data_to_send())
+    return bytes(received), trailers
+
+
+async def test_an_answer_larger_than_the_socket_buffers_arrives_whole_to_a_late_reader(
+    harness: Harness,
+) -> None:
+    # The call ends with most of its answer unsent: what one write does not take is sent by
+    # the writer, in order, as the client reads.
+    message = np.random.default_rng(6).bytes(3 * MiB)
+    received, trailers = await trio.to_thread.run_sync(_late_reader_echo, harness.port, message)
+    assert trailers["grpc-status"] == "0"
+    assert received == b"\x00" + len(message).to_bytes(4, "big") + message
 
 
 async def test_a_call_whose_deadline_passed_before_it_ran_never_gets_its_message(

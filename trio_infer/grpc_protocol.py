@@ -517,12 +517,15 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             parsed = RequestReceived.parse_from_stream_id_and_headers_destructive(
                 stream_id, HeaderDict(headers)
             )
+            if parsed.message_accept_encoding is not None:
+                # The one list among the attributes: copies would share it.
+                parsed.message_accept_encoding = tuple(parsed.message_accept_encoding)
             if decoded_size(headers) <= MAX_REMEMBERED_BYTES:
                 if len(self._parsed_requests) >= _MAX_CHECKED_HEADER_LISTS:
                     self._parsed_requests.clear()
                 self._parsed_requests[key] = parsed
-        # Every attribute is immutable (strings, a timedelta, a tuple of metadata): a shallow
-        # copy is a request of its own.
+        # Every attribute is immutable (strings, a timedelta, tuples): a shallow copy is a
+        # request of its own.
         request = copy.copy(parsed)
         request.stream_id = stream_id
         return request

@@ -29,7 +29,6 @@ import errno
 import logging
 import math
 import os
-import socket
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -270,9 +269,6 @@ class Connection:
     ) -> None:
         self.protocol = ServerProtocol(limits)
         self._stream = stream
-        # The same socket for writes that must not wait (see _write_now); a duplicate file
-        # descriptor, so closing it leaves the connection alone.
-        self._socket = socket.socket(fileno=os.dup(stream.socket.fileno()))
         #: The writer is in a write: nothing else may write until it is done.
         self._writing = False
         self._handler = handler
@@ -316,7 +312,6 @@ class Connection:
                         state.call._inbound_send.close()
                     nursery.cancel_scope.cancel()
         finally:
-            self._socket.close()
             if self._goodbye_pending:
                 await self._send_goodbye()
             await trio.aclose_forcefully(self._stream)
@@ -521,8 +516,11 @@ class Connection:
         it is sending must go first.
         """
         data = self.protocol.data_to_send()
+        if not data:
+            return True
         try:
-            sent = self._socket.sendmsg(data[:MAX_BUFFERS])
+            # writev on the socket's descriptor, which Trio keeps non-blocking: it never waits.
+            sent = os.writev(self._stream.socket.fileno(), data[:MAX_BUFFERS])
         except OSError:
             sent = 0  # the buffer is full, or the connection broken: the writer will see
         rest = unsent(data, sent)
