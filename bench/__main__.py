@@ -143,39 +143,60 @@ def _run_shared(
                 continue
             log(f"{kind.name} ready on {server.target} in {took:.1f} s (pid {server.pid})")
             running[kind] = server
+        degraded: set[ServerKind] = set()
         for scenario in shared:
             serving = [kind for kind in running if scenario.kind in kind.serves]
             rounds: dict[ServerKind, list[Result]] = {kind: [] for kind in serving}
             count = timing.rounds if scenario.kind in scenarios.ROUND_KINDS else 1
-            for index in range(count):
-                # Alternating order: a drift of the machine's speed favours no server.
-                for kind in serving if index % 2 == 0 else serving[::-1]:
-                    rounds[kind].append(_measure(running[kind], scenario, timing))
-            for kind in serving:
-                result = scenarios.merge_rounds(rounds[kind])
-                results.append(result)
-                log(_summary_line(result))
+            try:
+                for index in range(count):
+                    # Alternating order: a drift of the machine's speed favours no server.
+                    for kind in serving if index % 2 == 0 else serving[::-1]:
+                        server, note = _ready(running, kind, degraded, results)
+                        if server is None:
+                            continue
+                        result = scenarios.run(server, scenario, timing)
+                        result.notes = "; ".join(filter(None, [note, result.notes]))
+                        if result.restart:
+                            degraded.add(kind)
+                        rounds[kind].append(result)
+            finally:
+                # On Ctrl+C too: the rounds measured so far make their rows.
+                for kind in serving:
+                    if rounds[kind]:
+                        result = scenarios.merge_rounds(rounds[kind])
+                        results.append(result)
+                        log(_summary_line(result))
     finally:
         for server in running.values():
             server.stop()
 
 
-def _measure(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
-    """One round of a scenario on a running server, restarted before if it died and after if
-    the scenario left it degraded (kill, storm)."""
-    name = server.kind.name
+def _ready(
+    running: dict[ServerKind, ServerProcess],
+    kind: ServerKind,
+    degraded: set[ServerKind],
+    results: list[Result],
+) -> tuple[ServerProcess | None, str]:
+    """The server of ``kind``, restarted first if it died or the last scenario left it degraded
+    (kill, storm), with a note saying so; None if it does not start again, which makes a
+    ``missing`` row and ends its part in the run."""
+    server = running[kind]
+    if kind in degraded:
+        why = f"left degraded by the last scenario ({server.log_path})"
+    elif not server.alive():
+        why = f"died ({server.log_path})"
+    else:
+        return server, ""
+    degraded.discard(kind)
+    log(f"{kind.name} {why}: restarting it")
     try:
-        if not server.alive():
-            log(f"{name} died (see {server.log_path}); restarting it")
-            server.start()
-        result = scenarios.run(server, scenario, timing)
-        if result.restart:
-            log(f"{name} left degraded by {scenario.name}: restarting it")
-            server.start()
+        server.start()
     except PeerUnavailable as error:
-        log(f"{name} did not restart: {error}")
-        return Result(name, scenario.name, "crash", 0, notes=f"no server: {error}")
-    return result
+        del running[kind]
+        results.append(_missing(kind, f"did not restart: {error}"))
+        return None, ""
+    return server, f"restarted before this: {why}"
 
 
 def _chart(results_path: Path, chart_path: Path, rss_path: Path) -> str:

@@ -198,6 +198,13 @@ class Timing:
     """Measured seconds of a load scenario, in each round."""
     rounds: int
     """Rounds of each load scenario (:data:`ROUND_KINDS`); the others run once."""
+
+    @property
+    def once(self) -> float:
+        """Measured seconds of a scenario that runs once (priority, batching): as long as a
+        load scenario's rounds together."""
+        return self.duration * self.rounds
+
     storm: float
     recovery_limit: float
     kill_before: float
@@ -256,33 +263,37 @@ def merge_rounds(rounds: Sequence[Result]) -> Result:
 
     The servers take turns within each round, so every server's rounds are spread over the
     same minutes; the median keeps one round that the shared machine slowed down from moving
-    the row. Errors are those of every round, and ``extra["rounds"]`` keeps each round's numbers.
+    the row. Rounds that crashed are left out of the medians and counted in ``check``. Errors
+    are those of every round, and ``extra["rounds"]`` keeps each round's numbers.
     """
-    if len(rounds) == 1:
+    measured = [r for r in rounds if r.kind != "crash"]
+    if len(rounds) == 1 or not measured:
         return rounds[0]
-    merged = dataclasses.replace(rounds[0], errors={}, notes="", extra={})
+    merged = dataclasses.replace(measured[0], errors={}, notes="", extra={})
     for name in ("throughput", "p50_ms", "p99_ms"):
-        values = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
+        values = [getattr(r, name) for r in measured if getattr(r, name) is not None]
         setattr(merged, name, statistics.median(values) if values else None)
     merged.requests = sum(r.requests for r in rounds)
     for r in rounds:
         for status, count in r.errors.items():
             merged.errors[status] = merged.errors.get(status, 0) + count
-    merged.check = next((r.check for r in rounds if r.check not in ("", "ok")), rounds[0].check)
+    crashed = len(rounds) - len(measured)
+    failed = next((r.check for r in measured if r.check not in ("", "ok")), "")
+    merged.check = failed or (f"{crashed} of {len(rounds)} rounds crashed" if crashed else "ok")
     merged.restart = any(r.restart for r in rounds)
     merged.notes = "; ".join(
         [r.notes for r in rounds if r.notes]
         + [
-            f"median of {len(rounds)} rounds: req/s "
-            + "/".join(f"{r.throughput or 0:,.0f}" for r in rounds)
+            f"median of {len(measured)} rounds: req/s "
+            + "/".join(f"{r.throughput or 0:,.0f}" for r in measured)
             + ", p99 "
-            + "/".join(f"{r.p99_ms or 0:.2f}" for r in rounds)
+            + "/".join(f"{r.p99_ms or 0:.2f}" for r in measured)
             + " ms"
         ]
     )
     merged.extra = {
         "rounds": [
-            {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms} for r in rounds
+            {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms} for r in measured
         ]
     }
     return merged
@@ -359,7 +370,7 @@ async def _priority(server: ServerProcess, scenario: Scenario, timing: Timing) -
                 _infer(stub, request),
                 concurrency=concurrency,
                 warmup=timing.warmup,
-                duration=timing.duration,
+                duration=timing.once,
                 call_timeout=timing.timeout,
             )
             for request, concurrency in (
@@ -706,11 +717,11 @@ async def _batching(
             call,
             concurrency=scenario.concurrency,
             warmup=timing.warmup,
-            duration=timing.duration,
+            duration=timing.once,
             call_timeout=timing.timeout,
             actions=[
                 client.Action(0.0, mark("start")),
-                client.Action(timing.duration, mark("end")),
+                client.Action(timing.once, mark("end")),
             ],
         )
     result.absorb(samples.summary())
