@@ -645,21 +645,25 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if stream is not None and not stream.closed:
             self.h2_connection.reset_stream(stream_id, ErrorCodes.CANCEL)
 
-    def admit(self, stream_id: int, length: int) -> None:
-        """Let the client send the rest of an announced message of ``length`` bytes.
+    def admit(self, stream_id: int, length: int) -> bool:
+        """Let the client send the rest of an announced message of ``length`` bytes; whether
+        that queued a WINDOW_UPDATE to send (a message that fits its stream's first 128 KiB
+        needs none).
 
         Keeps up to 128 KiB of unadmitted room open beyond it, so the prefix of the next message
         (on a streaming call) can arrive and be announced.
         """
         inbound = self._inbound.get(stream_id)
         if inbound is None:
-            return  # the client has sent everything already
+            return False  # the client has sent everything already
         inbound.admitted += _MESSAGE_PREFIX.size + length
         room = inbound.allowed - inbound.admitted
-        if room < _STREAM_WINDOW_LOW:
-            grant = _STREAM_WINDOW - room
-            self.h2_connection.increment_flow_control_window(grant, stream_id=stream_id)
-            inbound.allowed += grant
+        if room >= _STREAM_WINDOW_LOW:
+            return False
+        grant = _STREAM_WINDOW - room
+        self.h2_connection.increment_flow_control_window(grant, stream_id=stream_id)
+        inbound.allowed += grant
+        return True
 
     def go_away(self) -> None:
         """Queue a GOAWAY: the client must start no new calls here (graceful shutdown).

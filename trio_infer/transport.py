@@ -142,8 +142,8 @@ class Call:
         length = await self.receive_message_length()
         if length is None:
             return None
-        self._connection.protocol.admit(self._stream_id, length)
-        self._connection.flush()
+        if self._connection.protocol.admit(self._stream_id, length):
+            self._connection.flush()
         item = await self._next_item()
         if item is None:
             raise InferError(
