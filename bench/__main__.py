@@ -152,6 +152,8 @@ def _run_shared(
                 for index in range(count):
                     # Alternating order: a drift of the machine's speed favours no server.
                     for kind in serving if index % 2 == 0 else serving[::-1]:
+                        if kind not in running:
+                            continue  # it did not restart: its missing row says why
                         server, note = _ready(running, kind, degraded, results)
                         if server is None:
                             continue
