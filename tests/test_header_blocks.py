@@ -183,18 +183,28 @@ def test_a_never_indexed_field_stays_never_indexed() -> None:
     assert type(secret[-1]) is NeverIndexedHeaderTuple
 
 
-def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() -> None:
+#: A gRPC request's headers, for a client talking to a ServerProtocol without a socket.
+_REQUEST = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/pkg.S/M"),
+    (":authority", "x"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+]
+
+
+def _client_and_server() -> tuple[h2.connection.H2Connection, ServerProtocol]:
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     server = ServerProtocol(ProtocolLimits())
     server.initiate_connection()
-    request = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", "/pkg.S/M"),
-        (":authority", "x"),
-        ("content-type", "application/grpc"),
-    ]
+    return client, server
+
+
+def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() -> None:
+    client, server = _client_and_server()
+    request = _REQUEST
     trailers: list[dict[bytes, bytes]] = []
     for stream_id, message in [(1, "budget full: 1 of 2 bytes"), (3, "budget full: 2 of 2")]:
         client.send_headers(stream_id, request)
@@ -217,18 +227,8 @@ def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() 
 def test_each_request_is_parsed_for_itself_when_header_lists_repeat() -> None:
     # The parse of a header list is remembered: every request must still get its own stream,
     # timeout and metadata.
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    server = ServerProtocol(ProtocolLimits())
-    server.initiate_connection()
-    base = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", "/pkg.S/M"),
-        (":authority", "x"),
-        ("te", "trailers"),
-        ("content-type", "application/grpc"),
-    ]
+    client, server = _client_and_server()
+    base = _REQUEST
     sent = [
         (1, [*base, ("grpc-timeout", "5S"), ("x-tag", "a")]),
         (3, [*base, ("grpc-timeout", "5S"), ("x-tag", "a")]),
