@@ -1,4 +1,4 @@
-"""Byte buffers sent in order with vectored writes (``sendmsg``), none of them joined first.
+"""Byte buffers sent in order with vectored writes, none of them joined first.
 
 Both sockets that carry tensors use this: a worker's (:mod:`trio_infer.worker_wire`) and a
 client's (:mod:`trio_infer.transport`), so that a large array goes from its own memory to the
@@ -7,14 +7,15 @@ kernel without a copy in Python.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-__all__ = ["MAX_BUFFERS", "Buffer", "unsent"]
+__all__ = ["MAX_BUFFERS", "Buffer", "unsent", "write_some"]
 
 Buffer = bytes | bytearray | memoryview
 
-#: Buffers one sendmsg takes, well below any system's IOV_MAX (1024 on Linux): more are sent in
-#: several calls.
+#: Buffers one vectored write takes, well below any system's IOV_MAX (1024 on Linux): more are
+#: sent in several calls.
 MAX_BUFFERS = 512
 
 
@@ -30,3 +31,14 @@ def unsent(buffers: Sequence[Buffer], sent: int) -> list[Buffer]:
         left.append(memoryview(buffer).cast("B")[sent:] if sent else buffer)
         sent = 0
     return left
+
+
+def write_some(fd: int, buffers: Sequence[Buffer]) -> list[Buffer]:
+    """Write what one ``writev`` takes of ``buffers`` to ``fd``; return the rest (empty when
+    all is written).
+
+    Raises:
+        BlockingIOError: ``fd`` is non-blocking and its buffer is full.
+        OSError: The connection is broken or closed.
+    """
+    return unsent(buffers, os.writev(fd, buffers[:MAX_BUFFERS]))

@@ -28,14 +28,13 @@ import contextlib
 import errno
 import logging
 import math
-import os
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
 
-from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent
+from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent, write_some
 from trio_infer.errors import InferError, StatusCode
 from trio_infer.grpc_protocol import (
     BY_REFERENCE_BYTES,
@@ -519,11 +518,10 @@ class Connection:
         if not data:
             return True
         try:
-            # writev on the socket's descriptor, which Trio keeps non-blocking: it never waits.
-            sent = os.writev(self._stream.socket.fileno(), data[:MAX_BUFFERS])
+            # On the socket's descriptor, which Trio keeps non-blocking: it never waits.
+            rest = write_some(self._stream.socket.fileno(), data)
         except OSError:
-            sent = 0  # the buffer is full, or the connection broken: the writer will see
-        rest = unsent(data, sent)
+            rest = data  # the buffer is full, or the connection broken: the writer will see
         if rest:
             self.protocol.put_back(rest)
         return not rest

@@ -24,7 +24,7 @@ import socket
 import struct
 from collections.abc import Generator, Sequence
 
-from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent
+from trio_infer.buffers import Buffer, write_some
 
 __all__ = ["Buffer", "pack", "reader", "receive", "send", "send_some", "waiting"]
 
@@ -55,13 +55,13 @@ def pack(message: object) -> list[Buffer]:
 
 
 def send_some(sock: socket.socket, frame: Sequence[Buffer]) -> list[Buffer]:
-    """Send what one ``sendmsg`` takes of a frame; return the rest (empty when all is sent).
+    """Send what one vectored write takes of a frame; return the rest (empty when all is sent).
 
     Raises:
         BlockingIOError: The socket is non-blocking and its buffer is full.
         OSError: The connection is broken.
     """
-    return unsent(frame, sock.sendmsg(frame[:MAX_BUFFERS]))
+    return write_some(sock.fileno(), frame)
 
 
 def reader() -> Generator[memoryview, None, object]:
