@@ -16,6 +16,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.exceptions
 import h2.settings
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from trio_infer.errors import InvalidInput, StatusCode
 from trio_infer.transport import Call, GrpcServer, ProtocolLimits
 
 MiB = 1024 * 1024
+LARGE_METADATA = "v" * 20_000
 
 
 class Harness:
@@ -69,6 +71,9 @@ def make_handler(harness_ref: list[Harness]) -> Callable[[Call], Any]:
                     (f"echo-{name}", value) for name, value in call.metadata
                 )
                 call.trailing_metadata = (("x-length", str(len(data))),)
+                await call.send_message(data)
+            elif method == "LargeMetadata":
+                call.initial_metadata = (("x-large", LARGE_METADATA),)
                 await call.send_message(data)
             elif method == "Parts":
                 # Small parts (joined into frames) between large ones (sent from this memory).
@@ -389,6 +394,119 @@ async def test_headers_http2_forbids_reset_only_their_own_stream(harness: Harnes
     protocol_error = {"reset": str(h2.errors.ErrorCodes.PROTOCOL_ERROR)}
     assert [answers[i] for i in (0, 1, 3, 4)] == [protocol_error] * 4
     assert answers[2]["grpc-status"] == answers[5]["grpc-status"] == "0"
+
+
+def _h2_client() -> h2.connection.H2Connection:
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    return connection
+
+
+def _exchange_until_closed(port: int, data: bytes) -> list[object]:
+    """Send ``data`` after a client preface on a new connection; return every h2 event the
+    server's bytes make until it closes the connection."""
+    connection = _h2_client()
+    events: list[object] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(connection.data_to_send() + data)
+        while received := sock.recv(65536):
+            try:
+                events += connection.receive_data(received)
+            except h2.exceptions.ProtocolError:
+                break  # h2 refuses what follows the server's GOAWAY; the GOAWAY came first
+    return events
+
+
+def _frames_of_every_kind(port: int) -> dict[int, dict[str, object]]:
+    """Three Echo calls on one connection, their frames in the shapes a client may choose:
+    plain; HEADERS with priority and DATA with padding; a header block in CONTINUATION frames.
+    Return each stream's answer: its message and the fields of its headers and trailers."""
+    connection = _h2_client()
+    message = b"\x00\x00\x00\x00\x05hello"
+    connection.send_headers(1, [*GOOD_HEADERS, ("x-shape", "plain")])
+    connection.send_data(1, message, end_stream=True)
+    connection.send_headers(3, [*GOOD_HEADERS, ("x-shape", "padded")], priority_weight=42)
+    connection.send_data(3, message, end_stream=True, pad_length=7)
+    frame_size = connection.max_outbound_frame_size
+    connection.max_outbound_frame_size = 32  # splits this stream's header block
+    connection.send_headers(5, [*GOOD_HEADERS, ("x-shape", "continued")])
+    connection.max_outbound_frame_size = frame_size
+    connection.send_data(5, message, end_stream=True)
+    answers: dict[int, dict[str, object]] = {1: {}, 3: {}, 5: {}}
+    ended = 0
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(connection.data_to_send())
+        while ended < len(answers):
+            for event in connection.receive_data(sock.recv(65536)):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    answers[event.stream_id].update(
+                        (name.decode(), value.decode()) for name, value in event.headers
+                    )
+                elif isinstance(event, h2.events.DataReceived):
+                    answers[event.stream_id]["message"] = event.data
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended += 1
+            sock.sendall(connection.data_to_send())
+    return answers
+
+
+async def test_frames_in_every_shape_a_client_may_choose_are_read_alike(
+    harness: Harness,
+) -> None:
+    # The frames every call brings are parsed by hand; padded, prioritised and continued ones
+    # by hyperframe. Both must read the same calls.
+    answers = await trio.to_thread.run_sync(_frames_of_every_kind, harness.port)
+    for stream_id, shape in [(1, "plain"), (3, "padded"), (5, "continued")]:
+        answer = answers[stream_id]
+        assert answer["message"] == b"\x00\x00\x00\x00\x05hello"
+        assert (answer["grpc-status"], answer["echo-x-shape"]) == ("0", shape)
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    header = len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big")
+    return header + payload
+
+
+@pytest.mark.parametrize(
+    ("frames", "error"),
+    [
+        # DATA on stream 0 (RFC 9113 §6.1).
+        ([_frame(0x0, 0x1, 0, b"x")], h2.errors.ErrorCodes.PROTOCOL_ERROR),
+        # A WINDOW_UPDATE of five bytes (§6.9).
+        ([_frame(0x8, 0x0, 0, b"\x00\x00\x00\x01\x00")], h2.errors.ErrorCodes.FRAME_SIZE_ERROR),
+        # A frame valid on its own, between a HEADERS frame and the CONTINUATION that should
+        # follow it (§6.10).
+        (
+            [
+                _frame(0x1, 0x0, 1, b"\x83"),
+                _frame(0x8, 0x0, 0, b"\x00\x00\x00\x01"),
+                _frame(0x9, 0x4, 1, b"\x86"),
+            ],
+            h2.errors.ErrorCodes.PROTOCOL_ERROR,
+        ),
+    ],
+    ids=["data-on-stream-0", "short-window-update", "window-update-inside-a-header-block"],
+)
+async def test_frames_http2_forbids_close_the_connection_with_goaway(
+    harness: Harness, frames: list[bytes], error: h2.errors.ErrorCodes
+) -> None:
+    events = await trio.to_thread.run_sync(_exchange_until_closed, harness.port, b"".join(frames))
+    goaways = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert len(goaways) == 1
+    assert goaways[0].error_code == error
+    response, _ = await harness.call("Echo", b"still serving")
+    assert response == b"still serving"
+
+
+async def test_response_headers_larger_than_a_frame_arrive_in_continuation_frames(
+    harness: Harness,
+) -> None:
+    # 20 KB of initial metadata cannot fit one 16 KiB frame.
+    headers = [(k, "/test.Service/LargeMetadata" if k == ":path" else v) for k, v in GOOD_HEADERS]
+    answers = await trio.to_thread.run_sync(_raw_h2_exchange, harness.port, [headers])
+    assert (answers[0]["grpc-status"], answers[0]["x-large"]) == ("0", LARGE_METADATA)
 
 
 async def test_a_client_goaway_lets_its_calls_in_flight_finish(harness: Harness) -> None:
