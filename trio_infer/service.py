@@ -115,7 +115,8 @@ class InferenceService:
             del data  # the parsed request holds its own copy; drop this one early
             response = await route.handler(request, call, reservation)
             await call.send_message(
-                response.SerializeToString() if isinstance(response, Message) else response
+                response.SerializeToString() if isinstance(response, Message) else response,
+                last=True,
             )
 
     def _server_is_ready(self) -> bool:

@@ -170,12 +170,16 @@ class Call:
             raise item
         return item
 
-    async def send_message(self, message: Buffer | Sequence[Buffer]) -> None:
+    async def send_message(self, message: Buffer | Sequence[Buffer], *, last: bool = False) -> None:
         """Send one response message, waiting for the client's flow-control window as needed.
 
         The message may come in parts, sent back to back as one message. Parts of 64 KiB or
         more are sent from their own memory, which passes to the connection: it is written to
         the socket later, possibly after the call has ended, and must never change.
+
+        With ``last``, the handler says it returns right after: what is left of the message
+        then leaves with the call's status, in one write, rather than waking the writer for
+        itself first (as gRPC's unary calls send the message and the status in one batch).
         """
         connection = self._connection
         protocol = connection.protocol
@@ -211,7 +215,8 @@ class Call:
             protocol.send_data(self._stream_id, chunk)
             progress = trio.current_time()
         self._message_half_sent = False
-        connection.flush()
+        if not last:
+            connection.flush()
 
 
 def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
@@ -292,6 +297,10 @@ class Connection:
 
     async def wait_window_update(self) -> None:
         """Wait until the client opens some flow-control window."""
+        if self._window_updated.is_set():
+            # Set by an update that came before this wait: made anew here, not on every update
+            # (a gRPC client sends one with nearly every call, and few calls ever wait).
+            self._window_updated = trio.Event()
         await self._window_updated.wait()
 
     async def run(self) -> None:
@@ -429,7 +438,6 @@ class Connection:
                 state.scope.cancel()
         elif isinstance(event, WindowUpdated):
             self._window_updated.set()
-            self._window_updated = trio.Event()
         elif isinstance(event, CallRejected):
             self._refuse(event.stream_id, event.status, event.message)
         elif isinstance(event, ConnectionTerminated):
@@ -532,8 +540,9 @@ class CallCounter:
 
     def __init__(self) -> None:
         self._count = 0
-        self._idle = trio.Event()
-        self._idle.set()
+        #: Made by the first wait for idle, set and dropped when the count reaches zero: one
+        #: call at a time would otherwise make and set an event for every call.
+        self._idle: trio.Event | None = None
 
     @property
     def count(self) -> int:
@@ -541,17 +550,21 @@ class CallCounter:
         return self._count
 
     def increment(self) -> None:
-        if self._count == 0:
-            self._idle = trio.Event()
         self._count += 1
 
     def decrement(self) -> None:
         self._count -= 1
-        if self._count == 0:
+        if self._count == 0 and self._idle is not None:
             self._idle.set()
+            self._idle = None
 
     async def wait_idle(self) -> None:
         """Wait until no call is in flight."""
+        if self._count == 0:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._idle is None:
+            self._idle = trio.Event()
         await self._idle.wait()
 
 
