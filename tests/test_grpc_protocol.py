@@ -1,0 +1,112 @@
+"""The protocol state machine without sockets, against h2's own client: the frames it parses and
+packs by hand must leave both ends in the state h2 would have left them in."""
+
+from __future__ import annotations
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+from h2.stream import StreamClosedBy
+
+from trio_infer.errors import StatusCode
+from trio_infer.grpc_protocol import MessageReceived, ProtocolLimits, RequestEnded, ServerProtocol
+
+_REQUEST = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/test.Service/Echo"),
+    (":authority", "localhost"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+]
+
+
+def _connected() -> tuple[h2.connection.H2Connection, ServerProtocol]:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    server = ServerProtocol(ProtocolLimits())
+    server.initiate_connection()
+    _exchange(client, server)
+    return client, server
+
+
+def _exchange(client: h2.connection.H2Connection, server: ServerProtocol) -> list[object]:
+    """Deliver what each side queued to the other until neither has anything to say; return
+    the client's events."""
+    events: list[object] = []
+    while True:
+        to_server = client.data_to_send()
+        if to_server:
+            server.receive_data(to_server)
+        to_client = b"".join(bytes(buffer) for buffer in server.data_to_send())
+        if to_client:
+            events += client.receive_data(to_client)
+        if not to_server and not to_client:
+            return events
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    header = len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big")
+    return header + payload
+
+
+def test_data_with_the_reserved_bit_and_undefined_flags_is_read_as_hyperframe_reads_it() -> None:
+    # RFC 9113 §4.1: the reserved bit and flags a frame type does not define are ignored.
+    client, server = _connected()
+    client.send_headers(1, _REQUEST)
+    message = b"\x00\x00\x00\x00\x02hi"
+    data = _frame(0x0, 0x1 | 0x2 | 0x20, 0x80000001, message)
+    events = server.receive_data(client.data_to_send() + data)
+    received, ended = events[-2:]
+    assert received == MessageReceived(1, b"hi")
+    assert isinstance(ended, RequestEnded)
+    assert ended.stream_id == 1
+
+
+def test_an_answer_spends_both_windows_and_its_trailers_end_the_stream() -> None:
+    client, server = _connected()
+    client.send_headers(1, _REQUEST)
+    client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
+    _exchange(client, server)
+    connection = server.h2_connection
+    stream_window = connection.streams[1].outbound_flow_control_window
+    connection_window = connection.outbound_flow_control_window
+    server.start_response(1, ())
+    server.send_data(1, memoryview(b"x" * 100))
+    assert connection.streams[1].outbound_flow_control_window == stream_window - 100
+    assert connection.outbound_flow_control_window == connection_window - 100
+    server.end_response(1, StatusCode.OK, "", (), headers_sent=True)
+    assert connection.streams[1].closed_by == StreamClosedBy.SEND_END_STREAM  # not a reset
+    events = _exchange(client, server)
+    assert [type(e) for e in events] == [
+        h2.events.ResponseReceived,
+        h2.events.DataReceived,
+        h2.events.TrailersReceived,
+        h2.events.StreamEnded,
+    ]
+    assert events[1].data == b"x" * 100  # type: ignore[attr-defined]
+
+
+def test_a_header_block_longer_than_a_frame_is_cut_into_continuation_frames() -> None:
+    # The encoder owes the client one dynamic table size update for each change of its
+    # SETTINGS_HEADER_TABLE_SIZE, all at the start of the next block (RFC 7541 §4.2): after
+    # thousands of changes, the response headers no longer fit one 16 KiB frame.
+    client, server = _connected()
+    client.send_headers(1, _REQUEST)
+    client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
+    for change in range(8000):
+        table_size = h2.settings.SettingCodes.HEADER_TABLE_SIZE
+        client.update_settings({table_size: 4096 - change % 2})
+        _exchange(client, server)
+    server.start_response(1, ())
+    wire = b"".join(bytes(buffer) for buffer in server.data_to_send())
+    frames = []
+    while wire:
+        length = int.from_bytes(wire[:3], "big")
+        frames.append((wire[3], wire[4], length))
+        wire = wire[9 + length :]
+    assert len(frames) > 1
+    assert [kind for kind, _, _ in frames] == [0x1] + [0x9] * (len(frames) - 1)
+    assert [flags & 0x4 for _, flags, _ in frames] == [0] * (len(frames) - 1) + [0x4]
+    assert max(length for _, _, length in frames) <= client.max_inbound_frame_size
