@@ -1,4 +1,5 @@
-"""Helpers for tests: a server on a free loopback port, a grpcio client, polling."""
+"""Helpers for tests: a server on a free loopback port, a grpcio client, polling, and an h2
+client facing a ServerProtocol without a socket."""
 
 from __future__ import annotations
 
@@ -7,13 +8,35 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import h2.config
+import h2.connection
 import pytest
 import trio
 
 from trio_infer._proto import grpc_predict_v2_pb2_grpc, health_pb2_grpc
+from trio_infer.grpc_protocol import ProtocolLimits, ServerProtocol
 from trio_infer.server import RunningServer, ServerConfig, run_server
 
 MiB = 1024 * 1024
+
+#: A gRPC request's headers, for a client talking to a ServerProtocol without a socket.
+GRPC_REQUEST = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/pkg.S/M"),
+    (":authority", "x"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+]
+
+
+def client_and_server() -> tuple[h2.connection.H2Connection, ServerProtocol]:
+    """h2's client and a ServerProtocol, each with its preface queued, no socket between."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    server = ServerProtocol(ProtocolLimits())
+    server.initiate_connection()
+    return client, server
 
 
 async def start_server(

@@ -3,30 +3,18 @@ packs by hand must leave both ends in the state h2 would have left them in."""
 
 from __future__ import annotations
 
-import h2.config
 import h2.connection
 import h2.events
 import h2.settings
 from h2.stream import StreamClosedBy
 
+from tests.support import GRPC_REQUEST, client_and_server
 from trio_infer.errors import StatusCode
-from trio_infer.grpc_protocol import MessageReceived, ProtocolLimits, RequestEnded, ServerProtocol
-
-_REQUEST = [
-    (":method", "POST"),
-    (":scheme", "http"),
-    (":path", "/test.Service/Echo"),
-    (":authority", "localhost"),
-    ("te", "trailers"),
-    ("content-type", "application/grpc"),
-]
+from trio_infer.grpc_protocol import MessageReceived, RequestEnded, ServerProtocol
 
 
 def _connected() -> tuple[h2.connection.H2Connection, ServerProtocol]:
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    server = ServerProtocol(ProtocolLimits())
-    server.initiate_connection()
+    client, server = client_and_server()
     _exchange(client, server)
     return client, server
 
@@ -54,7 +42,7 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
 def test_data_with_the_reserved_bit_and_undefined_flags_is_read_as_hyperframe_reads_it() -> None:
     # RFC 9113 §4.1: the reserved bit and flags a frame type does not define are ignored.
     client, server = _connected()
-    client.send_headers(1, _REQUEST)
+    client.send_headers(1, GRPC_REQUEST)
     message = b"\x00\x00\x00\x00\x02hi"
     data = _frame(0x0, 0x1 | 0x2 | 0x20, 0x80000001, message)
     events = server.receive_data(client.data_to_send() + data)
@@ -66,7 +54,7 @@ def test_data_with_the_reserved_bit_and_undefined_flags_is_read_as_hyperframe_re
 
 def test_an_answer_spends_both_windows_and_its_trailers_end_the_stream() -> None:
     client, server = _connected()
-    client.send_headers(1, _REQUEST)
+    client.send_headers(1, GRPC_REQUEST)
     client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
     _exchange(client, server)
     connection = server.h2_connection
@@ -93,7 +81,7 @@ def test_a_header_block_longer_than_a_frame_is_cut_into_continuation_frames() ->
     # SETTINGS_HEADER_TABLE_SIZE, all at the start of the next block (RFC 7541 §4.2): after
     # thousands of changes, the response headers no longer fit one 16 KiB frame.
     client, server = _connected()
-    client.send_headers(1, _REQUEST)
+    client.send_headers(1, GRPC_REQUEST)
     client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
     for change in range(8000):
         table_size = h2.settings.SettingCodes.HEADER_TABLE_SIZE

@@ -15,7 +15,7 @@ from hyperframe.frame import HeadersFrame, SettingsFrame
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support import MiB
+from tests.support import GRPC_REQUEST, MiB, client_and_server
 from trio_infer.errors import StatusCode
 from trio_infer.grpc_protocol import _REQUEST_HEADERS, ProtocolLimits, ServerProtocol
 from trio_infer.header_blocks import CachingDecoder, CachingEncoder
@@ -183,28 +183,9 @@ def test_a_never_indexed_field_stays_never_indexed() -> None:
     assert type(secret[-1]) is NeverIndexedHeaderTuple
 
 
-#: A gRPC request's headers, for a client talking to a ServerProtocol without a socket.
-_REQUEST = [
-    (":method", "POST"),
-    (":scheme", "http"),
-    (":path", "/pkg.S/M"),
-    (":authority", "x"),
-    ("te", "trailers"),
-    ("content-type", "application/grpc"),
-]
-
-
-def _client_and_server() -> tuple[h2.connection.H2Connection, ServerProtocol]:
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    server = ServerProtocol(ProtocolLimits())
-    server.initiate_connection()
-    return client, server
-
-
 def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() -> None:
-    client, server = _client_and_server()
-    request = _REQUEST
+    client, server = client_and_server()
+    request = GRPC_REQUEST
     trailers: list[dict[bytes, bytes]] = []
     for stream_id, message in [(1, "budget full: 1 of 2 bytes"), (3, "budget full: 2 of 2")]:
         client.send_headers(stream_id, request)
@@ -227,8 +208,8 @@ def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() 
 def test_each_request_is_parsed_for_itself_when_header_lists_repeat() -> None:
     # The parse of a header list is remembered: every request must still get its own stream,
     # timeout and metadata.
-    client, server = _client_and_server()
-    base = _REQUEST
+    client, server = client_and_server()
+    base = GRPC_REQUEST
     sent = [
         (1, [*base, ("grpc-timeout", "5S"), ("x-tag", "a")]),
         (3, [*base, ("grpc-timeout", "5S"), ("x-tag", "a")]),
