@@ -476,6 +476,11 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
         ([_frame(0x0, 0x1, 0, b"x")], h2.errors.ErrorCodes.PROTOCOL_ERROR),
         # A WINDOW_UPDATE of five bytes (§6.9).
         ([_frame(0x8, 0x0, 0, b"\x00\x00\x00\x01\x00")], h2.errors.ErrorCodes.FRAME_SIZE_ERROR),
+        # A WINDOW_UPDATE past the largest window (§6.9.1).
+        (
+            [_frame(0x8, 0x0, 0, (2**31 - 1).to_bytes(4, "big"))],
+            h2.errors.ErrorCodes.FLOW_CONTROL_ERROR,
+        ),
         # A frame valid on its own, between a HEADERS frame and the CONTINUATION that should
         # follow it (§6.10).
         (
@@ -487,7 +492,12 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
             h2.errors.ErrorCodes.PROTOCOL_ERROR,
         ),
     ],
-    ids=["data-on-stream-0", "short-window-update", "window-update-inside-a-header-block"],
+    ids=[
+        "data-on-stream-0",
+        "short-window-update",
+        "window-past-the-largest",
+        "window-update-inside-a-header-block",
+    ],
 )
 async def test_frames_http2_forbids_close_the_connection_with_goaway(
     harness: Harness, frames: list[bytes], error: h2.errors.ErrorCodes
