@@ -98,6 +98,12 @@ _MESSAGE_PREFIX = struct.Struct(">?I")
 #: An HTTP/2 frame header (RFC 9113 §4.1), as hyperframe packs it: length (24 bits, high and
 #: low part), type, flags, stream id.
 _FRAME_HEADER = struct.Struct(">HBBBL")
+
+
+def _frame_header(size: int, kind: int, flags: int, stream_id: int) -> bytes:
+    return _FRAME_HEADER.pack(size >> 8, size & 0xFF, kind, flags, stream_id)
+
+
 #: Frame types and flags (RFC 9113 §6) of the frames handled here rather than by hyperframe.
 _DATA = 0x0
 _HEADERS = 0x1
@@ -358,7 +364,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         copied once, into the buffer; a large one is queued by reference, behind its header.
         """
         size = memoryview(payload).nbytes
-        header = _FRAME_HEADER.pack(size >> 8, size & 0xFF, _DATA, 0, stream_id)
+        header = _frame_header(size, _DATA, 0, stream_id)
         if size < BY_REFERENCE_BYTES:
             self._data_to_send += header
             self._data_to_send += payload
@@ -764,9 +770,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                 size = len(piece)
                 if start + frame_size >= len(block):
                     flags |= _END_HEADERS
-                h2_connection._data_to_send += _FRAME_HEADER.pack(
-                    size >> 8, size & 0xFF, kind, flags, stream_id
-                )
+                h2_connection._data_to_send += _frame_header(size, kind, flags, stream_id)
                 h2_connection._data_to_send += piece
                 kind, flags = _CONTINUATION, 0
 
