@@ -67,6 +67,16 @@ class Samples:
     statuses: list[str] = field(default_factory=list)
     firsts: list[float] = field(default_factory=list)
 
+    def __add__(self, other: Samples) -> Samples:
+        """The calls of both, over the same window (clients in two processes)."""
+        return Samples(
+            self.duration,
+            self.starts + other.starts,
+            self.ends + other.ends,
+            self.statuses + other.statuses,
+            self.firsts + other.firsts,
+        )
+
     def in_window(self, start: float, end: float) -> list[int]:
         """Indices of the calls that ended in ``[start, end)``."""
         return [i for i, t in enumerate(self.ends) if start <= t < end]
@@ -236,18 +246,20 @@ async def closed_loop(
     actions: Sequence[Action] = (),
     retry_on: Collection[str] = (),
     backoff: Backoff | None = None,
+    seed: int = 0,
 ) -> Samples:
     """Run ``concurrency`` closed-loop clients for ``warmup + duration`` seconds.
 
     No call starts after the window ends; calls in flight then are awaited (each is bounded by
     ``call_timeout``) and, ending after the window, not counted in it. A call that ends with a
     status in ``retry_on`` is resent: its next call is the same request (``Samples.firsts``),
-    sent at once, or after a wait by ``backoff`` (never past the window's end).
+    sent at once, or after a wait by ``backoff`` (never past the window's end), whose jitter
+    comes from a generator seeded with ``seed``.
     """
     samples = Samples(duration)
     origin = time.perf_counter() + warmup
     stop = origin + duration
-    rng = random.Random(0)
+    rng = random.Random(seed)
 
     async def client() -> None:
         first: float | None = None

@@ -9,11 +9,14 @@
 ``storm``           25 clients send ``sleep`` 100 ms with a 50 ms deadline; then the time until
                     a normal call (``delay_ms`` 1, 5 s deadline) ends in under 50 ms again.
 ``overload-xL``     trio-infer with a 64 MiB memory budget; ``echo`` with 4 MiB messages from L
-                    times the clients the budget admits (L = 1, 10): refusals, latency of the
-                    admitted calls, RSS of the server and of its workers over time, CPU of the
-                    client and the server. A refused request is resent at once, or, in
-                    ``overload-x10-backoff``, after an exponential backoff with jitter;
-                    ``-nowait``: the server lets no request wait for room in its budget.
+                    times the clients the budget admits (5): refusals, latency of the admitted
+                    calls of the first 5 clients (the others run in a second process), RSS of
+                    the server and of its workers over time, CPU of the clients and the
+                    server. ``overload-x1`` and ``overload-full`` (6 clients, the budget
+                    always full) refuse nothing. A refused request is resent after an
+                    exponential backoff with jitter (``-backoff``, L = 2, 5, 10, 20), or at once
+                    (``overload-x10``, ``-d1s``: 1 s deadline); ``-nowait``: the server lets
+                    no request wait for room in its budget.
 ``priority``        ``sleep`` 10 ms from 25 clients, 5 of which send ``priority`` 1 (Triton's
                     parameter; MLServer and KServe ignore it): latency of those 5 against
                     that of the other 20.
@@ -42,6 +45,7 @@ import re
 import shutil
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -53,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from bench import batch_probe, client
-from bench.servers import CpuSnapshot, MemorySampler, ServerKind, ServerProcess
+from bench.servers import REPO, CpuSnapshot, MemorySampler, ServerKind, ServerProcess
 from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.settings import EXAMPLES, SETTINGS_FILE
 
@@ -63,8 +67,10 @@ OVERLOAD_BUDGET = 64 * MIB
 OVERLOAD_MESSAGE = 4 * MIB
 #: overload: the budget a request reserves, in multiples of its message (what the server does).
 OVERLOAD_RESERVED = 3
-#: overload: clients, as multiples of the requests the budget admits at once.
-OVERLOAD_LOADS = (1, 10)
+#: overload: clients, as multiples of the requests the budget admits at once, of the scenarios
+#: whose clients back off when refused (the baselines refuse nothing: ``overload-x1``, and
+#: ``overload-full`` with one client more, which keeps the budget full).
+OVERLOAD_BACKOFF_LOADS = (2, 5, 10, 20)
 #: overload: each call's deadline, seconds, and the shorter one of ``overload-x10-d1s``.
 OVERLOAD_DEADLINE = 5.0
 OVERLOAD_SHORT_DEADLINE = 1.0
@@ -126,36 +132,39 @@ def all_scenarios() -> list[Scenario]:
     scenarios.append(Scenario("priority", "priority", 25, delay_ms=10))
     scenarios.append(Scenario("kill", "kill", 25, delay_ms=10))
     scenarios.append(Scenario("storm", "storm", 25, delay_ms=100))
-    fit = overload_fit()
-    scenarios += [
-        Scenario(f"overload-x{load}", "overload", fit * load, load=load, deadline=OVERLOAD_DEADLINE)
-        for load in OVERLOAD_LOADS
-    ]
-    short = OVERLOAD_SHORT_DEADLINE
+    fit, deadline = overload_fit(), OVERLOAD_DEADLINE
+    scenarios.append(Scenario("overload-x1", "overload", fit, load=1, deadline=deadline))
+    # One client more than fit: the budget is always full, and the one waiting gets room.
     scenarios.append(
-        Scenario(f"overload-x10-d{short:g}s", "overload", fit * 10, load=10, deadline=short)
+        Scenario("overload-full", "overload", fit + 1, load=1, deadline=deadline, backoff=True)
     )
-    scenarios.append(
+    scenarios += [
         Scenario(
-            "overload-x10-backoff",
+            f"overload-x{load}-backoff",
             "overload",
-            fit * 10,
-            load=10,
-            deadline=OVERLOAD_DEADLINE,
+            fit * load,
+            load=load,
+            deadline=deadline,
             backoff=True,
         )
-    )
+        for load in OVERLOAD_BACKOFF_LOADS
+    ]
     scenarios.append(
         Scenario(
             "overload-x10-backoff-nowait",
             "overload",
             fit * 10,
             load=10,
-            deadline=OVERLOAD_DEADLINE,
+            deadline=deadline,
             backoff=True,
             no_waiting=True,
         )
     )
+    short = OVERLOAD_SHORT_DEADLINE
+    scenarios += [
+        Scenario("overload-x10", "overload", fit * 10, load=10, deadline=deadline),
+        Scenario(f"overload-x10-d{short:g}s", "overload", fit * 10, load=10, deadline=short),
+    ]
     for c in BATCHING_CONCURRENCY:
         scenarios += [
             Scenario(f"batching-{mode}-c{c}", "batching", c, batching=mode == "on")
@@ -526,13 +535,38 @@ def _mib(kib: float) -> float:
     return round(kib / 1024, 1)
 
 
+async def _start_others(
+    target: str, clients: int, origin: float, duration: float, scenario: Scenario
+) -> asyncio.subprocess.Process | None:
+    """The overload's other clients, in a process of their own (:mod:`bench.extra_clients`)."""
+    if clients <= 0:
+        return None
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.extra_clients", target, str(clients), repr(origin),
+        str(duration), str(scenario.deadline), *(["--backoff"] if scenario.backoff else []),
+        stdout=asyncio.subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+
+
+async def _samples_of(others: asyncio.subprocess.Process) -> client.Samples:
+    output, _ = await others.communicate()
+    if others.returncode != 0:
+        raise RuntimeError(f"the overload's other clients exited with {others.returncode}")
+    return client.Samples(**json.loads(output))
+
+
 async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
+    """The first ``fit`` clients run here and are the row's latency; the others run in a
+    second process (:mod:`bench.extra_clients`) and count in its throughput and refusals."""
     result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
     x, request = overload_input()
+    measured = min(overload_fit(), scenario.concurrency)
     cpu: dict[str, CpuSnapshot] = {}
+    others: asyncio.subprocess.Process | None = None
 
     def take_cpu(name: str) -> Callable[[], None]:
-        return lambda: cpu.__setitem__(name, CpuSnapshot.take(server.pid))
+        pid = others.pid if others is not None else None
+        return lambda: cpu.__setitem__(name, CpuSnapshot.take(server.pid, pid))
 
     with MemorySampler(server, RSS_INTERVAL) as sampler:
         await asyncio.sleep(3 * RSS_INTERVAL)  # idle samples first
@@ -540,21 +574,36 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
             call = client.infer_serialized_once(channel, request)
             result.check = await _checked_first_call(call, lambda r: client.check_echo(r, x))
             origin = time.perf_counter() + timing.overload_warmup
-            samples = await client.closed_loop(
-                call,
-                concurrency=scenario.concurrency,
-                warmup=timing.overload_warmup,
-                duration=timing.overload,
-                call_timeout=scenario.deadline,
-                actions=[
-                    client.Action(0.0, take_cpu("start")),
-                    client.Action(timing.overload, take_cpu("end")),
-                ],
-                retry_on=(OVERLOAD_REFUSED,),
-                backoff=OVERLOAD_BACKOFF if scenario.backoff else None,
-            )
+            try:
+                others = await _start_others(
+                    server.target, scenario.concurrency - measured, origin, timing.overload,
+                    scenario,
+                )  # fmt: skip
+                samples = await client.closed_loop(
+                    call,
+                    concurrency=measured,
+                    warmup=max(0.0, origin - time.perf_counter()),
+                    duration=timing.overload,
+                    call_timeout=scenario.deadline,
+                    actions=[
+                        client.Action(0.0, take_cpu("start")),
+                        client.Action(timing.overload, take_cpu("end")),
+                    ],
+                    retry_on=(OVERLOAD_REFUSED,),
+                    backoff=OVERLOAD_BACKOFF if scenario.backoff else None,
+                )
+                theirs = await _samples_of(others) if others is not None else None
+            finally:
+                if others is not None and others.returncode is None:
+                    others.kill()
+                    await others.wait()
         await asyncio.sleep(3 * RSS_INTERVAL)  # and a few after the load
-    result.absorb(samples.summary())
+    everyone = samples + theirs if theirs is not None else samples
+    result.absorb(everyone.summary())
+    # The row's latency is the measured clients' alone: the same clients as at x1.
+    mine = samples.summary()
+    result.p50_ms, result.p99_ms = mine.p50_ms, mine.p99_ms
+    their = theirs.summary() if theirs is not None else None
     first_p50, first_p99 = samples.ok_since_first()
     split = cpu["start"].until(cpu["end"]) if len(cpu) == 2 else None
     memory = sampler.samples
@@ -572,6 +621,11 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
         "message_bytes": request.ByteSize(),
         "fit": overload_fit(),
         "load": scenario.load,
+        "measured": measured,
+        "measured_ok": mine.requests - sum(mine.errors.values()),
+        "others": scenario.concurrency - measured,
+        "others_p50_ms": their.p50_ms if their is not None else None,
+        "others_p99_ms": their.p99_ms if their is not None else None,
         "deadline_s": scenario.deadline,
         "backoff": (
             {
@@ -627,11 +681,13 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
 
 def cpu_note(split: dict[str, float]) -> str:
     """The CPU split of an overload window, in cores (CPU seconds per second)."""
-    used = split["client"] + split["server"] + split["workers"]
-    share = f" ({split['client'] / used:.0%} client)" if used > 0 else ""
+    clients = split["client"] + split["others"]
+    used = clients + split["server"] + split["workers"]
+    share = f" ({clients / used:.0%} clients)" if used > 0 else ""
     return (
-        f"CPU cores: client {split['client']:.2f}, server {split['server']:.2f}, workers "
-        f"{split['workers']:.2f}{share}; machine {split['machine']:.2f} of {split['cores']:g} busy"
+        f"CPU cores: measured clients {split['client']:.2f}, other clients {split['others']:.2f}, "
+        f"server {split['server']:.2f}, workers {split['workers']:.2f}{share}; "
+        f"machine {split['machine']:.2f} of {split['cores']:g} busy"
     )
 
 

@@ -211,19 +211,21 @@ def machine_cpu_seconds() -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class CpuSnapshot:
-    """CPU seconds used so far by the benchmark's process (the client), a server and the
-    server's descendants (its workers and helpers), and the whole machine."""
+    """CPU seconds used so far by the benchmark's process (the client), a second client
+    process (the overload's other clients; 0 without one), a server and the server's
+    descendants (its workers and helpers), and the whole machine."""
 
     at: float
     """``time.perf_counter()`` when taken."""
     client: float
+    others: float
     server: float
     children: dict[int, float]
     machine_busy: float
     machine_total: float
 
     @classmethod
-    def take(cls, server_pid: int) -> CpuSnapshot:
+    def take(cls, server_pid: int, others_pid: int | None = None) -> CpuSnapshot:
         """Read them all now."""
         children = {
             info.pid: seconds
@@ -234,6 +236,7 @@ class CpuSnapshot:
         return cls(
             at=time.perf_counter(),
             client=cpu_seconds(os.getpid()) or 0.0,
+            others=(cpu_seconds(others_pid) or 0.0) if others_pid is not None else 0.0,
             server=cpu_seconds(server_pid) or 0.0,
             children=children,
             machine_busy=busy,
@@ -241,18 +244,20 @@ class CpuSnapshot:
         )
 
     def until(self, later: CpuSnapshot) -> dict[str, float]:
-        """Cores used on average from this snapshot to ``later``: ``client``, ``server``,
-        ``workers`` (its descendants alive at ``later``; one born in between counts whole, one
-        gone by then is missed), ``machine`` (every process) and ``cores`` (the machine's)."""
+        """Cores used on average from this snapshot to ``later``: ``client``, ``others``,
+        ``server``, ``workers`` (its descendants alive at ``later``; one born in between counts
+        whole, one gone by then is missed), ``machine`` (every process) and ``cores`` (the
+        machine's)."""
         seconds = later.at - self.at
         cores = (later.machine_total - self.machine_total) / seconds if seconds > 0 else 0.0
         if seconds <= 0:
-            return {"seconds": 0.0, "client": 0.0, "server": 0.0, "workers": 0.0,
-                    "machine": 0.0, "cores": cores}  # fmt: skip
+            return {"seconds": 0.0, "client": 0.0, "others": 0.0, "server": 0.0,
+                    "workers": 0.0, "machine": 0.0, "cores": cores}  # fmt: skip
         workers = sum(t - self.children.get(pid, 0.0) for pid, t in later.children.items())
         return {
             "seconds": round(seconds, 2),
             "client": round((later.client - self.client) / seconds, 2),
+            "others": round((later.others - self.others) / seconds, 2),
             "server": round((later.server - self.server) / seconds, 2),
             "workers": round(workers / seconds, 2),
             "machine": round((later.machine_busy - self.machine_busy) / seconds, 2),
