@@ -240,7 +240,8 @@ async def closed_loop(
     call: Call,
     *,
     concurrency: int,
-    warmup: float,
+    warmup: float = 0.0,
+    origin: float | None = None,
     duration: float,
     call_timeout: float,
     actions: Sequence[Action] = (),
@@ -248,7 +249,9 @@ async def closed_loop(
     backoff: Backoff | None = None,
     seed: int = 0,
 ) -> Samples:
-    """Run ``concurrency`` closed-loop clients for ``warmup + duration`` seconds.
+    """Run ``concurrency`` closed-loop clients through a warm-up and a measured window of
+    ``duration`` seconds, which starts ``warmup`` seconds from now, or at ``origin`` on
+    ``time.perf_counter()``'s clock (to line up with clients in another process).
 
     No call starts after the window ends; calls in flight then are awaited (each is bounded by
     ``call_timeout``) and, ending after the window, not counted in it. A call that ends with a
@@ -257,7 +260,7 @@ async def closed_loop(
     comes from a generator seeded with ``seed``.
     """
     samples = Samples(duration)
-    origin = time.perf_counter() + warmup
+    origin = time.perf_counter() + warmup if origin is None else origin
     stop = origin + duration
     rng = random.Random(seed)
 

@@ -19,8 +19,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import signal
 import sys
-import time
 from collections.abc import Sequence
 
 from bench import client, scenarios
@@ -34,7 +34,7 @@ async def _run(
         return await client.closed_loop(
             client.infer_serialized_once(channel, request),
             concurrency=clients,
-            warmup=max(0.0, origin - time.perf_counter()),
+            origin=origin,
             duration=duration,
             call_timeout=deadline,
             retry_on=(scenarios.OVERLOAD_REFUSED,),
@@ -53,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("deadline", type=float)
     parser.add_argument("--backoff", action="store_true")
     args = parser.parse_args(argv)
+    # Ctrl+C reaches the whole process group; the benchmark stops this process itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     samples = asyncio.run(
         _run(args.target, args.clients, args.origin, args.duration, args.deadline, args.backoff)
     )

@@ -117,19 +117,21 @@ def _overload_section(rows: Sequence[Result]) -> list[str]:
             f"| {e['workers_idle_mib']:g} / {e['workers_max_mib']:g} | {e['workers_seen']} "
             f"| {e['overhead_mib']:+g} |"
         )
-    # The baselines: rows whose calls were all admitted (no overload to refuse).
-    bases = [r for r in rows if not r.extra["rejected"] and r.p99_ms]
-    if bases:
+    # The baselines: rows whose calls all succeeded (no overload to refuse).
+    p99 = {r.scenario: r.p99_ms for r in rows if r.p99_ms is not None and math.isfinite(r.p99_ms)}
+    bases = [
+        r.scenario for r in rows if not r.errors and r.extra["measured_ok"] and r.scenario in p99
+    ]
+    compared = [name for name in p99 if name not in bases]
+    if bases and compared:
         lines.append("")
         lines.append(
             "Measured clients' OK p99 against the rows that refused nothing, "
-            + " / ".join(f"{b.scenario} ({b.p99_ms:.0f} ms)" for b in bases)
+            + " / ".join(f"{base} ({p99[base]:.0f} ms)" for base in bases)
             + ": "
             + "; ".join(
-                f"{r.scenario} "
-                + " / ".join(f"{r.p99_ms / b.p99_ms:.2f}x" for b in bases if b.p99_ms)
-                for r in rows
-                if r not in bases and r.p99_ms
+                f"{name} " + " / ".join(f"{p99[name] / p99[base]:.2f}x" for base in bases)
+                for name in compared
             )
             + "."
         )

@@ -548,11 +548,18 @@ async def _start_others(
     )  # fmt: skip
 
 
+class _OthersFailed(Exception):
+    """The overload's other clients did not report their calls."""
+
+
 async def _samples_of(others: asyncio.subprocess.Process) -> client.Samples:
     output, _ = await others.communicate()
     if others.returncode != 0:
-        raise RuntimeError(f"the overload's other clients exited with {others.returncode}")
-    return client.Samples(**json.loads(output))
+        raise _OthersFailed(f"other clients exited with {others.returncode}")
+    try:
+        return client.Samples(**json.loads(output))
+    except (ValueError, TypeError) as error:
+        raise _OthersFailed(f"other clients reported no samples: {error}") from None
 
 
 async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
@@ -582,7 +589,7 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
                 samples = await client.closed_loop(
                     call,
                     concurrency=measured,
-                    warmup=max(0.0, origin - time.perf_counter()),
+                    origin=origin,
                     duration=timing.overload,
                     call_timeout=scenario.deadline,
                     actions=[
@@ -592,7 +599,15 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
                     retry_on=(OVERLOAD_REFUSED,),
                     backoff=OVERLOAD_BACKOFF if scenario.backoff else None,
                 )
-                theirs = await _samples_of(others) if others is not None else None
+                # Their calls in flight at the window's end may run out their deadline first.
+                async with asyncio.timeout(scenario.deadline + 30.0):
+                    theirs = await _samples_of(others) if others is not None else None
+            except _OthersFailed as error:
+                result.check = str(error)
+                return result
+            except TimeoutError:
+                result.check = "the other clients did not stop after the window"
+                return result
             finally:
                 if others is not None and others.returncode is None:
                     others.kill()
@@ -600,10 +615,13 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
         await asyncio.sleep(3 * RSS_INTERVAL)  # and a few after the load
     everyone = samples + theirs if theirs is not None else samples
     result.absorb(everyone.summary())
-    # The row's latency is the measured clients' alone: the same clients as at x1.
+    # The row's latency is the measured clients' alone (the same clients as at x1), and over
+    # their OK calls only: a summary without any falls back to every call's latency.
     mine = samples.summary()
-    result.p50_ms, result.p99_ms = mine.p50_ms, mine.p99_ms
+    mine_ok = mine.requests - sum(mine.errors.values())
+    result.p50_ms, result.p99_ms = (mine.p50_ms, mine.p99_ms) if mine_ok else (math.nan, math.nan)
     their = theirs.summary() if theirs is not None else None
+    their_ok = their is not None and their.requests > sum(their.errors.values())
     first_p50, first_p99 = samples.ok_since_first()
     split = cpu["start"].until(cpu["end"]) if len(cpu) == 2 else None
     memory = sampler.samples
@@ -622,10 +640,10 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
         "fit": overload_fit(),
         "load": scenario.load,
         "measured": measured,
-        "measured_ok": mine.requests - sum(mine.errors.values()),
+        "measured_ok": mine_ok,
         "others": scenario.concurrency - measured,
-        "others_p50_ms": their.p50_ms if their is not None else None,
-        "others_p99_ms": their.p99_ms if their is not None else None,
+        "others_p50_ms": their.p50_ms if their is not None and their_ok else None,
+        "others_p99_ms": their.p99_ms if their is not None and their_ok else None,
         "deadline_s": scenario.deadline,
         "backoff": (
             {
@@ -665,7 +683,8 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
         else "resent at once"
     )
     result.notes = (
-        f"{e['fit']} fit in {budget:g} MiB, deadline {scenario.deadline:g} s; "
+        f"{e['fit']} fit in {budget:g} MiB, deadline {scenario.deadline:g} s; p50/p99: the "
+        f"{measured} measured clients' {mine_ok} OK calls, req/s: all {scenario.concurrency}; "
         f"RESOURCE_EXHAUSTED {rejected} ({share:.0%}), {resend}; "
         f"OK p50/p99 from first attempt {first_p50:.0f}/{first_p99:.0f} ms; "
         f"RSS max {e['rss_max_mib']:g} MiB (peak {e['rss_hwm_mib']:g}, idle "
@@ -676,6 +695,9 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
         result.notes += "; " + cpu_note(split)
     if e["workers_seen"] > server.workers:
         result.notes += f"; {e['workers_seen']} worker pids seen (workers replaced)"
+    late = min(theirs.starts, default=0.0) if theirs is not None else 0.0
+    if late > 0.5:
+        result.notes += f"; the other clients' first call started {late:.1f} s into the window"
     return result
 
 

@@ -23,9 +23,10 @@ Two bounds, checked in order as a request's data becomes known:
    Shedding ends when three probes in a row get room within ``target_wait``, or when a request
    finds room at once an interval after the last one refused for want of room (light load
    brings no probes).
-   (Measured in ``bench``'s ``overload-x10-backoff``: a waiting room of a quarter of the budget,
-   always full under sustained overload, gave admitted p50 / p99 of 167 / 233 ms against 92 /
-   150 ms unloaded; shedding as here gives 157-159 / 214-222 ms against 86-93 / 128-134 ms.)
+   (Measured in ``bench``'s ``overload-x10-backoff`` when it timed all 50 clients, in one
+   process: a waiting room of a quarter of the budget, always full under sustained overload,
+   gave admitted p50 / p99 of 167 / 233 ms against 92 / 150 ms unloaded; shedding as here gives
+   157-159 / 214-222 ms against 86-93 / 128-134 ms.)
 2. The **per-model queue** (``max_queue_size`` in model settings): once the request is parsed and
    its model known, it takes one of the model's slots, or is refused at once when all are taken.
    A slot is held while the request waits for and runs on a worker. Refusing at once rather
@@ -54,11 +55,11 @@ from trio_infer.tensors import DATATYPES, TensorSpec
 __all__ = ["Admission", "AdmissionStatistics", "Reservation", "estimate_output_bytes"]
 
 #: Probes in a row that must find room within ``target_wait`` to end shedding. Measured in
-#: ``bench``'s ``overload-x10-backoff`` (admitted p50 / p99): ending it on the first short
-#: probe left it off about a third of the time under sustained overload (13 on/off cycles in
-#: 15 s): 160-169 / 232-253 ms; three in a row: 157-159 / 214-222 ms. (Never ending it while
-#: refusals go on gave 140-142 / 194-202 ms, but then its own refusals kept it on under light
-#: load, refusing requests that would have waited 1 ms.)
+#: ``bench``'s ``overload-x10-backoff`` when it timed all 50 clients (admitted p50 / p99):
+#: ending it on the first short probe left it off about a third of the time under sustained
+#: overload (13 on/off cycles in 15 s): 160-169 / 232-253 ms; three in a row: 157-159 / 214-222
+#: ms. (Never ending it while refusals go on gave 140-142 / 194-202 ms, but then its own
+#: refusals kept it on under light load, refusing requests that would have waited 1 ms.)
 _SHORT_PROBES_TO_END = 3
 
 
