@@ -571,9 +571,8 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
     cpu: dict[str, CpuSnapshot] = {}
     others: asyncio.subprocess.Process | None = None
 
-    def take_cpu(name: str) -> Callable[[], None]:
-        pid = others.pid if others is not None else None
-        return lambda: cpu.__setitem__(name, CpuSnapshot.take(server.pid, pid))
+    def take_cpu(name: str, others_pid: int | None) -> Callable[[], None]:
+        return lambda: cpu.__setitem__(name, CpuSnapshot.take(server.pid, others_pid))
 
     with MemorySampler(server, RSS_INTERVAL) as sampler:
         await asyncio.sleep(3 * RSS_INTERVAL)  # idle samples first
@@ -586,6 +585,7 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
                     server.target, scenario.concurrency - measured, origin, timing.overload,
                     scenario,
                 )  # fmt: skip
+                others_pid = others.pid if others is not None else None
                 samples = await client.closed_loop(
                     call,
                     concurrency=measured,
@@ -593,8 +593,8 @@ async def _overload(server: ServerProcess, scenario: Scenario, timing: Timing) -
                     duration=timing.overload,
                     call_timeout=scenario.deadline,
                     actions=[
-                        client.Action(0.0, take_cpu("start")),
-                        client.Action(timing.overload, take_cpu("end")),
+                        client.Action(0.0, take_cpu("start", others_pid)),
+                        client.Action(timing.overload, take_cpu("end", others_pid)),
                     ],
                     retry_on=(OVERLOAD_REFUSED,),
                     backoff=OVERLOAD_BACKOFF if scenario.backoff else None,
