@@ -96,19 +96,19 @@ def _overload_section(rows: Sequence[Result]) -> list[str]:
         others = {status: n for status, n in r.errors.items() if status != "RESOURCE_EXHAUSTED"}
         cpu = e.get("cpu_cores")
         cores = (
-            f"{cpu['client']:.2f} / {cpu.get('others', 0.0):.2f} / {cpu['server']:.2f} / "
+            f"{cpu['client']:.2f} / {cpu['others']:.2f} / {cpu['server']:.2f} / "
             f"{cpu['workers']:.2f} ({cpu['machine']:.2f} of {cpu['cores']:g})"
             if cpu
             else "-"
         )
         theirs = (
             f"{_number(e.get('others_p50_ms'), 0)} / {_number(e.get('others_p99_ms'), 0)}"
-            if e.get("others")
+            if e["others"]
             else "-"
         )
         lines.append(
-            f"| {r.server} | {r.scenario} | {e.get('measured', r.concurrency)} + "
-            f"{e.get('others', 0)} | {e['deadline_s']:g} | {_number(r.throughput)} "
+            f"| {r.server} | {r.scenario} | {e['measured']} + "
+            f"{e['others']} | {e['deadline_s']:g} | {_number(r.throughput)} "
             f"| {_number(r.p50_ms, 0)} / {_number(r.p99_ms, 0)} | {theirs} "
             f"| {_number(e.get('ok_first_p50_ms'), 0)} / {_number(e.get('ok_first_p99_ms'), 0)} "
             f"| {r.requests} "
