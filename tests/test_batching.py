@@ -509,12 +509,13 @@ def rows_request(rows: int, cols: int = 3, dtype: type = np.float32, **parameter
     return request_for("rows", {"x": x}, **parameters)
 
 
-async def test_batched_results_equal_unbatched_results_exactly(
+async def test_batched_results_equal_unbatched_results(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    # dense's requests have 2 rows or more: numpy multiplies a single row with BLAS gemv and
-    # several with gemm, whose float rounding differs (~1e-6), so a 1-row request's result
-    # depends on whether it ran alone. add_sub is element-wise and exact at any size.
+    # add_sub is element-wise, so a batched row is bit for bit the row run alone. dense is a
+    # matrix product: BLAS picks its kernel (gemv for one row, gemm blocked by the row count,
+    # per CPU) by the batch's size, and float rounding follows the kernel (~5e-6), so its rows
+    # are compared within that. A row routed back to the wrong request differs by ~1.
     rows = {"add_sub": [1, 2, 3, 5], "dense": [2, 3, 4, 7]}
     repository = Repository(tmp_path)
     for model, sizes in rows.items():
@@ -540,7 +541,11 @@ async def test_batched_results_equal_unbatched_results_exactly(
             got = await calls.outputs(future)
             assert got.keys() == expected.keys()
             for name in got:
-                np.testing.assert_array_equal(got[name], expected[name], strict=True)
+                if model == "add_sub":
+                    np.testing.assert_array_equal(got[name], expected[name], strict=True)
+                else:
+                    assert got[name].shape == expected[name].shape
+                    np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5)
         stats = statistics(server, model)
         assert (stats.batches, stats.max_batch_requests, stats.rows) == (1, 4, sum(sizes))
 
