@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
-from trio_infer._proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from trio_infer.tensors import decode_outputs, encode_inputs
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from trio_infer.protobuf.codec import decode_outputs, encode_inputs
 
 #: Upper bound on calls one coroutine sends in one run, whatever the duration.
 MAX_CALLS_PER_CLIENT = 2_000_000

@@ -58,8 +58,8 @@ import numpy as np
 
 from bench import batch_probe, client
 from bench.servers import REPO, CpuSnapshot, MemorySampler, ServerKind, ServerProcess
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
-from trio_infer.settings import EXAMPLES, SETTINGS_FILE
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.repository.settings import EXAMPLES, SETTINGS_FILE
 
 MIB = 1024 * 1024
 #: overload: the server's ``--memory-budget`` and the size of each request message.

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import grpc
 
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
-from trio_infer._proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"

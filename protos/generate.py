@@ -1,21 +1,22 @@
-"""Regenerate the Python modules in ``trio_infer/_proto/`` from the ``.proto`` files here.
+"""Regenerate the modules in ``trio_infer/protobuf/_proto/`` from the ``.proto`` files here.
 
 Run from the repository root, in the project's environment::
 
     python protos/generate.py
 
-For each ``protos/NAME.proto`` this writes ``trio_infer/_proto/NAME_pb2.py`` (messages),
+For each ``protos/NAME.proto`` this writes ``trio_infer/protobuf/_proto/NAME_pb2.py`` (messages),
 ``NAME_pb2.pyi`` (their type stubs), ``NAME_pb2_grpc.py`` (grpcio stubs, for tests and clients)
 and ``NAME_grpc.py`` (purerpc stubs, for the server). It uses ``grpc_tools.protoc`` and the
 ``protoc-gen-purerpc`` plugin of the running interpreter's environment, so the output depends
 only on the ``.proto`` files and on the pinned grpcio-tools and purerpc versions.
 
-The protos are compiled under the virtual path ``trio_infer/_proto/``: the descriptors are then
-named ``trio_infer/_proto/NAME.proto`` and every import the generators emit is package-absolute
-(``trio_infer._proto.NAME_pb2``) rather than a top-level ``NAME_pb2`` that would not resolve.
+The protos are compiled under the virtual path ``trio_infer/protobuf/_proto/``: the descriptors
+are then named ``trio_infer/protobuf/_proto/NAME.proto`` and every import the generators emit is
+package-absolute (``trio_infer.protobuf._proto.NAME_pb2``) rather than a top-level ``NAME_pb2``
+that would not resolve.
 
-``--output-root DIR`` writes under ``DIR/trio_infer/_proto/`` instead; the generated-code test
-uses it to check that the committed modules are current.
+``--output-root DIR`` writes under ``DIR/trio_infer/protobuf/_proto/`` instead; the
+generated-code test uses it to check that the committed modules are current.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 PROTO_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_DIR.parent
 #: Where the modules live inside the package, and so the virtual path the protos compile under.
-PACKAGE_PATH = "trio_infer/_proto"
+PACKAGE_PATH = "trio_infer/protobuf/_proto"
 PROTOS = ("grpc_predict_v2.proto", "health.proto")
 #: The suffixes written for each proto, replacing ``.proto``.
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_grpc.py")
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "--output-root",
         type=Path,
         default=REPO_ROOT,
-        help="write under DIR/trio_infer/_proto/ (default: the repository root)",
+        help="write under DIR/trio_infer/protobuf/_proto/ (default: the repository root)",
     )
     options = parser.parse_args(argv)
     for path in generate(options.output_root):

@@ -17,9 +17,9 @@ import numpy as np
 import trio
 
 from tests.support import GrpcioClient, eventually, start_server
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
-from trio_infer.tensors import decode_outputs, encode_inputs, encode_parameters
 
 PROBE = """
 import ctypes
@@ -113,8 +113,8 @@ class Probe:
         """The server has no call in flight and no worker busy."""
         await eventually(
             lambda: (
-                self.server.service.pool.statistics().busy == 0
-                and self.server.service.pool.statistics().waiting == 0
+                self.server.core.pool.statistics().busy == 0
+                and self.server.core.pool.statistics().waiting == 0
             )
         )
 

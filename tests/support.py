@@ -13,9 +13,9 @@ import h2.connection
 import pytest
 import trio
 
-from trio_infer._proto import grpc_predict_v2_pb2_grpc, health_pb2_grpc
-from trio_infer.grpc_protocol import ProtocolLimits, ServerProtocol
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc, health_pb2_grpc
 from trio_infer.server import RunningServer, ServerConfig, run_server
+from trio_infer.transport.grpc_protocol import ProtocolLimits, ServerProtocol
 
 MiB = 1024 * 1024
 

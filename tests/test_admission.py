@@ -25,11 +25,11 @@ import trio.testing
 
 from tests.probe import Probe, probe_request, start_probe
 from tests.support import GrpcioClient, MiB, eventually, start_server
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
-from trio_infer.admission import Admission
 from trio_infer.errors import Overloaded
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf.codec import encode_inputs
+from trio_infer.scheduling.admission import Admission
 from trio_infer.server import RunningServer
-from trio_infer.tensors import encode_inputs
 
 # -- the budget's rules -----------------------------------------------------------------------
 
@@ -261,7 +261,7 @@ async def test_requests_wait_for_a_worker_by_priority_then_in_arrival_order(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     probe = await start_probe(nursery, tmp_path, server={"workers": 1})
-    pool = probe.server.service.pool
+    pool = probe.server.core.pool
     futures = [
         probe.client.stub.ModelInfer.future(
             probe_request(tag="busy", action="sleep", delay_ms=300), timeout=20

@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from tests.support import eventually, start_server
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.client import InferenceClient, InferResult
+from trio_infer.core.service import SERVER_NAME, SERVER_VERSION
+from trio_infer.datatypes import DATATYPES
 from trio_infer.errors import (
     InferError,
     InvalidInput,
@@ -26,10 +27,10 @@ from trio_infer.errors import (
     Unavailable,
     Unimplemented,
 )
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf.codec import encode_parameters
 from trio_infer.server import RunningServer
-from trio_infer.service import SERVER_NAME, SERVER_VERSION
-from trio_infer.tensors import DATATYPES, encode_parameters
-from trio_infer.transport import Call, GrpcServer, ProtocolLimits
+from trio_infer.transport.grpc_server import Call, GrpcServer, ProtocolLimits
 
 MiB = 1024 * 1024
 A = np.arange(32, dtype=np.float32).reshape(2, 16) / 4

@@ -1,4 +1,4 @@
-"""The committed modules in trio_infer/_proto/ must be exactly what protos/generate.py writes.
+"""The committed modules in trio_infer/protobuf/_proto/ are exactly what protos/generate.py writes.
 
 Editing a .proto without regenerating, or regenerating with a different grpcio-tools, fails here.
 The fix is always ``python protos/generate.py`` with the pinned test dependencies installed.
@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-GENERATED_DIR = REPO_ROOT / "trio_infer" / "_proto"
+GENERATED_DIR = REPO_ROOT / "trio_infer" / "protobuf" / "_proto"
 
 
 def _generate_module() -> ModuleType:
@@ -70,7 +70,7 @@ def test_generated_modules_import_cleanly() -> None:
     # and grpcio's generated-version check both run at import time, and the purerpc stubs import
     # their messages by package-absolute name.
     modules = [
-        "trio_infer._proto." + Path(name).name.removesuffix(".py")
+        "trio_infer.protobuf._proto." + Path(name).name.removesuffix(".py")
         for name in generate.expected_files()
         if name.endswith(".py")
     ]

@@ -10,7 +10,7 @@ from h2.stream import StreamClosedBy
 
 from tests.support import GRPC_REQUEST, client_and_server
 from trio_infer.errors import StatusCode
-from trio_infer.grpc_protocol import MessageReceived, RequestEnded, ServerProtocol
+from trio_infer.transport.grpc_protocol import MessageReceived, RequestEnded, ServerProtocol
 
 
 def _connected() -> tuple[h2.connection.H2Connection, ServerProtocol]:

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from tests.support import GRPC_REQUEST, MiB, client_and_server
 from trio_infer.errors import StatusCode
-from trio_infer.grpc_protocol import _REQUEST_HEADERS, ProtocolLimits, ServerProtocol
-from trio_infer.header_blocks import CachingDecoder, CachingEncoder
+from trio_infer.transport.grpc_protocol import _REQUEST_HEADERS, ProtocolLimits, ServerProtocol
+from trio_infer.transport.header_blocks import CachingDecoder, CachingEncoder
 
 # A small alphabet makes blocks repeat (cache hits) and tables churn (entries added, evicted).
 _fields = st.tuples(

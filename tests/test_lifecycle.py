@@ -31,7 +31,7 @@ from tests.probe import (
     write_probe_repository,
 )
 from tests.support import start_server
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 
 # -- deadlines --------------------------------------------------------------------------------
 
@@ -55,7 +55,7 @@ async def test_a_deadline_that_passes_while_queued_never_reaches_a_worker(
     await probe.wait_started("busy")
     error = await probe.error(deadline=0.2, tag="queued")
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert probe.server.service.pool.statistics().waiting == 0
+    assert probe.server.core.pool.statistics().waiting == 0
     await trio.to_thread.run_sync(busy.result)
     assert await probe.call(deadline=5, tag="after") == probe.pid("busy")
     assert not probe.started("queued")
@@ -328,5 +328,5 @@ async def test_chaos_every_request_ends_with_exactly_one_status(probe: Probe) ->
     assert outcomes["DEADLINE_EXCEEDED by the server"] > 0
     # Nothing is left behind: no call in flight, no worker busy for nobody.
     await probe.wait_idle()
-    assert probe.server.service.pool.statistics().busy == 0
+    assert probe.server.core.pool.statistics().busy == 0
     assert await probe.call(deadline=5) > 0

@@ -22,8 +22,13 @@ import trio.testing
 from tests.support import eventually
 from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
-from trio_infer.pool import WorkerPool
-from trio_infer.settings import EXAMPLES, ModelSettings, load_model_settings, load_repository
+from trio_infer.repository.settings import (
+    EXAMPLES,
+    ModelSettings,
+    load_model_settings,
+    load_repository,
+)
+from trio_infer.workers.pool import WorkerPool
 
 # Test models, written into a temporary repository: each model folder gets its own copy of
 # model.py and names its class as "model.<Class>", as a user's repository would.

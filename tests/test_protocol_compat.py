@@ -48,7 +48,7 @@ def _load(module: str) -> descriptor_pb2.FileDescriptorProto:
 
 @pytest.fixture(scope="module")
 def ours() -> descriptor_pb2.FileDescriptorProto:
-    return _load("trio_infer._proto.grpc_predict_v2_pb2")
+    return _load("trio_infer.protobuf._proto.grpc_predict_v2_pb2")
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_service_methods_match_triton(
 
 def test_health_matches_grpc_health_v1() -> None:
     # No reference descriptor is installed for grpc.health.v1, so check the standard's numbers.
-    proto = _load("trio_infer._proto.health_pb2")
+    proto = _load("trio_infer.protobuf._proto.health_pb2")
     assert proto.package == "grpc.health.v1"
     messages = _messages(proto.message_type, ".grpc.health.v1")
     assert _field_signature(messages[".grpc.health.v1.HealthCheckRequest"]) == {

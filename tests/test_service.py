@@ -14,10 +14,11 @@ import pytest
 import trio
 
 from tests.support import GrpcioClient, MiB, start_server
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
-from trio_infer._proto import health_pb2
+from trio_infer.datatypes import DATATYPES
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import health_pb2
+from trio_infer.protobuf.codec import decode_parameters, encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
-from trio_infer.tensors import DATATYPES, decode_parameters, encode_inputs, encode_parameters
 
 W = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
 
@@ -31,7 +32,7 @@ def infer_request(
 
 
 def outputs_of(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
-    from trio_infer.tensors import decode_outputs
+    from trio_infer.protobuf.codec import decode_outputs
 
     return decode_outputs(response)
 

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from trio_infer.settings import (
+from trio_infer.repository.settings import (
     EXAMPLES,
     ModelParameters,
     ModelSettings,
     SettingsError,
+    TensorSpec,
     load_model_settings,
     load_repository,
 )
-from trio_infer.tensors import TensorSpec
 
 
 def write(folder: Path, document: Any) -> Path:

@@ -56,11 +56,11 @@ import numpy as np
 import pytest
 import trio
 
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
-from trio_infer._proto import grpc_predict_v2_pb2_grpc
 from trio_infer.errors import StatusCode
-from trio_infer.tensors import encode_inputs, encode_parameters
-from trio_infer.transport import Call, GrpcServer
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc
+from trio_infer.protobuf.codec import encode_inputs, encode_parameters
+from trio_infer.transport.grpc_server import Call, GrpcServer
 
 #: Allowed beyond the issue's "grace period plus a second" for Popen.wait's polling and a loaded
 #: machine; measured exits do not need it (module doc).

@@ -1,4 +1,4 @@
-"""Tests for trio_infer.tensors: decoding, encoding, validation, parameters."""
+"""Tests for trio_infer.protobuf.codec: decoding, encoding, validation, parameters."""
 
 from __future__ import annotations
 
@@ -11,26 +11,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from trio_infer._proto.grpc_predict_v2_pb2 import (
+from trio_infer.core.validation import select_outputs, validate_inputs
+from trio_infer.datatypes import DATATYPES, datatype_of
+from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode
+from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
     InferParameter,
     ModelInferRequest,
     ModelInferResponse,
 )
-from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode
-from trio_infer.tensors import (
-    DATATYPES,
-    TensorSpec,
-    datatype_of,
+from trio_infer.protobuf.codec import (
     decode_inputs,
     decode_outputs,
     decode_parameters,
     encode_inputs,
     encode_outputs,
     encode_parameters,
-    select_outputs,
     serialize_response,
-    validate_request,
 )
+from trio_infer.repository.settings import TensorSpec
 
 NUMERIC = [name for name in DATATYPES if name != "BYTES"]
 TYPED = [name for name in DATATYPES if name != "FP16"]
@@ -587,66 +585,68 @@ def test_encode_parameters_rejects(value: Any, fragment: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# validate_request
+# validate_inputs: a decoded request against the model's declared inputs
 
 
 SPECS = [TensorSpec("A", "FP32", (-1, 3)), TensorSpec("B", "BYTES", (1,))]
 
 
-def metadata_request(*tensors: tuple[str, str, Sequence[int]]) -> ModelInferRequest:
-    request = ModelInferRequest()
-    for name, datatype, shape in tensors:
-        request.inputs.add(name=name, datatype=datatype, shape=list(shape))
-    return request
+def decoded(*tensors: tuple[str, str, Sequence[int]]) -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape, DATATYPES[datatype]) for name, datatype, shape in tensors}
 
 
-def validation_error(request: ModelInferRequest, specs: Sequence[TensorSpec] = SPECS) -> str:
+def validation_error(inputs: dict[str, np.ndarray], specs: Sequence[TensorSpec] = SPECS) -> str:
     with pytest.raises(InvalidInput) as caught:
-        validate_request(request, specs, "m")
+        validate_inputs(inputs, specs, "m")
     return caught.value.message
 
 
 def test_validate_accepts_matching_request_in_any_order() -> None:
-    validate_request(metadata_request(("B", "BYTES", [1]), ("A", "FP32", [7, 3])), SPECS, "m")
+    validate_inputs(decoded(("B", "BYTES", [1]), ("A", "FP32", [7, 3])), SPECS, "m")
 
 
 def test_validate_without_declared_inputs_accepts_anything() -> None:
-    validate_request(metadata_request(("anything", "WHATEVER", [-4])), [], "m")
+    validate_inputs(decoded(("anything", "UINT16", [0, 4])), [], "m")
 
 
 def test_validate_missing_input() -> None:
-    assert validation_error(metadata_request(("A", "FP32", [1, 3]))) == (
+    assert validation_error(decoded(("A", "FP32", [1, 3]))) == (
         "model 'm': request is missing input(s) 'B'"
     )
 
 
 def test_validate_unexpected_input() -> None:
-    request = metadata_request(("A", "FP32", [1, 3]), ("B", "BYTES", [1]), ("C", "FP32", [1]))
-    assert validation_error(request) == "model 'm' has no input 'C'; its inputs are 'A', 'B'"
+    inputs = decoded(("A", "FP32", [1, 3]), ("B", "BYTES", [1]), ("C", "FP32", [1]))
+    assert validation_error(inputs) == "model 'm' has no input 'C'; its inputs are 'A', 'B'"
 
 
-def test_validate_wrong_datatype() -> None:
-    request = metadata_request(("A", "FP64", [1, 3]), ("B", "BYTES", [1]))
-    assert validation_error(request) == ("model 'm' input 'A': expected datatype FP32, got FP64")
+@pytest.mark.parametrize(("sent", "expected"), [("FP64", "FP32"), ("UINT8", "FP32")])
+def test_validate_wrong_datatype(sent: str, expected: str) -> None:
+    inputs = decoded(("A", sent, [1, 3]), ("B", "BYTES", [1]))
+    assert validation_error(inputs) == (
+        f"model 'm' input 'A': expected datatype {expected}, got {sent}"
+    )
+
+
+def test_validate_tells_bool_from_uint8() -> None:
+    specs = [TensorSpec("A", "BOOL", (2,))]
+    assert validation_error(decoded(("A", "UINT8", [2])), specs) == (
+        "model 'm' input 'A': expected datatype BOOL, got UINT8"
+    )
 
 
 def test_validate_wrong_rank() -> None:
-    request = metadata_request(("A", "FP32", [3]), ("B", "BYTES", [1]))
-    assert validation_error(request) == (
+    inputs = decoded(("A", "FP32", [3]), ("B", "BYTES", [1]))
+    assert validation_error(inputs) == (
         "model 'm' input 'A': expected shape [-1, 3] (rank 2), got [3] (rank 1)"
     )
 
 
 def test_validate_mismatched_fixed_dimension() -> None:
-    request = metadata_request(("A", "FP32", [2, 4]), ("B", "BYTES", [1]))
-    assert validation_error(request) == (
+    inputs = decoded(("A", "FP32", [2, 4]), ("B", "BYTES", [1]))
+    assert validation_error(inputs) == (
         "model 'm' input 'A': expected shape [-1, 3], got [2, 4] (dimension 1 must be 3)"
     )
-
-
-def test_validate_duplicate_input() -> None:
-    request = metadata_request(("B", "BYTES", [1]), ("B", "BYTES", [1]))
-    assert validation_error(request) == "model 'm': input 'B' appears more than once"
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import trio
 from hyperframe.frame import GoAwayFrame
 
 from trio_infer.errors import InvalidInput, StatusCode
-from trio_infer.transport import Call, GrpcServer, ProtocolLimits
+from trio_infer.transport.grpc_server import Call, GrpcServer, ProtocolLimits
 
 MiB = 1024 * 1024
 LARGE_METADATA = "v" * 20_000

@@ -18,7 +18,7 @@ from trio_infer.errors import (
     Unimplemented,
 )
 from trio_infer.model import Model, Parameters
-from trio_infer.settings import ModelSettings
+from trio_infer.repository.settings import ModelSettings
 
 __all__ = [
     "InferError",

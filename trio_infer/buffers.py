@@ -1,8 +1,9 @@
 """Byte buffers sent in order with vectored writes, none of them joined first.
 
-Both sockets that carry tensors use this: a worker's (:mod:`trio_infer.worker_wire`) and a
-client's (:mod:`trio_infer.transport`), so that a large array goes from its own memory to the
-kernel without a copy in Python.
+Both sockets that carry tensors use this: a worker's (:mod:`trio_infer.workers.wire`) and a
+client's (:mod:`trio_infer.transport.grpc_server`), so that a large array goes from its own
+memory to the kernel without a copy in Python. It sits below both, importing nothing of the
+package: the worker side must not import the transport.
 """
 
 from __future__ import annotations

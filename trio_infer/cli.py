@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trio_infer.settings import SettingsError, load_repository
+from trio_infer.repository.settings import SettingsError, load_repository
 
 # Worker processes re-import the main script, which for the installed command imports this
 # module: the server is imported inside functions so that each worker does not load it too.

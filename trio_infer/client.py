@@ -66,7 +66,6 @@ from purerpc.grpclib.connection import GRPCConnection
 from purerpc.grpclib.events import MessageReceived, ResponseEnded, ResponseReceived, WindowUpdated
 from purerpc.grpclib.exceptions import ProtocolError as PurerpcProtocolError
 
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.errors import (
     InferError,
     InvalidInput,
@@ -77,9 +76,15 @@ from trio_infer.errors import (
     Unavailable,
     Unimplemented,
 )
-from trio_infer.grpc_protocol import Metadata
 from trio_infer.model import ParameterValue
-from trio_infer.tensors import decode_outputs, decode_parameters, encode_inputs, encode_parameters
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf.codec import (
+    decode_outputs,
+    decode_parameters,
+    encode_inputs,
+    encode_parameters,
+)
+from trio_infer.transport.grpc_protocol import Metadata
 
 __all__ = ["ERRORS_BY_STATUS", "InferResult", "InferenceClient", "Metadata", "MetadataLike"]
 
@@ -665,7 +670,7 @@ class InferenceClient:
         Args:
             model_name: The model to run.
             inputs: The input tensors by name; anything ``numpy.asarray`` takes. The datatype
-                follows the dtype (see :data:`trio_infer.tensors.DATATYPES`); arrays of
+                follows the dtype (see :data:`trio_infer.protobuf.codec.DATATYPES`); arrays of
                 ``bytes`` or ``str`` (as object or numpy string arrays) are BYTES, with ``str``
                 sent as UTF-8.
             version: The model's version; ``""`` for the server's choice.

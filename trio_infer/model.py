@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trio_infer.settings import ModelSettings
+from trio_infer.repository.settings import ModelSettings
 
 __all__ = ["Model", "ParameterValue", "Parameters"]
 

@@ -5,7 +5,7 @@
     run_server                         owns everything below; returns when all of it is done
     ├── WorkerPool                     worker processes; closed last, so no call outlives it
     └── server nursery
-        ├── GrpcServer.serve           listeners and connections (see trio_infer.transport)
+        ├── GrpcServer.serve           listeners and connections (trio_infer.transport)
         └── readiness keeper           loads every model in every worker, marks it ready; again
                                        after a worker crash
 
@@ -24,15 +24,16 @@ from pathlib import Path
 
 import trio
 
-from trio_infer.admission import Admission, AdmissionStatistics
-from trio_infer.batching import BatchStatistics
+from trio_infer.core.service import InferenceCore
 from trio_infer.errors import InferError
-from trio_infer.grpc_protocol import ProtocolLimits
-from trio_infer.pool import PoolStatistics, WorkerPool
-from trio_infer.registry import ModelRegistry
-from trio_infer.service import InferenceService
-from trio_infer.settings import EXAMPLES, ModelSettings, load_repository
-from trio_infer.transport import GrpcServer
+from trio_infer.frontends.grpc_service import GrpcService
+from trio_infer.repository.registry import ModelRegistry
+from trio_infer.repository.settings import EXAMPLES, ModelSettings, load_repository
+from trio_infer.scheduling.admission import Admission, AdmissionStatistics
+from trio_infer.scheduling.batching import BatchStatistics
+from trio_infer.transport.grpc_protocol import ProtocolLimits
+from trio_infer.transport.grpc_server import GrpcServer
+from trio_infer.workers.pool import PoolStatistics, WorkerPool
 
 __all__ = ["RunningServer", "ServerConfig", "ServerStatistics", "run_server"]
 
@@ -59,7 +60,7 @@ class ServerConfig:
         grace_period: Seconds in-flight calls get to finish once shutdown starts.
         max_message_size: The largest request message accepted, in bytes.
         memory_budget: The most bytes requests in flight may reserve together (see
-            :mod:`trio_infer.admission`); default a quarter of the machine's memory.
+            :mod:`trio_infer.scheduling.admission`); default a quarter of the machine's memory.
         max_waiting_bytes: The most bytes requests waiting for room in the budget may ask for
             together (default: a quarter of the budget); 0 refuses at once a request that
             does not fit.
@@ -91,12 +92,13 @@ class ServerStatistics:
 class RunningServer:
     """A handle on a server started with ``await nursery.start(run_server, config)``."""
 
-    def __init__(self, host: str, port: int, service: InferenceService) -> None:
+    def __init__(self, host: str, port: int, core: InferenceCore) -> None:
         self.host = host
         """The address the server listens on."""
         self.port = port
         """The gRPC port it is bound to (the real one, when 0 was asked for)."""
-        self.service = service
+        self.core = core
+        """The V2 core every front-end calls: the registry, the pool, admission, batching."""
         self._shutdown_requested = trio.Event()
         self._ready = trio.Event()
 
@@ -108,9 +110,9 @@ class RunningServer:
     def statistics(self) -> ServerStatistics:
         """Return a snapshot of admission control, the worker pool and batching."""
         return ServerStatistics(
-            admission=self.service.admission.statistics(),
-            pool=self.service.pool.statistics(),
-            batching=self.service.batching.statistics(),
+            admission=self.core.admission.statistics(),
+            pool=self.core.pool.statistics(),
+            batching=self.core.batching.statistics(),
         )
 
     def shutdown(self) -> None:
@@ -139,7 +141,7 @@ async def run_server(
     """
     registry = ModelRegistry(load_repository(config.repository))
     async with WorkerPool.open(config.workers, debug=config.debug) as pool:
-        service = InferenceService(
+        core = InferenceCore(
             registry,
             pool,
             Admission(config.memory_budget, max_waiting_bytes=config.max_waiting_bytes),
@@ -148,13 +150,13 @@ async def run_server(
             max_message_size=config.max_message_size,
             max_concurrent_streams=config.max_concurrent_streams,
         )
-        grpc = GrpcServer(service.handle, limits)
+        grpc = GrpcServer(GrpcService(core).handle, limits)
         listeners = await trio.open_tcp_listeners(config.grpc_port, host=config.host)
         port: int = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
-            await nursery.start(service.batching.run)
+            await nursery.start(core.batching.run)
             await nursery.start(grpc.serve, listeners)
-            server = RunningServer(config.host, port, service)
+            server = RunningServer(config.host, port, core)
             logger.info(
                 "serving %d model(s) from %s on %s:%d with %d worker(s)",
                 len(list(registry)),
@@ -173,12 +175,12 @@ async def run_server(
                 grpc.calls_in_flight.count,
                 config.grace_period,
             )
-            service.draining = True
+            core.draining = True
             readiness.cancel()
             await grpc.shutdown(config.grace_period)
-            service.batching.stop()
+            core.batching.stop()
             nursery.cancel_scope.deadline = trio.current_time() + _CLOSE_SLACK
-    for name, batches in service.batching.statistics().items():
+    for name, batches in core.batching.statistics().items():
         logger.info(
             "model '%s': %d batches, %d requests, %d rows (mean %.1f requests per batch); "
             "%d requests filled a batch alone",
@@ -200,7 +202,7 @@ async def _keep_models_ready(server: RunningServer, scope: trio.CancelScope) -> 
     some caller's request path, and a model whose loading is what crashes workers turns not
     ready instead of failing every call.
     """
-    registry, pool = server.service.registry, server.service.pool
+    registry, pool = server.core.registry, server.core.pool
     with scope:
         while True:
             failing = list(registry)

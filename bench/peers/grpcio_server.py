@@ -12,8 +12,8 @@ import sys
 
 import grpc
 
-from trio_infer._proto import grpc_predict_v2_pb2 as pb
-from trio_infer._proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc as pb_grpc
 
 
 class LiveOnly(pb_grpc.GRPCInferenceServiceServicer):

@@ -1,5 +1,5 @@
 """The built-in example repository, served when no repository is given.
 
 One folder per model, each with a ``model-settings.json``; the classes are in
-``trio_infer.examples.models``. ``trio_infer.settings.EXAMPLES`` is this folder.
+``trio_infer.examples.models``. ``trio_infer.repository.settings.EXAMPLES`` is this folder.
 """

@@ -19,61 +19,28 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from trio_infer._proto.grpc_predict_v2_pb2 import (
+from trio_infer.buffers import Buffer
+from trio_infer.datatypes import DATATYPES, datatype_of, shape_text
+from trio_infer.errors import InferError, InvalidInput, ModelFailed
+from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
     InferParameter,
     InferTensorContents,
     ModelInferRequest,
     ModelInferResponse,
 )
-from trio_infer.buffers import Buffer
-from trio_infer.errors import InferError, InvalidInput, ModelFailed
 
 __all__ = [
-    "DATATYPES",
-    "TensorSpec",
-    "datatype_of",
     "decode_inputs",
     "decode_outputs",
     "decode_parameters",
     "encode_inputs",
     "encode_outputs",
     "encode_parameters",
-    "select_outputs",
     "serialize_response",
-    "validate_request",
 ]
-
-#: Every datatype of the Open Inference Protocol and the numpy dtype that holds it.
-#: BYTES tensors are numpy object arrays whose elements are ``bytes``.
-DATATYPES: dict[str, np.dtype[np.generic]] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-    "BYTES": np.dtype(np.object_),
-}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A declared tensor: its name, datatype and shape (``-1`` marks a free dimension)."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-
 
 #: The ``InferTensorContents`` field that carries each datatype's typed data. FP16 has none: the
 #: protocol only lets it travel raw.
@@ -105,11 +72,6 @@ _FIELD_DTYPE: dict[str, np.dtype[np.generic]] = {
     "fp64_contents": np.dtype(np.float64),
 }
 
-#: Numeric datatypes by numpy (kind, itemsize); byte order does not change the datatype.
-_DATATYPE_BY_KIND: dict[tuple[str, int], str] = {
-    (dtype.kind, dtype.itemsize): name for name, dtype in DATATYPES.items() if name != "BYTES"
-}
-
 #: The ranges of the integer datatypes narrower than their shared 32-bit typed field.
 _NARROW_RANGE: dict[str, tuple[int, int]] = {
     name: (int(np.iinfo(kind).min), int(np.iinfo(kind).max))
@@ -120,9 +82,6 @@ _NARROW_RANGE: dict[str, tuple[int, int]] = {
         ("UINT16", np.uint16),
     )
 }
-
-#: numpy kinds that hold strings: bytes_, str_, and numpy 2's variable-width StringDType.
-_STRING_KINDS = frozenset("SUT")
 
 #: numpy 1.x caps arrays at 32 dimensions (2.x at 64); enforce the smaller so every supported
 #: numpy can reshape what passes validation.
@@ -137,14 +96,6 @@ _INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 
 _VALID_DATATYPES = ", ".join(DATATYPES)
-
-
-def _quoted(names: Sequence[str] | Mapping[str, Any]) -> str:
-    return ", ".join(f"'{name}'" for name in names) or "none"
-
-
-def _shape_text(shape: Sequence[int]) -> str:
-    return "[" + ", ".join(str(dim) for dim in shape) + "]"
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,7 +227,7 @@ def _checked_shape(where: str, dims: Sequence[int], datatype: str, side: _Side) 
     shape = tuple(dims)
     if any(dim < 0 for dim in shape):
         raise side.error(
-            f"{where}: shape {_shape_text(shape)} has a negative dimension; "
+            f"{where}: shape {shape_text(shape)} has a negative dimension; "
             f"{side.message} shapes must be concrete"
         )
     if len(shape) > _MAX_RANK:
@@ -287,7 +238,7 @@ def _checked_shape(where: str, dims: Sequence[int], datatype: str, side: _Side) 
     # dimension is 0, so bound that product too (Python ints cannot overflow here).
     nonzero = math.prod(dim for dim in shape if dim)
     if nonzero * DATATYPES[datatype].itemsize > np.iinfo(np.intp).max:
-        raise side.error(f"{where}: shape {_shape_text(shape)} is too large")
+        raise side.error(f"{where}: shape {shape_text(shape)} is too large")
     return shape
 
 
@@ -311,7 +262,7 @@ def _decode_raw(
         else:
             held = f"{size // itemsize} {datatype} elements ({size} bytes)"
         raise side.error(
-            f"{where}: shape {_shape_text(shape)} has {count} elements but "
+            f"{where}: shape {shape_text(shape)} has {count} elements but "
             f"{side.raw_field}[{index}] holds {held}"
         )
     array = np.frombuffer(buffer, dtype=dtype)
@@ -336,7 +287,7 @@ def _decode_raw_bytes(
     if count * _LENGTH_PREFIX > size:
         raise side.error(
             f"{where} holds {size} bytes, too few for the {count} length-prefixed BYTES "
-            f"elements of shape {_shape_text(shape)}"
+            f"elements of shape {shape_text(shape)}"
         )
     elements: list[bytes] = []
     offset = 0
@@ -344,7 +295,7 @@ def _decode_raw_bytes(
         if offset + _LENGTH_PREFIX > size:
             raise side.error(
                 f"{where} runs out at the 4-byte length prefix of BYTES element {position} "
-                f"(offset {offset}, {size} bytes in all); shape {_shape_text(shape)} "
+                f"(offset {offset}, {size} bytes in all); shape {shape_text(shape)} "
                 f"declares {count} elements"
             )
         length = int.from_bytes(buffer[offset : offset + _LENGTH_PREFIX], "little")
@@ -360,7 +311,7 @@ def _decode_raw_bytes(
     if offset != size:
         raise side.error(
             f"{where} has {size - offset} bytes after the {count} BYTES elements that shape "
-            f"{_shape_text(shape)} declares"
+            f"{shape_text(shape)} declares"
         )
     return _object_array(elements, shape)
 
@@ -395,7 +346,7 @@ def _decode_typed(
     count = math.prod(shape)
     if len(values) != count:
         raise side.error(
-            f"{where}: shape {_shape_text(shape)} has {count} elements but "
+            f"{where}: shape {shape_text(shape)} has {count} elements but "
             f"contents.{field} holds {len(values)} values"
         )
     if datatype == "BYTES":
@@ -418,34 +369,6 @@ def _decode_typed(
 
 # --------------------------------------------------------------------------------------------
 # Encoding
-
-
-def datatype_of(array: np.ndarray) -> str:
-    """Return the Open Inference Protocol datatype that holds an array's elements.
-
-    Byte order does not matter. Object arrays are taken to be BYTES without looking at their
-    elements (that costs a pass; :func:`encode_outputs` checks them as it encodes them), and so
-    are numpy ``bytes_``/``str_`` and variable-width string arrays.
-
-    Args:
-        array: Any numpy array.
-
-    Returns:
-        One of the keys of :data:`DATATYPES`.
-
-    Raises:
-        ModelFailed: If no datatype holds the dtype, e.g. complex, datetime or structured.
-    """
-    dtype = array.dtype
-    if dtype.kind == "O" or dtype.kind in _STRING_KINDS:
-        return "BYTES"
-    datatype = _DATATYPE_BY_KIND.get((dtype.kind, dtype.itemsize))
-    if datatype is None:
-        raise ModelFailed(
-            f"numpy dtype {dtype} has no Open Inference Protocol datatype; use one of "
-            "bool, (u)int8-64, float16/32/64, or bytes/str"
-        )
-    return datatype
 
 
 def encode_outputs(
@@ -687,94 +610,3 @@ def encode_parameters(
                 f"parameter '{key}' is {type(value).__name__}; parameters are bool, int, "
                 "float or str"
             )
-
-
-# --------------------------------------------------------------------------------------------
-# Checking requests against a model
-
-
-def validate_request(
-    request: ModelInferRequest, inputs: Sequence[TensorSpec], model_name: str
-) -> None:
-    """Check a request's input names, datatypes and shapes against a model's declared inputs.
-
-    Only metadata is checked, not data, so this is cheap and runs before any decoding. A model
-    that declares no inputs accepts anything. ``-1`` in a declared shape matches any size.
-
-    Args:
-        request: The request to check.
-        inputs: The model's declared inputs.
-        model_name: Named in error messages.
-
-    Raises:
-        InvalidInput: If the request sends an input twice, sends one the model does not declare,
-            omits a declared one, or sends one with another datatype, rank or fixed dimension.
-    """
-    if not inputs:
-        return
-    declared = {spec.name: spec for spec in inputs}
-    seen: set[str] = set()
-    for tensor in request.inputs:
-        name = tensor.name
-        if name in seen:
-            raise InvalidInput(f"model '{model_name}': input '{name}' appears more than once")
-        seen.add(name)
-        spec = declared.get(name)
-        if spec is None:
-            raise InvalidInput(
-                f"model '{model_name}' has no input '{name}'; its inputs are {_quoted(declared)}"
-            )
-        if tensor.datatype != spec.datatype:
-            raise InvalidInput(
-                f"model '{model_name}' input '{name}': expected datatype {spec.datatype}, "
-                f"got {tensor.datatype or 'none'}"
-            )
-        shape = tuple(tensor.shape)
-        if len(shape) != len(spec.shape):
-            raise InvalidInput(
-                f"model '{model_name}' input '{name}': expected shape {_shape_text(spec.shape)} "
-                f"(rank {len(spec.shape)}), got {_shape_text(shape)} (rank {len(shape)})"
-            )
-        for axis, (want, got) in enumerate(zip(spec.shape, shape, strict=True)):
-            if want != -1 and want != got:
-                raise InvalidInput(
-                    f"model '{model_name}' input '{name}': expected shape "
-                    f"{_shape_text(spec.shape)}, got {_shape_text(shape)} "
-                    f"(dimension {axis} must be {want})"
-                )
-    missing = [name for name in declared if name not in seen]
-    if missing:
-        raise InvalidInput(f"model '{model_name}': request is missing input(s) {_quoted(missing)}")
-
-
-def select_outputs(
-    outputs: Mapping[str, np.ndarray], requested: Sequence[str], model_name: str
-) -> list[tuple[str, np.ndarray]]:
-    """Pick the outputs to send back.
-
-    Args:
-        outputs: What the model produced, in the model's order.
-        requested: The names the request asked for, in its order; empty means all.
-        model_name: Named in error messages.
-
-    Returns:
-        ``(name, array)`` pairs: all outputs in the model's order when none were requested,
-        else exactly the requested ones in the request's order.
-
-    Raises:
-        InvalidInput: If a requested output was not produced, or is requested twice.
-    """
-    if not requested:
-        return list(outputs.items())
-    selected: list[tuple[str, np.ndarray]] = []
-    chosen: set[str] = set()
-    for name in requested:
-        if name not in outputs:
-            raise InvalidInput(
-                f"model '{model_name}' has no output '{name}'; its outputs are {_quoted(outputs)}"
-            )
-        if name in chosen:
-            raise InvalidInput(f"model '{model_name}': output '{name}' is requested twice")
-        chosen.add(name)
-        selected.append((name, outputs[name]))
-    return selected

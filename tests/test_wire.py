@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_infer import worker_wire
+from trio_infer.workers import wire
 
 # Sizes either side of the 16 KiB out-of-band threshold, and arrays that are not contiguous
 # (those travel in the pickle).
@@ -32,10 +32,10 @@ def _array(rows: int, columns: int, transposed: bool, seed: int) -> np.ndarray:
     return values[:, ::2] if transposed else values
 
 
-def _read(frame: list[worker_wire.Buffer], cuts: list[int]) -> object:
+def _read(frame: list[wire.Buffer], cuts: list[int]) -> object:
     """Feed a frame's bytes to the reader in pieces that end at ``cuts``."""
     data = b"".join(bytes(buffer) for buffer in frame)
-    parse = worker_wire.reader()
+    parse = wire.reader()
     view = next(parse)
     position = 0
     pieces = sorted({min(cut, len(data)) for cut in cuts} | {len(data)})
@@ -69,13 +69,13 @@ def _assert_same(got: object, sent: object) -> None:
 def test_a_message_read_in_any_pieces_is_the_message_sent(
     message: tuple[object, ...], cuts: list[int]
 ) -> None:
-    _assert_same(_read(worker_wire.pack(message), cuts), message)
+    _assert_same(_read(wire.pack(message), cuts), message)
 
 
 def test_large_contiguous_tensors_travel_out_of_band_and_small_ones_in_the_pickle() -> None:
     large = np.zeros(4096, np.float32)  # 16 KiB
     small = np.zeros(4095, np.float32)
-    frame = worker_wire.pack({"large": large, "small": small, "strided": np.zeros(8192)[::2]})
+    frame = wire.pack({"large": large, "small": small, "strided": np.zeros(8192)[::2]})
     assert len(frame) == 3  # header, pickle, and the one large buffer
     assert memoryview(frame[2]).nbytes == large.nbytes
 
@@ -83,7 +83,7 @@ def test_large_contiguous_tensors_travel_out_of_band_and_small_ones_in_the_pickl
 @pytest.mark.parametrize("buffers", [1, 600, 1100])
 def test_send_some_goes_on_until_a_frame_with_many_buffers_is_sent(buffers: int) -> None:
     message = [np.full(4096, i, np.float32) for i in range(buffers)]
-    frame = worker_wire.pack(message)
+    frame = wire.pack(message)
     sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with sender, receiver:
         sender.setblocking(False)
@@ -91,7 +91,7 @@ def test_send_some_goes_on_until_a_frame_with_many_buffers_is_sent(buffers: int)
         left = frame
         while left:
             try:
-                left = worker_wire.send_some(sender, left)
+                left = wire.send_some(sender, left)
             except BlockingIOError:
                 received += receiver.recv(1 << 20)
         total = sum(memoryview(buffer).nbytes for buffer in frame)

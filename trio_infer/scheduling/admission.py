@@ -41,16 +41,16 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import trio
 
-from trio_infer._proto.grpc_predict_v2_pb2 import ModelInferRequest
+from trio_infer.datatypes import DATATYPES
 from trio_infer.errors import Overloaded
-from trio_infer.settings import ModelSettings
-from trio_infer.tensors import DATATYPES, TensorSpec
+from trio_infer.repository.settings import ModelSettings, TensorSpec
 
 __all__ = ["Admission", "AdmissionStatistics", "Reservation", "estimate_output_bytes"]
 
@@ -326,7 +326,7 @@ class Admission:
         return Overloaded(message)
 
 
-def estimate_output_bytes(request: ModelInferRequest, outputs: Sequence[TensorSpec]) -> int:
+def estimate_output_bytes(inputs: Mapping[str, np.ndarray], outputs: Sequence[TensorSpec]) -> int:
     """Estimate the bytes of a request's outputs from the model's declared outputs.
 
     A ``-1`` in an output's first dimension is taken as the request's batch size (the first
@@ -334,7 +334,8 @@ def estimate_output_bytes(request: ModelInferRequest, outputs: Sequence[TensorSp
     (no declared outputs, BYTES, or another free dimension): the caller then assumes an answer
     as large as the request.
     """
-    rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
+    first = next(iter(inputs.values()), None)
+    rows = first.shape[0] if first is not None and first.ndim else 1
     total = 0
     for spec in outputs:
         if spec.datatype == "BYTES" or not spec.shape:

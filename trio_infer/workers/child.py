@@ -1,9 +1,10 @@
 """Code that runs inside a worker process: the per-process model cache, load and predict.
 
 trio-parallel starts each worker process with ``configure`` and runs ``serve`` in it, as one job
-for the process's whole life; ``serve`` then runs the calls the pool (``trio_infer.pool``) sends
-over a socket: ``load_all``, ``load`` and ``predict``, by reference. This module must stay
-importable without Trio or the server: it is what every worker imports.
+for the process's whole life; ``serve`` then runs the calls the pool
+(``trio_infer.workers.pool``) sends over a socket: ``load_all``, ``load`` and ``predict``, by
+reference. This module must stay importable without Trio or the server: it is what every
+worker imports.
 
 Error contract (every exception leaving this module must unpickle in the parent):
 
@@ -34,10 +35,11 @@ from types import ModuleType
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from trio_infer import errors, worker_wire
+from trio_infer import errors
 from trio_infer.errors import InferError, ModelFailed
 from trio_infer.model import Model, Parameters
-from trio_infer.settings import ModelSettings
+from trio_infer.repository.settings import ModelSettings
+from trio_infer.workers import wire
 
 __all__ = [
     "THREAD_VARIABLES",
@@ -72,7 +74,7 @@ def configure(threads_per_worker: int, debug: bool) -> None:
     """
     global _threads, _debug
     _threads, _debug = threads_per_worker, debug
-    # Spawned workers (where there is no fork server) do what trio_infer._forkserver does:
+    # Spawned workers (where there is no fork server) do what trio_infer.workers.forkserver does:
     # the server, not a stop signal sent to its process group, decides when workers stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Libraries a model loads later (torch, onnxruntime's OpenMP) read these when they load;
@@ -110,8 +112,8 @@ def serve(address: str) -> None:
             while True:
                 # Block only with nothing to run and nothing to report.
                 block = finished is None and not skipped and not inbox
-                while block or worker_wire.waiting(sock):
-                    _take(worker_wire.receive(sock), inbox, skipped)
+                while block or wire.waiting(sock):
+                    _take(wire.receive(sock), inbox, skipped)
                     block = False
                 if finished is not None or skipped:
                     _report(sock, finished, skipped)
@@ -151,14 +153,14 @@ def _report(
     sock: socket.socket, finished: tuple[int, bool, object, float] | None, skipped: list[int]
 ) -> None:
     try:
-        frame = worker_wire.pack((finished, skipped))
+        frame = wire.pack((finished, skipped))
     except Exception as exc:
         # The result does not pickle (a model's own class in it, say): the call fails instead.
         assert finished is not None
         call_id, _, _, seconds = finished
         failed = ModelFailed(f"the result could not be sent to the server: {_failed(exc).message}")
-        frame = worker_wire.pack(((call_id, False, failed, seconds), skipped))
-    worker_wire.send(sock, frame)
+        frame = wire.pack(((call_id, False, failed, seconds), skipped))
+    wire.send(sock, frame)
 
 
 def load(settings: ModelSettings) -> None:

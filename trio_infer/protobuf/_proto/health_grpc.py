@@ -1,5 +1,5 @@
 import purerpc
-import trio_infer._proto.health_pb2 as trio_infer_dot__proto_dot_health__pb2
+import trio_infer.protobuf._proto.health_pb2 as trio_infer_dot_protobuf_dot__proto_dot_health__pb2
 
 
 class HealthServicer(purerpc.Servicer):
@@ -19,8 +19,8 @@ class HealthServicer(purerpc.Servicer):
             self.Check,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_health__pb2.HealthCheckRequest,
-                trio_infer_dot__proto_dot_health__pb2.HealthCheckResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_health__pb2.HealthCheckRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_health__pb2.HealthCheckResponse,
             )
         )
         service_obj.add_method(
@@ -28,8 +28,8 @@ class HealthServicer(purerpc.Servicer):
             self.Watch,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_STREAM,
-                trio_infer_dot__proto_dot_health__pb2.HealthCheckRequest,
-                trio_infer_dot__proto_dot_health__pb2.HealthCheckResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_health__pb2.HealthCheckRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_health__pb2.HealthCheckResponse,
             )
         )
         return service_obj
@@ -45,15 +45,15 @@ class HealthStub:
             "Check",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_health__pb2.HealthCheckRequest,
-                trio_infer_dot__proto_dot_health__pb2.HealthCheckResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_health__pb2.HealthCheckRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_health__pb2.HealthCheckResponse,
             )
         )
         self.Watch = self._client.get_method_stub(
             "Watch",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_STREAM,
-                trio_infer_dot__proto_dot_health__pb2.HealthCheckRequest,
-                trio_infer_dot__proto_dot_health__pb2.HealthCheckResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_health__pb2.HealthCheckRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_health__pb2.HealthCheckResponse,
             )
         )

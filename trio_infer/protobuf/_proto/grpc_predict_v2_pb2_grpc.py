@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from trio_infer._proto import grpc_predict_v2_pb2 as trio__infer_dot___proto_dot_grpc__predict__v2__pb2
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in trio_infer/_proto/grpc_predict_v2_pb2_grpc.py depends on'
+        + ' but the generated code in trio_infer/protobuf/_proto/grpc_predict_v2_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,53 +36,53 @@ class GRPCInferenceServiceStub:
         """
         self.ServerLive = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerLive',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveResponse.FromString,
                 _registered_method=True)
         self.ServerReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerReady',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyResponse.FromString,
                 _registered_method=True)
         self.ModelReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelReady',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyResponse.FromString,
                 _registered_method=True)
         self.ServerMetadata = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerMetadata',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataResponse.FromString,
                 _registered_method=True)
         self.ModelMetadata = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelMetadata',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataResponse.FromString,
                 _registered_method=True)
         self.ModelInfer = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelInfer',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
         self.ModelStreamInfer = channel.stream_stream(
                 '/inference.GRPCInferenceService/ModelStreamInfer',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
                 _registered_method=True)
         self.RepositoryIndex = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryIndex',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
         self.RepositoryModelLoad = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryModelLoad',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.FromString,
                 _registered_method=True)
         self.RepositoryModelUnload = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryModelUnload',
-                request_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.SerializeToString,
-                response_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.FromString,
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.FromString,
                 _registered_method=True)
 
 
@@ -163,53 +163,53 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ServerLive': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerLive,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveResponse.SerializeToString,
             ),
             'ServerReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerReady,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyResponse.SerializeToString,
             ),
             'ModelReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelReady,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyResponse.SerializeToString,
             ),
             'ServerMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerMetadata,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataResponse.SerializeToString,
             ),
             'ModelMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelMetadata,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataResponse.SerializeToString,
             ),
             'ModelInfer': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfer,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferResponse.SerializeToString,
             ),
             'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
                     servicer.ModelStreamInfer,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.SerializeToString,
             ),
             'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryIndex,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.SerializeToString,
             ),
             'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryModelLoad,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.SerializeToString,
             ),
             'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryModelUnload,
-                    request_deserializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.FromString,
-                    response_serializer=trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.SerializeToString,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -237,8 +237,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerLive',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerLiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -264,8 +264,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerReady',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -291,8 +291,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelReady',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -318,8 +318,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerMetadata',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ServerMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -345,8 +345,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelMetadata',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -372,8 +372,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelInfer',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -399,8 +399,8 @@ class GRPCInferenceService:
             request_iterator,
             target,
             '/inference.GRPCInferenceService/ModelStreamInfer',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -426,8 +426,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/RepositoryIndex',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -453,8 +453,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/RepositoryModelLoad',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -480,8 +480,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/RepositoryModelUnload',
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.SerializeToString,
-            trio__infer_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.FromString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,9 +43,9 @@ import trio
 
 from trio_infer.errors import InferError, ModelFailed, Unavailable
 from trio_infer.model import Parameters, ParameterValue
-from trio_infer.priority import DEFAULT_PRIORITY
-from trio_infer.reply import Reply
-from trio_infer.settings import ModelSettings
+from trio_infer.repository.settings import ModelSettings
+from trio_infer.scheduling.priority import DEFAULT_PRIORITY
+from trio_infer.scheduling.reply import Reply
 
 __all__ = [
     "BatchPlan",
@@ -75,7 +75,7 @@ _DISPATCH_SLACK = 0.025
 
 
 class Predictor(Protocol):
-    """What a batcher calls: :class:`trio_infer.pool.WorkerPool` or a test's fake."""
+    """What a batcher calls: :class:`trio_infer.workers.pool.WorkerPool` or a test's fake."""
 
     async def predict(
         self,
@@ -84,7 +84,7 @@ class Predictor(Protocol):
         parameters: Parameters,
         priority: int = DEFAULT_PRIORITY,
     ) -> dict[str, np.ndarray]:
-        """Run one model call; see :meth:`trio_infer.pool.WorkerPool.predict`."""
+        """Run one model call; see :meth:`trio_infer.workers.pool.WorkerPool.predict`."""
         ...
 
 
@@ -155,7 +155,7 @@ class Pending(Protocol):
 
     @property
     def priority(self) -> int:
-        """Its priority level: 1 is the highest (see :mod:`trio_infer.priority`)."""
+        """Its priority level: 1 is the highest (see :mod:`trio_infer.scheduling.priority`)."""
         ...
 
     @property

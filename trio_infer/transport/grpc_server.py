@@ -37,7 +37,7 @@ import trio
 
 from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent, write_some
 from trio_infer.errors import InferError, StatusCode
-from trio_infer.grpc_protocol import (
+from trio_infer.transport.grpc_protocol import (
     BY_REFERENCE_BYTES,
     CallRejected,
     ConnectionTerminated,

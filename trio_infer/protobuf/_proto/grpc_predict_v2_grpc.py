@@ -1,5 +1,5 @@
 import purerpc
-import trio_infer._proto.grpc_predict_v2_pb2 as trio_infer_dot__proto_dot_grpc_predict_v2__pb2
+import trio_infer.protobuf._proto.grpc_predict_v2_pb2 as trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2
 
 
 class GRPCInferenceServiceServicer(purerpc.Servicer):
@@ -43,8 +43,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.ServerLive,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerLiveRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerLiveResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerLiveRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerLiveResponse,
             )
         )
         service_obj.add_method(
@@ -52,8 +52,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.ServerReady,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerReadyRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerReadyResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerReadyRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerReadyResponse,
             )
         )
         service_obj.add_method(
@@ -61,8 +61,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.ModelReady,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelReadyRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelReadyResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelReadyRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelReadyResponse,
             )
         )
         service_obj.add_method(
@@ -70,8 +70,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.ServerMetadata,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerMetadataRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerMetadataResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerMetadataRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerMetadataResponse,
             )
         )
         service_obj.add_method(
@@ -79,8 +79,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.ModelMetadata,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelMetadataRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelMetadataResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelMetadataRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelMetadataResponse,
             )
         )
         service_obj.add_method(
@@ -88,8 +88,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.ModelInfer,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelInferResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelInferResponse,
             )
         )
         service_obj.add_method(
@@ -97,8 +97,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.ModelStreamInfer,
             purerpc.RPCSignature(
                 purerpc.Cardinality.STREAM_STREAM,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelStreamInferResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelStreamInferResponse,
             )
         )
         service_obj.add_method(
@@ -106,8 +106,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.RepositoryIndex,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryIndexRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryIndexResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryIndexRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryIndexResponse,
             )
         )
         service_obj.add_method(
@@ -115,8 +115,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.RepositoryModelLoad,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelLoadRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelLoadResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelLoadRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelLoadResponse,
             )
         )
         service_obj.add_method(
@@ -124,8 +124,8 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
             self.RepositoryModelUnload,
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelUnloadRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelUnloadResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelUnloadRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelUnloadResponse,
             )
         )
         return service_obj
@@ -141,79 +141,79 @@ class GRPCInferenceServiceStub:
             "ServerLive",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerLiveRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerLiveResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerLiveRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerLiveResponse,
             )
         )
         self.ServerReady = self._client.get_method_stub(
             "ServerReady",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerReadyRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerReadyResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerReadyRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerReadyResponse,
             )
         )
         self.ModelReady = self._client.get_method_stub(
             "ModelReady",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelReadyRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelReadyResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelReadyRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelReadyResponse,
             )
         )
         self.ServerMetadata = self._client.get_method_stub(
             "ServerMetadata",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerMetadataRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ServerMetadataResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerMetadataRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ServerMetadataResponse,
             )
         )
         self.ModelMetadata = self._client.get_method_stub(
             "ModelMetadata",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelMetadataRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelMetadataResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelMetadataRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelMetadataResponse,
             )
         )
         self.ModelInfer = self._client.get_method_stub(
             "ModelInfer",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelInferResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelInferResponse,
             )
         )
         self.ModelStreamInfer = self._client.get_method_stub(
             "ModelStreamInfer",
             purerpc.RPCSignature(
                 purerpc.Cardinality.STREAM_STREAM,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.ModelStreamInferResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelStreamInferResponse,
             )
         )
         self.RepositoryIndex = self._client.get_method_stub(
             "RepositoryIndex",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryIndexRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryIndexResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryIndexRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryIndexResponse,
             )
         )
         self.RepositoryModelLoad = self._client.get_method_stub(
             "RepositoryModelLoad",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelLoadRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelLoadResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelLoadRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelLoadResponse,
             )
         )
         self.RepositoryModelUnload = self._client.get_method_stub(
             "RepositoryModelUnload",
             purerpc.RPCSignature(
                 purerpc.Cardinality.UNARY_UNARY,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelUnloadRequest,
-                trio_infer_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelUnloadResponse,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelUnloadRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.RepositoryModelUnloadResponse,
             )
         )

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trio_infer.tensors import DATATYPES, TensorSpec
+from trio_infer.datatypes import DATATYPES
 
 __all__ = [
     "EXAMPLES",
@@ -33,6 +33,7 @@ __all__ = [
     "ModelParameters",
     "ModelSettings",
     "SettingsError",
+    "TensorSpec",
     "load_model_settings",
     "load_repository",
 ]
@@ -41,12 +42,21 @@ __all__ = [
 SETTINGS_FILE = "model-settings.json"
 
 #: The built-in example repository, served when no repository is given.
-EXAMPLES: Path = Path(__file__).resolve().parent / "examples"
+EXAMPLES: Path = Path(__file__).resolve().parent.parent / "examples"
 
 _T = TypeVar("_T")
 
 # "package.module.ClassName": at least a module and a class, each a Python identifier.
 _IMPLEMENTATION = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A declared tensor: its name, datatype and shape (``-1`` marks a free dimension)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
 
 
 class SettingsError(ValueError):
@@ -77,14 +87,14 @@ class ModelSettings:
     ``max_batch_time`` and ``timeout`` are in seconds; ``timeout`` bounds a model call for callers
     that have no deadline of their own.
 
-    Batching (``trio_infer.batching``) is on when ``max_batch_size`` is more than 1 and every
-    declared input has ``-1`` as its first dimension, the batch dimension. Requests with the
-    same input names, datatypes and trailing dimensions and equal parameters then run as one
-    model call, their inputs concatenated along dimension 0; every output must have the batch's
-    total rows as its first dimension and is cut back into each request's rows. A batch is filled
-    to ``max_batch_size`` rows (a larger request runs alone) and leaves when full, when its
-    oldest request has waited ``max_batch_time`` (0: take what is waiting and go), or earlier
-    if a member's deadline (or ``timeout``) requires it.
+    Batching (``trio_infer.scheduling.batching``) is on when ``max_batch_size`` is more than 1 and
+    every declared input has ``-1`` as its first dimension, the batch dimension. Requests with the
+    same input names, datatypes and trailing dimensions and equal parameters then run as one model
+    call, their inputs concatenated along dimension 0; every output must have the batch's total rows
+    as its first dimension and is cut back into each request's rows. A batch is filled to
+    ``max_batch_size`` rows (a larger request runs alone) and leaves when full, when its oldest
+    request has waited ``max_batch_time`` (0: take what is waiting and go), or earlier if a member's
+    deadline (or ``timeout``) requires it.
     """
 
     name: str

@@ -2,23 +2,23 @@
 
 Model code runs in worker processes so that it can use every core, block, crash or be killed
 without taking the server with it. Each worker keeps the models it has loaded
-(``trio_infer.worker``).
+(``trio_infer.workers.child``).
 
 ::
 
     WorkerPool.open               the pool's nursery, inside trio-parallel's worker context
     └── lane (one per worker)     starts a worker when there is work, another when it ends
         └── a worker's life       its own nursery
-            ├── the process       trio-parallel runs worker.serve in it, for its whole life
-            └── the talk          over a Unix socket with worker.serve
+            ├── the process       trio-parallel runs child.serve in it, for its whole life
+            └── the talk          over a Unix socket with child.serve
                 ├── receiver      reads the worker's reports, fills their calls' replies
                 └── sender        sends calls (the next before the current ends), cancels
 
 A call (``predict``, ``warm_up``) joins the pool's queue (one per priority level,
-``trio_infer.priority``) and waits on its own reply
-(``trio_infer.reply``). A lane takes it when its worker has room and from then on owns it: the
-lane fills the reply on every exit path (the result, the model's error, the worker's death, the
-pool's shutdown). A worker is sent its next call while it runs the current one
+``trio_infer.scheduling.priority``) and waits on its own reply
+(``trio_infer.scheduling.reply``). A lane takes it when its worker has room and from then on
+owns it: the lane fills the reply on every exit path (the result, the model's error, the
+worker's death, the pool's shutdown). A worker is sent its next call while it runs the current one
 (``CALLS_PER_WORKER``), so that it starts the next at once.
 
 Cancellation: a cancelled call that waits in the queue leaves it; one that was sent but has not
@@ -59,12 +59,12 @@ import numpy as np
 import trio
 import trio_parallel
 
-from trio_infer import worker, worker_wire
 from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
-from trio_infer.priority import DEFAULT_PRIORITY, PRIORITY_LEVELS
-from trio_infer.reply import Reply
-from trio_infer.settings import ModelSettings
+from trio_infer.repository.settings import ModelSettings
+from trio_infer.scheduling.priority import DEFAULT_PRIORITY, PRIORITY_LEVELS
+from trio_infer.scheduling.reply import Reply
+from trio_infer.workers import child, wire
 
 __all__ = ["CALLS_PER_WORKER", "GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
 
@@ -93,7 +93,7 @@ _RESTART_PAUSE = 0.1
 # numpy 2.4, from the call to the result of add_sub on a fresh worker (model loaded lazily):
 #   SPAWN       130-185 ms: a new interpreter imports numpy, protobuf and this package each time.
 #   FORKSERVER  13-15 ms: a fork of a server process that imported the _PRELOAD modules once
-#               (pages shared copy-on-write). Preloading trio_infer.worker alone gave 40 ms.
+#               (pages shared copy-on-write). Preloading trio_infer.workers.child alone gave 40 ms.
 #   FORK        not used: forking the Trio process copies its threads' locks in any state.
 # The first worker costs about the same either way (~150 ms; the fork server imports once).
 # Round trips are alike (add_sub 1x16: p50 230-330 us, p99 ~0.5 ms; trio-parallel alone 140 us).
@@ -103,11 +103,11 @@ _RESTART_PAUSE = 0.1
 
 # Modules every worker imports; multiprocessing's child set-up itself needs logging and pkgutil.
 _PRELOAD = [
-    "trio_infer._forkserver",
+    "trio_infer.workers.forkserver",
     "logging",
     "pkgutil",
     "_trio_parallel_workers",
-    "trio_infer.worker",
+    "trio_infer.workers.child",
 ]
 
 
@@ -185,7 +185,7 @@ class WorkerPool:
         manager = trio_parallel.open_worker_context(
             # Idle workers hold loaded models: never let them time out.
             idle_timeout=math.inf,
-            init=partial(worker.configure, threads_per_worker, debug),
+            init=partial(child.configure, threads_per_worker, debug),
             grace_period=GRACE_PERIOD,
             worker_type=worker_type,
         )
@@ -235,7 +235,7 @@ class WorkerPool:
         errors: list[InferError] = []
 
         async def warm(lane: _Lane) -> None:
-            call = self._call("loading models", None, worker.load_all, tuple(models))
+            call = self._call("loading models", None, child.load_all, tuple(models))
             try:
                 await self._submit(call, lane.private)
             except InferError as exc:
@@ -257,7 +257,7 @@ class WorkerPool:
         """Run one model call in a worker, waiting for a free worker first.
 
         Calls wait for a worker by priority level, then in arrival order (see
-        :mod:`trio_infer.priority`).
+        :mod:`trio_infer.scheduling.priority`).
 
         Cancelling the call (a deadline, a client gone) while it runs kills the worker running
         it; the pool starts a replacement, which loads its models when they are next called.
@@ -286,7 +286,7 @@ class WorkerPool:
         call = self._call(
             f"running model {settings.name!r}",
             settings.name,
-            worker.predict,
+            child.predict,
             self._pickled(settings),
             inputs,
             parameters,
@@ -408,7 +408,7 @@ class WorkerPool:
         if entry is None or entry[0] is not settings:
             entry = self._pickled_settings[key] = (
                 settings,
-                worker.pickled_settings(settings),
+                child.pickled_settings(settings),
             )
         return entry[1]
 
@@ -606,7 +606,7 @@ class _Lane:
         try:
             with self._process:
                 await self._pool._context.run_sync(
-                    worker.serve,
+                    child.serve,
                     self._address,
                     kill_on_cancel=True,
                     limiter=self._pool._limiter,
@@ -659,15 +659,15 @@ class _Lane:
             else:
                 await self._sleep()
 
-    def _next_frame(self) -> tuple[list[worker_wire.Buffer] | None, _Call | None]:
+    def _next_frame(self) -> tuple[list[wire.Buffer] | None, _Call | None]:
         if self._cancels:
-            frame = worker_wire.pack(list(self._cancels))
+            frame = wire.pack(list(self._cancels))
             self._cancels.clear()
             return frame, None
         while (call := self._take()) is not None:
             function, args = call.message
             try:
-                frame = worker_wire.pack((call.id, function, args))
+                frame = wire.pack((call.id, function, args))
             except Exception as exc:
                 call.reply.set_error(
                     ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")
@@ -702,7 +702,7 @@ class _Lane:
     async def _receive(self, connection: socket.socket, talk: trio.CancelScope) -> None:
         """Read the worker's reports until the connection ends, then end the talk."""
         try:
-            parse = worker_wire.reader()
+            parse = wire.reader()
             view = next(parse)
             reporting = False  # part of a report is read: the call it reports on has ended
             while True:
@@ -733,7 +733,7 @@ class _Lane:
                     self._unreadable_report(exc)
                     return
                 self._on_report(*report)
-                parse = worker_wire.reader()
+                parse = wire.reader()
                 view = next(parse)
                 reporting = False
         finally:
@@ -854,10 +854,10 @@ def _listening(address: str) -> Iterator[socket.socket]:
 # scheduler pass, and a call makes several; here a task waits only when there is nothing to do.
 
 
-async def _send_frame(connection: socket.socket, frame: list[worker_wire.Buffer]) -> None:
+async def _send_frame(connection: socket.socket, frame: list[wire.Buffer]) -> None:
     while frame:
         try:
-            frame = worker_wire.send_some(connection, frame)
+            frame = wire.send_some(connection, frame)
         except BlockingIOError:
             await trio.lowlevel.wait_writable(connection)
 
@@ -890,10 +890,10 @@ def _prepare_worker_type(threads_per_worker: int) -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return trio_parallel.WorkerType.SPAWN
     # The fork server is per process and starts once: the first pool's settings are what it
-    # preloads with. Workers apply their own thread limits at start (worker.configure), so a
+    # preloads with. Workers apply their own thread limits at start (child.configure), so a
     # later pool with other limits still gets them.
     multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    with _environment(dict.fromkeys(worker.THREAD_VARIABLES, str(threads_per_worker))):
+    with _environment(dict.fromkeys(child.THREAD_VARIABLES, str(threads_per_worker))):
         # numpy sizes its BLAS thread pool when imported, and the fork server imports it.
         # Blocking, but once per process and a few milliseconds (it does not wait for the
         # preload; the first worker start does).

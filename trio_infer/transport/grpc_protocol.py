@@ -1,7 +1,7 @@
 """The server side of gRPC over HTTP/2 as a sans-I/O state machine: bytes in, events out.
 
 Built on purerpc's protocol layer (``purerpc.grpclib``), which drives h2. This is the only module
-that imports purerpc or h2 on the server side; :mod:`trio_infer.transport` does the I/O.
+that imports purerpc or h2 on the server side; :mod:`trio_infer.transport.grpc_server` does the I/O.
 
 What purerpc 0.8.0 gets wrong for a server, and what this module changes:
 
@@ -59,7 +59,7 @@ from purerpc.grpclib.headers import HeaderDict, sanitize_headers
 
 from trio_infer.buffers import Buffer
 from trio_infer.errors import StatusCode
-from trio_infer.header_blocks import (
+from trio_infer.transport.header_blocks import (
     MAX_REMEMBERED_BYTES,
     CachingDecoder,
     CachingEncoder,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from trio_infer.errors import ModelNotFound
-from trio_infer.settings import ModelSettings
+from trio_infer.repository.settings import ModelSettings
 
 
 class ModelRegistry:
