@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workers", type=int, default=2, help="worker processes per server (default: 2)"
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run trio-infer as of git revision REV (e.g. HEAD~1), side by side",
+    )
     return parser
 
 
@@ -238,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         kinds = servers.select([n.strip() for n in args.servers.split(",") if n.strip()])
+        if args.baseline:
+            kinds.append(servers.baseline(args.baseline))
         chosen = scenarios.select(args.scenarios)
     except ValueError as error:
         log(str(error))

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -71,6 +71,8 @@ class ServerKind:
         find_workers: Worker pids from the server's pid; None when it has no worker processes.
         workers_note: How workers are found, or why there are none (README and table).
         models: Models to wait for before the server counts as started.
+        workdir: The server's working directory. A baseline runs in its own source tree, so
+            that its worker processes import its own ``trio_infer``, not this checkout's.
     """
 
     name: str
@@ -81,6 +83,7 @@ class ServerKind:
     find_workers: Callable[[int], list[int]] | None
     workers_note: str
     models: tuple[str, ...] = ("dense", "sleep")
+    workdir: Path = REPO
 
 
 # ------------------------------------------------------------------------------------------
@@ -579,7 +582,7 @@ class ServerProcess:
             log.flush()
             self.process = subprocess.Popen(
                 [*self.kind.command(self.python, self.ports, self.workers), *self.extra_args],
-                cwd=REPO,
+                cwd=self.kind.workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -648,6 +651,39 @@ def stop_all() -> None:
 
 
 atexit.register(stop_all)
+
+
+def baseline(revision: str) -> ServerKind:
+    """trio-infer as of a git ``revision``, to run side by side with the working tree's.
+
+    The revision's files are exported (``git archive``) to ``bench/.venvs/src-<commit>`` and
+    installed, not editable, into a venv of its own; both are made once per commit. It runs the
+    scenarios every server runs, under the name ``trio-infer@<commit>``.
+
+    Raises:
+        ValueError: ``revision`` names no commit.
+    """
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", f"{revision}^{{commit}}"],
+            cwd=REPO, capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except subprocess.CalledProcessError:
+        raise ValueError(f"--baseline {revision!r} names no commit of this repository") from None
+    source = VENVS / f"src-{commit}"
+    if not (source / "pyproject.toml").exists():
+        source.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "archive", commit], cwd=REPO, capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    return replace(
+        SERVERS["trio-infer"],
+        name=f"trio-infer@{commit}",
+        requirements=(str(source),),
+        serves=ALL_KINDS,
+        workdir=source,
+    )
 
 
 def select(names: Sequence[str]) -> list[ServerKind]:
