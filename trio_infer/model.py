@@ -24,6 +24,23 @@ Each worker process creates the model once and calls ``load()`` once, before its
 per process. The model's folder is on ``sys.path``, so ``model.Scale`` names the folder's own
 ``model.py``.
 
+A model reads its weights in ``load()``. ``parameters.uri`` says where they are;
+``self.settings.model_uri`` is that uri as a ``Path``, a relative uri resolved against the model's
+folder (as MLServer resolves it), so the server may run from any working directory.
+``self.settings.path`` is the folder itself, for files the settings do not name::
+
+    # models/linear/model-settings.json
+    {"implementation": "model.Linear", "parameters": {"uri": "./weights.npy"}}
+
+    # models/linear/model.py
+    class Linear(Model):
+        def load(self) -> None:
+            self.w = np.load(self.settings.model_uri)  # models/linear/weights.npy
+            self.labels = (self.settings.path / "labels.txt").read_text().split()
+
+        def predict(self, inputs, parameters):
+            return {"y": inputs["x"] @ self.w}
+
 To fail a request with a status of your choice, raise
 ``trio_infer.errors.InferError("message", StatusCode.X)``; any other exception fails the request
 with ``INTERNAL`` and the exception's type and message.
@@ -98,7 +115,8 @@ class Model:
 
     Args:
         settings: The model's settings, as read from its ``model-settings.json``; available as
-            ``self.settings`` (``self.settings.path`` is the model's folder).
+            ``self.settings`` (``self.settings.path`` is the model's folder,
+            ``self.settings.model_uri`` its weights' path).
     """
 
     def __init__(self, settings: ModelSettings) -> None:

@@ -7,23 +7,32 @@ A repository is a folder with one subfolder per model; each model folder holds a
     ├── add_sub/
     │   └── model-settings.json
     └── my_model/
-        ├── model-settings.json     {"implementation": "model.MyModel", "max_batch_size": 8}
-        └── model.py
+        ├── model-settings.json     {"implementation": "model.MyModel",
+        │                            "parameters": {"uri": "./weights.npy"}}
+        ├── model.py
+        └── weights.npy
 
 Field names follow MLServer's ``model-settings.json`` where MLServer has the field, so files can be
-brought across. Parsing is strict: a misspelt field is an error naming the file and the field, not
-a setting silently ignored.
+brought across. As in MLServer, the settings are pydantic models: pydantic checks types and
+ranges, and the few rules of this server (an import path, a known datatype, tensor names unique)
+are named validators below. Parsing is strict: a misspelt field is an error naming the file and
+the field, not a setting silently ignored, and no value is converted (``"16"`` is not a shape
+dimension, ``true`` is not a batch size).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
+import os
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic.dataclasses import dataclass
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from trio_infer.datatypes import DATATYPES
 
@@ -44,41 +53,103 @@ SETTINGS_FILE = "model-settings.json"
 #: The built-in example repository, served when no repository is given.
 EXAMPLES: Path = Path(__file__).resolve().parent.parent / "examples"
 
-_T = TypeVar("_T")
-
-# "package.module.ClassName": at least a module and a class, each a Python identifier.
-_IMPLEMENTATION = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A declared tensor: its name, datatype and shape (``-1`` marks a free dimension)."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-
 
 class SettingsError(ValueError):
     """Raised when a settings file or a repository is invalid; the message names the file."""
 
 
-@dataclass(frozen=True)
+# --- validators ----------------------------------------------------------------------------------
+# Each enforces one rule that pydantic's types and constraints do not express. They raise
+# PydanticCustomError, so their messages read like pydantic's own ("Input should be ...").
+
+# "package.module.ClassName": at least a module and a class, each a Python identifier.
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def _import_path(value: str) -> str:
+    if not _IMPORT_PATH.fullmatch(value):
+        raise PydanticCustomError(
+            "import_path", "Input should be an import path 'package.module.Class'"
+        )
+    return value
+
+
+def _known_datatype(value: str) -> str:
+    if value not in DATATYPES:
+        raise PydanticCustomError(
+            "datatype",
+            "Input should be one of the datatypes ({known})",
+            {"known": ", ".join(DATATYPES)},
+        )
+    return value
+
+
+def _unique_tensor_names(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise PydanticCustomError(
+                "duplicate_tensor_name",
+                "tensor name {name} appears twice",
+                {"name": repr(spec.name)},
+            )
+        seen.add(spec.name)
+    return specs
+
+
+def _null_is_unversioned(value: Any) -> Any:
+    # MLServer writes an unversioned model as "version": null.
+    return "" if value is None else value
+
+
+# Strict scalars: no value is converted (bool is an int subclass, but "max_batch_size": true is a
+# mistake, not 1). An int is taken where seconds are expected. Containers stay lax so that a JSON
+# list fills a tuple field.
+_String = Annotated[str, Strict()]
+_Name = Annotated[str, Strict(), Field(min_length=1)]
+_Count = Annotated[int, Strict(), Field(ge=0)]
+_PositiveCount = Annotated[int, Strict(), Field(ge=1)]
+_Seconds = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+_PositiveSeconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+_Dimension = Annotated[int, Strict(), Field(ge=-1)]  # -1: any size
+
+# A misspelt field is an error, at every level.
+_CONFIG = ConfigDict(extra="forbid")
+
+
+# Pydantic dataclasses, not BaseModels: they keep dataclass construction (positional, as in
+# TensorSpec("x", "FP32", (-1, 3)) and ModelSettings("m", "a.B")), dataclasses.replace, and
+# dataclass equality, hashing, pickling and immutability, with each field a plain instance
+# attribute; pydantic validates every construction from the file or from code.
+@dataclass(frozen=True, config=_CONFIG)
+class TensorSpec:
+    """A declared tensor: its name, datatype and shape (``-1`` marks a free dimension)."""
+
+    name: _Name
+    datatype: Annotated[str, Strict(), AfterValidator(_known_datatype)]
+    shape: tuple[_Dimension, ...]
+
+
+_TensorSpecs = Annotated[tuple[TensorSpec, ...], AfterValidator(_unique_tensor_names)]
+
+
+@dataclass(frozen=True, config=_CONFIG)
 class ModelParameters:
     """The ``parameters`` object of ``model-settings.json``.
 
-    ``extra`` is free-form JSON for the model's own use. It takes no part in hashing (a dict is
-    not hashable) but does in equality.
+    ``uri`` is kept as written; :attr:`ModelSettings.model_uri` resolves it. ``extra`` is
+    free-form JSON for the model's own use. It takes no part in hashing (a dict is not hashable)
+    but does in equality.
     """
 
-    uri: str | None = None
-    version: str = ""
-    format: str | None = None
-    content_type: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    uri: _String | None = None
+    version: Annotated[_String, BeforeValidator(_null_is_unversioned)] = ""
+    format: _String | None = None
+    content_type: _String | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_CONFIG)
 class ModelSettings:
     """Everything the server knows about one model before loading it. Picklable.
 
@@ -95,25 +166,48 @@ class ModelSettings:
     ``max_batch_size`` rows (a larger request runs alone) and leaves when full, when its oldest
     request has waited ``max_batch_time`` (0: take what is waiting and go), or earlier if a member's
     deadline (or ``timeout``) requires it.
+
+    Raises:
+        pydantic.ValidationError: A field has the wrong type or an out-of-range value (when
+            constructed in code; :func:`load_model_settings` raises ``SettingsError``).
     """
 
-    name: str
-    implementation: str
+    name: _Name
+    implementation: Annotated[str, Strict(), AfterValidator(_import_path)]
     path: Path | None = None
-    platform: str = ""
-    versions: tuple[str, ...] = ()
-    inputs: tuple[TensorSpec, ...] = ()
-    outputs: tuple[TensorSpec, ...] = ()
-    parameters: ModelParameters = field(default_factory=ModelParameters)
-    max_batch_size: int = 0
-    max_batch_time: float = 0.0
-    max_queue_size: int = 1024
-    timeout: float | None = None
+    platform: _String = ""
+    versions: tuple[_String, ...] = ()
+    inputs: _TensorSpecs = ()
+    outputs: _TensorSpecs = ()
+    parameters: ModelParameters = dataclasses.field(default_factory=ModelParameters)
+    max_batch_size: _Count = 0
+    max_batch_time: _Seconds = 0.0
+    max_queue_size: _PositiveCount = 1024
+    timeout: _PositiveSeconds | None = None
 
     @property
     def version(self) -> str:
         """The model's version (``parameters.version``; ``""`` when unversioned)."""
         return self.parameters.version
+
+    @property
+    def model_uri(self) -> Path | None:
+        """Where the model's weights are: ``parameters.uri`` resolved as MLServer resolves it.
+
+        A relative uri is relative to the model's folder (``path``, the folder holding
+        ``model-settings.json``), not to the server's working directory; an absolute one is
+        returned as written. ``None`` when no uri is set (none, or ``""``). Without a ``path``
+        (settings made in code) a relative uri is returned as written.
+        """
+        uri = self.parameters.uri
+        if not uri:
+            return None
+        written = Path(uri)
+        if written.is_absolute() or self.path is None:
+            return written
+        # Joined and normalised lexically, as MLServer does: "../shared/w.npy" names a file in a
+        # sibling folder without touching the file system.
+        return Path(os.path.normpath(self.path / written))
 
 
 def load_model_settings(path: Path) -> ModelSettings:
@@ -126,9 +220,9 @@ def load_model_settings(path: Path) -> ModelSettings:
         The validated settings, with ``path`` set to the folder.
 
     Raises:
-        SettingsError: The file is missing, is not valid JSON, has an unknown field (at any
-            level), or a field has the wrong type or an out-of-range value. The message starts
-            with the file's path and names the field.
+        SettingsError: The file is missing, is not valid JSON, repeats a key, has an unknown
+            field (at any level), or a field has the wrong type or an out-of-range value. The
+            message is one line, ``<file>: <field>: <problem>, got <value>``.
     """
     file = path / SETTINGS_FILE
     try:
@@ -141,10 +235,15 @@ def load_model_settings(path: Path) -> ModelSettings:
         raise SettingsError(f"{file}: not valid JSON: {exc}") from None
     except _DuplicateKey as exc:
         raise SettingsError(f"{file}: {exc}") from None
+    if not isinstance(document, dict):
+        raise SettingsError(f"{file}: the file must be a JSON object, got {_kind(document)}")
+    for key in _SET_BY_LOADER:
+        if key in document:
+            raise SettingsError(f"{file}: {_unknown_field((key,))}")
     try:
-        return _parse_settings(document, path)
-    except _FieldError as exc:
-        raise SettingsError(f"{file}: {exc}") from None
+        return ModelSettings(**{"name": path.name, **document, "path": path})
+    except ValidationError as exc:
+        raise SettingsError(f"{file}: {_describe(_first_problem(exc))}") from None
 
 
 def load_repository(root: Path) -> list[ModelSettings]:
@@ -180,13 +279,9 @@ def load_repository(root: Path) -> list[ModelSettings]:
     return [found[name] for name in sorted(found)]
 
 
-# --- parsing -------------------------------------------------------------------------------------
-# Parsers raise _FieldError with the field's location ("inputs[0].shape"); load_model_settings
-# prefixes the file, so every message reads "<file>: <field>: <problem>".
-
-
-class _FieldError(Exception):
-    pass
+# --- error messages ------------------------------------------------------------------------------
+# Every message reads "<file>: <field>: <problem>, got <value>", the field as a path into the
+# file ("inputs[0].shape[1]"); an unknown field's, "<file>: unknown field '<field>' (known: ...)".
 
 
 class _DuplicateKey(Exception):
@@ -203,180 +298,65 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _object(value: Any, where: str, known: frozenset[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _FieldError(f"{where or 'the file'} must be a JSON object, got {_kind(value)}")
-    unknown = sorted(set(value) - known)
-    if unknown:
-        name = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise _FieldError(f"unknown field {name!r} (known: {', '.join(sorted(known))})")
-    return value
+#: ModelSettings fields that the loader sets and the file may not.
+_SET_BY_LOADER = frozenset({"path"})
+
+#: The class of the object a field name opens, to list the fields known there.
+_NESTED: dict[str, type] = {
+    "inputs": TensorSpec,
+    "outputs": TensorSpec,
+    "parameters": ModelParameters,
+}
+
+# The file is JSON: its containers are named as JSON names them, not as Python does.
+_JSON_WORDS = {
+    "tuple_type": "Input should be a list",
+    "dict_type": "Input should be an object",
+    "dataclass_type": "Input should be an object",
+}
+
+# Pydantic's names for a field the class does not have (from keywords, from a dict).
+_UNKNOWN_FIELD = frozenset({"unexpected_keyword_argument", "extra_forbidden"})
+
+# Errors whose input is not the offending value (a missing field's input is the object that
+# lacks it; a repeated name's is the whole list, and the message names the name).
+_NO_GIVEN_VALUE = frozenset({"missing", "duplicate_tensor_name"})
 
 
-def _get(
-    obj: dict[str, Any], key: str, where: str, check: Callable[[Any, str], _T], default: _T
-) -> _T:
-    if key not in obj:
-        return default
-    return check(obj[key], f"{where}.{key}" if where else key)
+def _first_problem(exc: ValidationError) -> ErrorDetails:
+    # One problem per message, one line that says what to fix. An unknown field comes first: a
+    # misspelt field is also reported missing, and the misspelling is the cause.
+    errors = exc.errors()
+    return next((e for e in errors if e["type"] in _UNKNOWN_FIELD), errors[0])
 
 
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise _FieldError(f"{where} must be a string, got {_kind(value)}")
-    return value
+def _describe(error: ErrorDetails) -> str:
+    loc = error["loc"]
+    if error["type"] in _UNKNOWN_FIELD:
+        return _unknown_field(loc)
+    problem = _JSON_WORDS.get(error["type"], error["msg"])
+    if error["type"] in _NO_GIVEN_VALUE:
+        return f"{_where(loc)}: {problem}"
+    return f"{_where(loc)}: {problem}, got {_kind(error['input'])}"
 
 
-def _optional_string(value: Any, where: str) -> str | None:
-    return None if value is None else _string(value, where)
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    holder: type = ModelSettings
+    for part in loc[:-1]:
+        if isinstance(part, str):
+            holder = _NESTED[part]
+    known = sorted(f.name for f in dataclasses.fields(holder) if f.name not in _SET_BY_LOADER)
+    return f"unknown field {_where(loc)!r} (known: {', '.join(known)})"
 
 
-def _non_negative_int(value: Any, where: str) -> int:
-    # bool is an int subclass; "max_batch_size": true is a mistake, not 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _FieldError(f"{where} must be an integer, got {_kind(value)}")
-    if value < 0:
-        raise _FieldError(f"{where} must not be negative, got {value}")
-    return value
-
-
-def _positive_int(value: Any, where: str) -> int:
-    number = _non_negative_int(value, where)
-    if number == 0:
-        raise _FieldError(f"{where} must be at least 1, got 0")
-    return number
-
-
-def _non_negative_seconds(value: Any, where: str) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise _FieldError(f"{where} must be a number of seconds, got {_kind(value)}")
-    if not math.isfinite(value) or value < 0:
-        raise _FieldError(f"{where} must be a finite, non-negative number of seconds, got {value}")
-    return float(value)
-
-
-def _optional_positive_seconds(value: Any, where: str) -> float | None:
-    if value is None:
-        return None
-    seconds = _non_negative_seconds(value, where)
-    if seconds == 0:
-        raise _FieldError(f"{where} must be more than 0 seconds (or null for no timeout)")
-    return seconds
-
-
-def _string_list(value: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise _FieldError(f"{where} must be a list of strings, got {_kind(value)}")
-    return tuple(_string(item, f"{where}[{i}]") for i, item in enumerate(value))
-
-
-_TENSOR_FIELDS = frozenset({"name", "datatype", "shape"})
-
-
-def _tensor_spec(value: Any, where: str) -> TensorSpec:
-    obj = _object(value, where, _TENSOR_FIELDS)
-    missing = sorted(_TENSOR_FIELDS - set(obj))
-    if missing:
-        raise _FieldError(f"{where}.{missing[0]} is required")
-    name = _string(obj["name"], f"{where}.name")
-    if not name:
-        raise _FieldError(f"{where}.name must not be empty")
-    datatype = _string(obj["datatype"], f"{where}.datatype")
-    if datatype not in DATATYPES:
-        raise _FieldError(
-            f"{where}.datatype {datatype!r} is not a datatype (known: {', '.join(DATATYPES)})"
-        )
-    shape = obj["shape"]
-    if not isinstance(shape, list):
-        raise _FieldError(f"{where}.shape must be a list of integers, got {_kind(shape)}")
-    dims: list[int] = []
-    for i, dim in enumerate(shape):
-        if not isinstance(dim, int) or isinstance(dim, bool):
-            raise _FieldError(f"{where}.shape[{i}] must be an integer, got {_kind(dim)}")
-        if dim < -1:
-            raise _FieldError(f"{where}.shape[{i}] must be -1 (any size) or a size >= 0, got {dim}")
-        dims.append(dim)
-    return TensorSpec(name=name, datatype=datatype, shape=tuple(dims))
-
-
-def _tensor_specs(value: Any, where: str) -> tuple[TensorSpec, ...]:
-    if not isinstance(value, list):
-        raise _FieldError(f"{where} must be a list of tensors, got {_kind(value)}")
-    specs = tuple(_tensor_spec(item, f"{where}[{i}]") for i, item in enumerate(value))
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.name in seen:
-            raise _FieldError(f"{where}: tensor name {spec.name!r} appears twice")
-        seen.add(spec.name)
-    return specs
-
-
-_PARAMETER_FIELDS = frozenset({"uri", "version", "format", "content_type", "extra"})
-
-
-def _extra(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _FieldError(f"{where} must be a JSON object, got {_kind(value)}")
-    return value
-
-
-def _parameters(value: Any, where: str) -> ModelParameters:
-    obj = _object(value, where, _PARAMETER_FIELDS)
-    return ModelParameters(
-        uri=_get(obj, "uri", where, _optional_string, None),
-        # MLServer writes an unversioned model as "version": null.
-        version=_get(obj, "version", where, _optional_string, None) or "",
-        format=_get(obj, "format", where, _optional_string, None),
-        content_type=_get(obj, "content_type", where, _optional_string, None),
-        extra=_get(obj, "extra", where, _extra, {}),
-    )
-
-
-_SETTINGS_FIELDS = frozenset(
-    {
-        "name",
-        "implementation",
-        "platform",
-        "versions",
-        "inputs",
-        "outputs",
-        "parameters",
-        "max_batch_size",
-        "max_batch_time",
-        "max_queue_size",
-        "timeout",
-    }
-)
-_DEFAULTS = ModelSettings(name="", implementation="")
-
-
-def _parse_settings(document: Any, folder: Path) -> ModelSettings:
-    obj = _object(document, "", _SETTINGS_FIELDS)
-    name = _get(obj, "name", "", _string, folder.name)
-    if not name:
-        raise _FieldError("name must not be empty")
-    if "implementation" not in obj:
-        raise _FieldError("implementation is required (an import path: 'package.module.Class')")
-    implementation = _string(obj["implementation"], "implementation")
-    if not _IMPLEMENTATION.fullmatch(implementation):
-        raise _FieldError(
-            f"implementation {implementation!r} must be an import path 'package.module.Class'"
-        )
-    d = _DEFAULTS
-    return ModelSettings(
-        name=name,
-        implementation=implementation,
-        path=folder,
-        platform=_get(obj, "platform", "", _string, d.platform),
-        versions=_get(obj, "versions", "", _string_list, d.versions),
-        inputs=_get(obj, "inputs", "", _tensor_specs, d.inputs),
-        outputs=_get(obj, "outputs", "", _tensor_specs, d.outputs),
-        parameters=_get(obj, "parameters", "", _parameters, d.parameters),
-        max_batch_size=_get(obj, "max_batch_size", "", _non_negative_int, d.max_batch_size),
-        max_batch_time=_get(obj, "max_batch_time", "", _non_negative_seconds, d.max_batch_time),
-        max_queue_size=_get(obj, "max_queue_size", "", _positive_int, d.max_queue_size),
-        timeout=_get(obj, "timeout", "", _optional_positive_seconds, d.timeout),
-    )
+def _where(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        else:
+            parts.append(f".{part}" if parts else part)
+    return "".join(parts) or "the file"
 
 
 def _kind(value: Any) -> str:
