@@ -670,7 +670,7 @@ class InferenceClient:
         Args:
             model_name: The model to run.
             inputs: The input tensors by name; anything ``numpy.asarray`` takes. The datatype
-                follows the dtype (see :data:`trio_infer.protobuf.codec.DATATYPES`); arrays of
+                follows the dtype (see :data:`trio_infer.datatypes.DATATYPES`); arrays of
                 ``bytes`` or ``str`` (as object or numpy string arrays) are BYTES, with ``str``
                 sent as UTF-8.
             version: The model's version; ``""`` for the server's choice.

@@ -4,8 +4,8 @@ A request carries each input tensor's data in one of two ways: typed, in the rep
 ``InferTensorContents`` that the datatype selects, or raw, as one little-endian byte string per
 input in ``raw_input_contents``. Responses are written the same two ways. This module converts
 both directions on both sides of a call (the server decodes inputs and encodes outputs, the
-client encodes inputs and decodes outputs), checks requests against a model's declared inputs,
-and converts parameters.
+client encodes inputs and decodes outputs) and converts parameters. Whether a decoded request
+matches its model's declared inputs is checked by :mod:`trio_infer.core.validation`.
 
 Every malformed request raises :class:`~trio_infer.errors.InvalidInput` with a message that
 names the tensor and says what was expected; every unencodable model output raises

@@ -10,9 +10,8 @@ Two bounds, checked in order as a request's data becomes known:
    as long as the waiting room has space: with it, the requests waiting must need no more than
    ``max_waiting_bytes`` (a quarter of the budget by default; 0: none waits). Past that, a
    request is refused at once: under overload the admitted requests keep their latency and the
-   excess is turned away fast, instead of every request waiting longer. (Measured with a waiting
-   room of a whole budget: at 10x overload, admitted p99 was 2.3x that of an unloaded server, as
-   Little's law predicts for twice the requests inside.)
+   excess is turned away fast, instead of every request waiting longer (by Little's law, more
+   requests inside at the same throughput each take longer).
 
    Waiting is for bursts, not for sustained overload. As in CoDel (RFC 8289), a queue whose
    requests have all waited longer than ``target_wait`` for ``interval`` is a standing queue:
@@ -22,11 +21,8 @@ Two bounds, checked in order as a request's data becomes known:
    waited for room would be the slowest of the admitted requests, one in every interval).
    Shedding ends when three probes in a row get room within ``target_wait``, or when a request
    finds room at once an interval after the last one refused for want of room (light load
-   brings no probes).
-   (Measured in ``bench``'s ``overload-x10-backoff`` when it timed all 50 clients, in one
-   process: a waiting room of a quarter of the budget, always full under sustained overload,
-   gave admitted p50 / p99 of 167 / 233 ms against 92 / 150 ms unloaded; shedding as here gives
-   157-159 / 214-222 ms against 86-93 / 128-134 ms.)
+   brings no probes). A waiting room that sustained overload keeps full adds its whole wait to
+   every admitted request; shedding keeps their latency near that of a full budget.
 2. The **per-model queue** (``max_queue_size`` in model settings): once the request is parsed and
    its model known, it takes one of the model's slots, or is refused at once when all are taken.
    A slot is held while the request waits for and runs on a worker. Refusing at once rather
@@ -54,12 +50,8 @@ from trio_infer.repository.settings import ModelSettings, TensorSpec
 
 __all__ = ["Admission", "AdmissionStatistics", "Reservation", "estimate_output_bytes"]
 
-#: Probes in a row that must find room within ``target_wait`` to end shedding. Measured in
-#: ``bench``'s ``overload-x10-backoff`` when it timed all 50 clients (admitted p50 / p99):
-#: ending it on the first short probe left it off about a third of the time under sustained
-#: overload (13 on/off cycles in 15 s): 160-169 / 232-253 ms; three in a row: 157-159 / 214-222
-#: ms. (Never ending it while refusals go on gave 140-142 / 194-202 ms, but then its own
-#: refusals kept it on under light load, refusing requests that would have waited 1 ms.)
+#: Probes in a row that must find room within ``target_wait`` to end shedding: under sustained
+#: overload one short probe can be luck, and ending shedding on it turned it off and on again.
 _SHORT_PROBES_TO_END = 3
 
 

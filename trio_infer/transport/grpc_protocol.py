@@ -14,10 +14,11 @@ What purerpc 0.8.0 gets wrong for a server, and what this module changes:
   :class:`ConnectionTerminated`, so the transport can cancel the work they orphan.
 - A client opening more streams than SETTINGS_MAX_CONCURRENT_STREAMS made h2 close the whole
   connection; here only the extra stream is refused (RST_STREAM REFUSED_STREAM).
-- h2 3.2.0 (which purerpc pins) treats a WINDOW_UPDATE or RST_STREAM for a stream it has already
-  cleaned up as a connection error and sends GOAWAY. RFC 9113 §5.1 says both may arrive shortly
-  after a stream closes and must be ignored; grpcio clients send them under load (25 concurrent
-  256 KiB calls reproduce it). :class:`_H2Connection` ignores them.
+- h2 3.2.0 (the newest h2 that purerpc's ``h2<4`` allows) treats a WINDOW_UPDATE or RST_STREAM
+  for a stream it has already cleaned up as a connection error and sends GOAWAY. RFC 9113 §5.1
+  says both may arrive shortly after a stream closes and must be ignored; grpcio clients send
+  them under load (25 concurrent 256 KiB calls reproduce it). :class:`_H2Connection` ignores
+  them.
 - h2 treats a malformed header block (an upper-case name, a connection-specific header, a value
   that is not UTF-8) as a connection error; RFC 9113 §8.1.1 makes it a stream error, and here
   only that stream is reset (RST_STREAM PROTOCOL_ERROR).
@@ -85,7 +86,7 @@ Metadata = tuple[tuple[str, str | bytes], ...]
 
 #: Headers smaller than this are all a V2 client ever sends; the limit bounds per-stream memory.
 _MAX_HEADER_LIST_SIZE = 16 * 1024
-#: Larger frames mean fewer of them: h2 spends ~25 us on each.
+#: Larger frames mean fewer of them, and much of h2's cost is paid per frame.
 _MAX_INBOUND_FRAME_SIZE = 128 * 1024
 #: Request bytes a client may send on a stream before its call admits them: enough for a
 #: request of up to 128 KiB (a 64-row FP32 tensor of 512 columns, say) to arrive whole, in one
@@ -266,8 +267,8 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
     does without moving the rest; each frame's body is still copied once, by its parser.
 
     A gRPC client sends HEADERS, DATA and often a WINDOW_UPDATE with every call. hyperframe's
-    objects for them (a frame, its flags, their parsers) were a fifth of the time it took to
-    read a small call; here they are records carrying just what h2's handlers read of them.
+    objects for them (a frame, its flags, their parsers) were a large part of the time it took
+    to read a small call; here they are records carrying just what h2's handlers read of them.
     A frame hyperframe would reject (DATA or HEADERS on stream 0, a WINDOW_UPDATE of the wrong
     size), one with padding or priority, a header block in several frames, and any frame in
     the middle of one (h2 must see it to refuse it) still go through hyperframe.
@@ -508,7 +509,7 @@ class _InboundStream:
             message: bytes | bytearray
             if len(self.buffer) == self.length:
                 # The usual case, a unary call's one message: the buffer is handed over, not
-                # copied (a copy of 4 MiB took about 1 ms here).
+                # copied, so a large message costs no pass over its bytes.
                 message, self.buffer = self.buffer, bytearray()
             else:
                 with memoryview(self.buffer) as view, view[: self.length] as body:
@@ -546,7 +547,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                 validate_inbound_headers=False,
                 normalize_inbound_headers=False,
                 # The headers we send are built here and always valid; checking and
-                # normalising them again cost ~25 us per call (measured).
+                # normalising them again would cost every call for nothing.
                 validate_outbound_headers=False,
                 normalize_outbound_headers=False,
             )
@@ -607,7 +608,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
 
     def _parsed_request(self, stream_id: int, headers: list[Any]) -> RequestReceived:
         """purerpc's parse of a request's headers, done once per distinct header list (a
-        client repeats the same few; the parse was ~15 % of reading a small request)."""
+        client repeats the same few, and the parse was a sizeable part of reading a small
+        request)."""
         key = tuple(headers)
         parsed = self._parsed_requests.get(key)
         if parsed is None:
@@ -622,7 +624,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                     self._parsed_requests.clear()
                 self._parsed_requests[key] = parsed
         # Every attribute is immutable (strings, a timedelta, tuples): a shallow copy is a
-        # request of its own (made by hand: copy.copy took four times as long).
+        # request of its own (made by hand, which is quicker than copy.copy).
         request: RequestReceived = object.__new__(RequestReceived)
         request.__dict__.update(parsed.__dict__)
         request.stream_id = stream_id
@@ -675,9 +677,9 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
 
         Large DATA payloads are the buffers the calls passed to :meth:`send_data`, not copies.
         h2's buffer itself is handed over and replaced (purerpc copies it into ``bytes``, a
-        copy of every byte sent: about 1 ms for a 4 MiB response here). ``_data_to_send`` is
-        private to h2, but every h2 that purerpc accepts (3.x) keeps its queue there, and
-        purerpc's own patch of ``data_to_send`` relies on it too.
+        copy of every byte sent). ``_data_to_send`` is private to h2, but every h2 that purerpc
+        accepts (3.x) keeps its queue there, and purerpc's own patch of ``data_to_send`` relies
+        on it too.
         """
         h2_connection = self.h2_connection
         data: list[Buffer] = h2_connection.queued
@@ -738,8 +740,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         """h2's ``send_headers`` for a response's headers or trailers: the same state machine
         inputs and h2's own HPACK encoder, a block longer than a frame cut into CONTINUATION
         frames as h2 cuts it, but the frames packed here. Building and serialising hyperframe's
-        frame objects was most of the cost of answering a call: headers, a small message and
-        trailers took 37 us in h2, 14 here.
+        frame objects was most of the cost of answering a call.
 
         One difference from h2, on purpose: a state machine that refuses the block raises
         before the encoder sees it (h2 encodes first, and its table then holds entries the

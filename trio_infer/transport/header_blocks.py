@@ -4,7 +4,7 @@ A gRPC client sends the same request headers on every call of a method, and once
 are in the connection's HPACK dynamic table, the same bytes; the server answers every call
 with the same response headers and, when the call succeeds, the same trailers. hpack decodes
 and encodes each block field by field in Python (a linear search of the static table per
-field), which was about a fifth of the server's per-call protocol time.
+field), which was a large share of the server's per-call protocol time.
 
 A block's meaning depends only on its bytes and on the dynamic table, so a remembered result
 is reused only while the table is unchanged since the block was coded, and only for a block
@@ -104,9 +104,9 @@ class CachingDecoder(hpack.Decoder):  # type: ignore[misc]
 class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
     """An HPACK encoder that remembers the blocks which leave the dynamic table unchanged.
 
-    Literals are not Huffman-coded unless asked: hpack's Huffman coder costs about 0.3 us a
-    byte in pure Python (40 of the 62 us an error's trailers took) to save a quarter of a few
-    dozen bytes, and a literal that repeats is sent indexed after its first time anyway.
+    Literals are not Huffman-coded unless asked: hpack's Huffman coder, in pure Python, costs
+    more time than the few bytes it saves are worth, and a literal that repeats is sent indexed
+    after its first time anyway.
     """
 
     def __init__(self) -> None:
