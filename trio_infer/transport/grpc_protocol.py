@@ -277,6 +277,8 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
     def __init__(self, server: bool) -> None:
         super().__init__(server=server)
         self.data = bytearray()
+        self.max_header_block = _MAX_HEADER_LIST_SIZE
+        """The most encoded bytes one header block may have (HEADERS and its CONTINUATIONs)."""
 
     def next(self) -> Any:
         data = self.data
@@ -284,6 +286,14 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(data)
             length = (high << 8) | low
             stream_id &= _STREAM_ID_MASK
+            # Both limits are enforced from a frame's 9-byte header, before its body is
+            # buffered or a header block decoded: a peer cannot make the server hold or decode
+            # more than it advertised by announcing it.
+            self._validate_frame_length(length)
+            if kind in (_HEADERS, _CONTINUATION) and (
+                self._headers_buffer or length > self.max_header_block
+            ):
+                self._check_header_block(length)
             if not self._headers_buffer and (
                 (kind == _DATA and stream_id and not flags & _PADDED)
                 or (
@@ -295,7 +305,6 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             ):
                 if len(data) < length + 9:
                     break
-                self._validate_frame_length(length)
                 record: _DataRecord | _HeadersRecord | _WindowUpdateRecord
                 if kind == _WINDOW_UPDATE:
                     record = _WindowUpdateRecord(stream_id, _UINT32.unpack_from(data, 9)[0])
@@ -313,7 +322,6 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
                 raise h2.exceptions.ProtocolError(f"invalid frame header: {exc}") from exc
             if len(data) < length + 9:
                 break
-            self._validate_frame_length(length)
             if frame is not None:  # None: a frame type h2 does not know, skipped
                 try:
                     with memoryview(data) as view, view[9 : 9 + length] as body:
@@ -325,6 +333,17 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             if frame is not None:  # None: part of a header block still being assembled
                 return frame
         raise StopIteration
+
+    def _check_header_block(self, length: int) -> None:
+        # An encoder uses Huffman coding only where it is shorter, so a block's encoded size
+        # is at most its decoded size: a block longer than the header list limit cannot fit it.
+        # Its HPACK state is then lost, so the connection ends (RFC 9113 §10.5.1).
+        block = length + sum(len(frame.data) for frame in self._headers_buffer)
+        if block > self.max_header_block:
+            raise h2.exceptions.DenialOfServiceError(
+                f"a header block of more than {self.max_header_block} bytes "
+                "(SETTINGS_MAX_HEADER_LIST_SIZE)"
+            )
 
 
 class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
@@ -344,10 +363,11 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
-        max_header_list_size = self.decoder.max_header_list_size
         self.encoder = CachingEncoder()
         self.decoder = CachingDecoder()
-        self.decoder.max_header_list_size = max_header_list_size
+        # What is advertised is enforced, from the first block on: a client need not wait for
+        # the SETTINGS ACK before it sends, and neither does the limit.
+        self.decoder.max_header_list_size = _MAX_HEADER_LIST_SIZE
         self._checked_header_lists: dict[tuple[Any, ...], list[Any]] = {}
         self.incoming_buffer = _FrameBuffer(server=not config.client_side)
         self._frame_dispatch_table[_DataRecord] = self._receive_data_frame

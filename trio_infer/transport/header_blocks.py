@@ -26,7 +26,7 @@ __all__ = ["MAX_REMEMBERED_BYTES", "CachingDecoder", "CachingEncoder", "decoded_
 #: call makes every request block distinct, and those must not grow the cache without bound.
 _MAX_BLOCKS = 64
 #: Blocks larger than this, decoded, are not remembered, so a connection's caches hold at most
-#: about a MiB (gRPC request blocks are a few hundred bytes; h2 accepts 64 KiB ones).
+#: about a MiB (gRPC request blocks are a few hundred bytes; the limit on a list is 16 KiB).
 MAX_REMEMBERED_BYTES = 4096
 
 

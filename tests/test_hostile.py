@@ -1,0 +1,162 @@
+"""Hostile and careless clients: raw HTTP/2 written by hand or with h2, against a real server,
+with a well-behaved grpcio client beside each whose calls must keep succeeding."""
+
+from __future__ import annotations
+
+import socket
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import hpack
+import numpy as np
+import pytest
+import trio
+
+from tests.support import GrpcioClient, start_server
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf.codec import decode_outputs, encode_inputs
+from trio_infer.server import RunningServer
+
+#: What the server advertises as SETTINGS_MAX_HEADER_LIST_SIZE.
+HEADER_LIST_LIMIT = 16 * 1024
+
+REQUEST_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/inference.GRPCInferenceService/ModelInfer"),
+    (":authority", "x"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+]
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery) -> RunningServer:
+    return await start_server(nursery)
+
+
+class Bystander:
+    """A well-behaved client: an echo call that must succeed whatever the others do."""
+
+    def __init__(self, port: int) -> None:
+        self.client = GrpcioClient(port)
+        self.x = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+    async def call(self) -> None:
+        request = pb.ModelInferRequest(model_name="echo")
+        encode_inputs(request, [("x", self.x)], raw=True)
+        response = await self.client.call("ModelInfer", request, timeout=10)
+        np.testing.assert_array_equal(decode_outputs(response)["x"], self.x)
+
+
+def frame(
+    kind: int, flags: int, stream_id: int, payload: bytes, *, length: int | None = None
+) -> bytes:
+    """An HTTP/2 frame; ``length`` announces another length than the payload's."""
+    size = len(payload) if length is None else length
+    return size.to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + payload
+
+
+def exchange_until_closed(port: int, data: bytes, timeout: float = 10.0) -> list[object]:
+    """Send a client preface and ``data`` on a new connection; return the h2 events the
+    server's bytes make until it closes the connection (or ``timeout`` passes: then the last
+    event is the string ``"timeout"``)."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    events: list[object] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(timeout)
+        sock.sendall(client.data_to_send() + data)
+        try:
+            while received := sock.recv(65536):
+                try:
+                    events += client.receive_data(received)
+                except h2.exceptions.ProtocolError:
+                    break  # h2 refuses what follows the server's GOAWAY; the GOAWAY came first
+        except TimeoutError:
+            events.append("timeout")
+        except ConnectionResetError:
+            pass
+    return events
+
+
+def goaway_codes(events: list[object]) -> list[object]:
+    return [e.error_code for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+
+
+async def test_a_frame_announced_over_the_frame_size_is_refused_from_its_header(
+    server: RunningServer,
+) -> None:
+    # A DATA frame header announcing 16 MiB, over SETTINGS_MAX_FRAME_SIZE (128 KiB), and no
+    # body: refused when its 9 bytes arrive, not after the server has buffered the 16 MiB.
+    encoder = hpack.Encoder()
+    headers = frame(0x1, 0x4, 1, encoder.encode(REQUEST_HEADERS))
+    announced = frame(0x0, 0x0, 1, b"", length=2**24 - 1)
+    events = await trio.to_thread.run_sync(exchange_until_closed, server.port, headers + announced)
+    assert goaway_codes(events) == [h2.errors.ErrorCodes.FRAME_SIZE_ERROR]
+    await Bystander(server.port).call()
+
+
+def huffman_literal(name: bytes, count: int) -> bytes:
+    """A literal header field whose value is ``count`` (a multiple of 8) Huffman-coded "a"s,
+    encoded by hand: hpack's encoder, in pure Python, takes minutes over a megabyte."""
+    # "a" is the 5-bit code 00011: eight of them fill five bytes.
+    eight = int("00011" * 8, 2).to_bytes(5, "big")
+    value = eight * (count // 8)
+    length = hpack.hpack.encode_integer(len(value), 7)
+    length[0] |= 0x80  # the H bit: Huffman-coded
+    return bytes([0x00, len(name)]) + name + bytes(length) + value
+
+
+def unfinished_header_block(size: int, chunk: int = 8 * 1024) -> bytes:
+    """A HEADERS frame and CONTINUATION frames carrying ``size`` encoded bytes of one header
+    block (a Huffman-coded literal that decodes to 8/5 as many), with no END_HEADERS yet."""
+    block = hpack.Encoder().encode(REQUEST_HEADERS) + huffman_literal(b"x-flood", size // 5 * 8)
+    block = block[:size]
+    parts = [block[i : i + chunk] for i in range(0, len(block), chunk)]
+    return frame(0x1, 0x0, 1, parts[0]) + b"".join(frame(0x9, 0x0, 1, p) for p in parts[1:])
+
+
+async def test_a_continuation_flood_is_refused_by_its_encoded_size(server: RunningServer) -> None:
+    # Three 8 KiB frames of one header block, past the advertised 16 KiB: the connection ends
+    # with ENHANCE_YOUR_CALM at once, without waiting for (or decoding) the rest of the block.
+    flood = unfinished_header_block(3 * 8 * 1024)
+    events = await trio.to_thread.run_sync(exchange_until_closed, server.port, flood, 5.0)
+    assert goaway_codes(events) == [h2.errors.ErrorCodes.ENHANCE_YOUR_CALM]
+    assert "timeout" not in events
+    await Bystander(server.port).call()
+
+
+async def test_a_header_block_within_the_limit_in_continuations_is_served(
+    server: RunningServer,
+) -> None:
+    # 15 KiB of headers in two frames: under the limit, so the call is made (and fails only
+    # for naming no model).
+    client = GrpcioClient(server.port)
+    error = await client.error(
+        "ModelInfer", pb.ModelInferRequest(model_name="nope"), metadata=[("x-big", "v" * 15_000)]
+    )
+    assert "nope" in error.details()
+
+
+async def test_the_advertised_header_list_size_is_the_one_enforced(server: RunningServer) -> None:
+    # A small block that decodes past the advertised limit: a 4 KiB value put in the HPACK
+    # table once, then indexed five times (20 KiB decoded, a few bytes encoded).
+    encoder = hpack.Encoder()
+    value = "v" * 4000
+    block = encoder.encode([*REQUEST_HEADERS, *[("x-big", value)] * 5])
+    assert len(block) < HEADER_LIST_LIMIT
+    events = await trio.to_thread.run_sync(
+        exchange_until_closed, server.port, frame(0x1, 0x4, 1, block)
+    )
+    assert goaway_codes(events) == [h2.errors.ErrorCodes.ENHANCE_YOUR_CALM]
+    # Within the limit, the same headers make a call (it fails for its empty body, cleanly).
+    client = GrpcioClient(server.port)
+    error = await client.error(
+        "ModelInfer", pb.ModelInferRequest(model_name="nope"), metadata=[("x-big", value)]
+    )
+    assert "nope" in error.details()
+    await Bystander(server.port).call()
