@@ -6,11 +6,17 @@ from __future__ import annotations
 import h2.connection
 import h2.events
 import h2.settings
+import pytest
 from h2.stream import StreamClosedBy
 
 from tests.support import GRPC_REQUEST, client_and_server
 from trio_infer.errors import StatusCode
-from trio_infer.transport.grpc_protocol import MessageReceived, RequestEnded, ServerProtocol
+from trio_infer.transport.grpc_protocol import (
+    MessageReceived,
+    RequestEnded,
+    ServerProtocol,
+    request_headers_problem,
+)
 
 
 def _connected() -> tuple[h2.connection.H2Connection, ServerProtocol]:
@@ -98,3 +104,46 @@ def test_a_header_block_longer_than_a_frame_is_cut_into_continuation_frames() ->
     assert [kind for kind, _, _ in frames] == [0x1] + [0x9] * (len(frames) - 1)
     assert [flags & 0x4 for _, flags, _ in frames] == [0] * (len(frames) - 1) + [0x4]
     assert max(length for _, _, length in frames) <= client.max_inbound_frame_size
+
+
+GRPC_CALL = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/p.S/M"),
+    ("content-type", "application/grpc"),
+]
+
+
+@pytest.mark.parametrize(
+    ("headers", "problem"),
+    [
+        (GRPC_CALL, None),
+        ([*GRPC_CALL[:3], ("content-type", "application/grpc+proto")], None),
+        ([*GRPC_CALL, ("grpc-timeout", "12345678m")], None),
+        (
+            [(":method", "GET"), *GRPC_CALL[1:]],
+            "the request's :method is 'GET'; gRPC calls are POST",
+        ),
+        (GRPC_CALL[:3], "content-type appears 0 times; a gRPC call sends it once"),
+        (
+            [*GRPC_CALL[:3], ("content-type", "application/grpcx")],
+            "content-type 'application/grpcx' is not application/grpc",
+        ),
+        (
+            [*GRPC_CALL, ("grpc-timeout", "1S"), ("grpc-timeout", "2S")],
+            "grpc-timeout appears 2 times",
+        ),
+        (
+            [*GRPC_CALL, ("grpc-timeout", "123456789S")],
+            "grpc-timeout '123456789S' is not a gRPC timeout (1 to 8 digits and a unit: H, M, S, "
+            "m, u or n)",
+        ),
+        (
+            [*GRPC_CALL, ("grpc-timeout", "-1S")],
+            "grpc-timeout '-1S' is not a gRPC timeout (1 to 8 digits and a unit: H, M, S, m, u "
+            "or n)",
+        ),
+    ],
+)
+def test_request_headers_problem(headers: list[tuple[str, str]], problem: str | None) -> None:
+    assert request_headers_problem(headers) == problem

@@ -160,3 +160,143 @@ async def test_the_advertised_header_list_size_is_the_one_enforced(server: Runni
     )
     assert "nope" in error.details()
     await Bystander(server.port).call()
+
+
+def grpc_message(payload: bytes) -> bytes:
+    return b"\x00" + len(payload).to_bytes(4, "big") + payload
+
+
+def echo_request() -> bytes:
+    request = pb.ModelInferRequest(model_name="echo")
+    encode_inputs(request, [("x", np.arange(4, dtype=np.int32))], raw=True)
+    return request.SerializeToString()
+
+
+def answers(
+    port: int, send: list[tuple[int, str, object]], timeout: float = 10.0
+) -> dict[int, dict[str, str]]:
+    """Run an h2 client that does ``send`` (``(stream, "headers" | "data" | "trailers" |
+    "window", argument)`` in order, then reads until every stream it used has ended or been
+    reset; return each stream's response headers and trailers (``"reset"`` for a reset)."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    streams = sorted({stream for stream, _, _ in send})
+    for stream, what, argument in send:
+        if what == "headers":
+            client.send_headers(stream, argument)  # type: ignore[arg-type]
+        elif what == "data":
+            client.send_data(stream, argument)  # type: ignore[arg-type]
+        elif what == "end":
+            client.end_stream(stream)
+        elif what == "trailers":
+            client.send_headers(stream, argument, end_stream=True)  # type: ignore[arg-type]
+    out: dict[int, dict[str, str]] = {stream: {} for stream in streams}
+    done: set[int] = set()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(timeout)
+        sock.sendall(client.data_to_send())
+        for stream, what, argument in send:
+            if what == "window":  # a raw WINDOW_UPDATE, which h2 would refuse to send
+                sock.sendall(frame(0x8, 0x0, stream, int(argument).to_bytes(4, "big")))  # type: ignore[call-overload]
+        while done != set(streams):
+            received = sock.recv(65536)
+            if not received:
+                break
+            for event in client.receive_data(received):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    out[event.stream_id].update(
+                        (name.decode(), value.decode()) for name, value in event.headers
+                    )
+                elif isinstance(event, h2.events.StreamEnded):
+                    done.add(event.stream_id)
+                elif isinstance(event, h2.events.StreamReset):
+                    out[event.stream_id]["reset"] = str(event.error_code)
+                    done.add(event.stream_id)
+            sock.sendall(client.data_to_send())
+    return out
+
+
+async def test_request_trailers_affect_their_stream_at_most(server: RunningServer) -> None:
+    # HEADERS, DATA, then trailers (HEADERS with END_STREAM): legal in HTTP/2. The call is
+    # served; a good call on the same connection is too.
+    body = grpc_message(echo_request())
+    result = await trio.to_thread.run_sync(
+        answers,
+        server.port,
+        [
+            (1, "headers", REQUEST_HEADERS),
+            (1, "data", body),
+            (3, "headers", REQUEST_HEADERS),
+            (3, "data", body),
+            (3, "end", None),
+            (1, "trailers", [("x-trailer", "1")]),
+        ],
+    )
+    assert result[1].get("grpc-status") == "0", result[1]
+    assert result[3].get("grpc-status") == "0", result[3]
+    await Bystander(server.port).call()
+
+
+async def test_a_unary_call_with_two_request_messages_fails(server: RunningServer) -> None:
+    body = grpc_message(echo_request())
+    result = await trio.to_thread.run_sync(
+        answers,
+        server.port,
+        [(1, "headers", REQUEST_HEADERS), (1, "data", body + body), (1, "end", None)],
+    )
+    assert result[1].get("grpc-status") == "3", result[1]  # INVALID_ARGUMENT
+    assert "one%20request%20message" in result[1].get("grpc-message", ""), result[1]
+    await Bystander(server.port).call()
+
+
+async def test_a_stream_window_update_of_zero_resets_only_that_stream(
+    server: RunningServer,
+) -> None:
+    body = grpc_message(echo_request())
+    result = await trio.to_thread.run_sync(
+        answers,
+        server.port,
+        [
+            (1, "headers", REQUEST_HEADERS),
+            (1, "window", 0),
+            (3, "headers", REQUEST_HEADERS),
+            (3, "data", body),
+            (3, "end", None),
+        ],
+    )
+    assert result[1].get("reset") == str(h2.errors.ErrorCodes.PROTOCOL_ERROR), result[1]
+    assert result[3].get("grpc-status") == "0", result[3]
+    await Bystander(server.port).call()
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [*REQUEST_HEADERS, ("content-type", "application/grpc")],
+        [(":method", "GET"), *REQUEST_HEADERS[1:]],
+        [*REQUEST_HEADERS, ("grpc-timeout", "1" * 40 + "S")],
+    ],
+    ids=["duplicate-content-type", "get", "40-digit-timeout"],
+)
+async def test_malformed_request_headers_get_a_clean_status_for_their_stream(
+    server: RunningServer, headers: list[tuple[str, str]]
+) -> None:
+    body = grpc_message(echo_request())
+    result = await trio.to_thread.run_sync(
+        answers,
+        server.port,
+        [
+            (1, "headers", headers),
+            (1, "data", body),
+            (1, "end", None),
+            (3, "headers", REQUEST_HEADERS),
+            (3, "data", body),
+            (3, "end", None),
+        ],
+    )
+    first = result[1]
+    assert "reset" in first or first.get("grpc-status") not in (None, "0", "13"), first
+    assert "Traceback" not in first.get("grpc-message", "")
+    assert "Error" not in first.get("grpc-message", ""), first
+    assert result[3].get("grpc-status") == "0", result[3]
+    await Bystander(server.port).call()

@@ -76,6 +76,12 @@ class GrpcService:
         async with self.core.reserve(length, call.deadline) as reservation:
             data = await call.receive_message()
             assert data is not None, "an announced message arrives or the call fails"
+            # A unary call is one message, then the end of the request (usually in the same
+            # read, so waiting for it costs nothing).
+            if await call.receive_message_length() is not None:
+                raise InvalidInput(
+                    f"{call.method} takes one request message and the client sent more"
+                )
             try:
                 # The stubs say bytes; protobuf parses any bytes-like object.
                 request = route.request_type.FromString(data)  # type: ignore[arg-type]

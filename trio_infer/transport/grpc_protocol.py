@@ -31,7 +31,9 @@ What purerpc 0.8.0 gets wrong for a server, and what this module changes:
 
 from __future__ import annotations
 
+import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 from urllib.parse import quote
@@ -133,6 +135,47 @@ _REQUEST_HEADERS = HeaderValidationFlags(
     is_client=False, is_trailer=False, is_response_header=False, is_push_promise=False
 )
 _REQUEST_TRAILERS = _REQUEST_HEADERS._replace(is_trailer=True)
+
+
+class _MalformedRequest(Exception):
+    """A request's headers are not those of a gRPC call (the message says why)."""
+
+
+#: gRPC's TimeoutValue and TimeoutUnit (PROTOCOL-HTTP2.md): at most 8 digits, then a unit.
+_GRPC_TIMEOUT = re.compile(r"[0-9]{1,8}[HMSmun]")
+
+
+def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
+    """What makes a request's (HTTP/2-valid) headers not a gRPC call, or None if nothing.
+
+    A pure function of the header list, so each rule is tested directly: ``:method`` is POST,
+    ``content-type`` appears once and is ``application/grpc`` (or ``application/grpc+...``), and
+    ``grpc-timeout``, if sent, appears once and is gRPC's form of a timeout.
+    """
+    values: dict[str, list[str]] = {}
+    for name, value in headers:
+        values.setdefault(name, []).append(value)
+    method = values.get(":method", [""])[0]
+    if method != "POST":
+        return f"the request's :method is {method!r}; gRPC calls are POST"
+    content_types = values.get("content-type", [])
+    if len(content_types) != 1:
+        return f"content-type appears {len(content_types)} times; a gRPC call sends it once"
+    content_type = content_types[0]
+    if content_type != "application/grpc" and not content_type.startswith(
+        ("application/grpc+", "application/grpc;")
+    ):
+        return f"content-type {content_type!r} is not application/grpc"
+    timeouts = values.get("grpc-timeout", [])
+    if len(timeouts) > 1:
+        return f"grpc-timeout appears {len(timeouts)} times"
+    if timeouts and not _GRPC_TIMEOUT.fullmatch(timeouts[0]):
+        shown = timeouts[0] if len(timeouts[0]) <= 20 else timeouts[0][:20] + "..."
+        return (
+            f"grpc-timeout {shown!r} is not a gRPC timeout (1 to 8 digits and a unit: "
+            "H, M, S, m, u or n)"
+        )
+    return None
 
 
 class ProtocolViolation(Exception):
@@ -431,13 +474,17 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         except (h2.exceptions.ProtocolError, UnicodeDecodeError):
             # RFC 9113 §8.1.1: a malformed request is a stream error. The header block was
             # decoded, so the connection's HPACK state is intact and other streams go on.
-            self.reset_stream(frame.stream_id, ErrorCodes.PROTOCOL_ERROR)
-            reset = h2.events.StreamReset()
-            reset.stream_id = frame.stream_id
-            reset.error_code = ErrorCodes.PROTOCOL_ERROR
-            reset.remote_reset = False
-            return frames, [reset]
+            return frames, [self._stream_error(frame.stream_id)]
         return frames, events
+
+    def _stream_error(self, stream_id: int) -> h2.events.StreamReset:
+        """Reset one stream with PROTOCOL_ERROR; the event tells the layers above."""
+        self.reset_stream(stream_id, ErrorCodes.PROTOCOL_ERROR)
+        reset = h2.events.StreamReset()
+        reset.stream_id = stream_id
+        reset.error_code = ErrorCodes.PROTOCOL_ERROR
+        reset.remote_reset = False
+        return reset
 
     def _checked(self, headers: list[Any], flags: HeaderValidationFlags) -> list[Any]:
         """``headers`` validated and normalised by h2's rules, names and values as ``str``."""
@@ -472,6 +519,10 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     def _receive_window_update_frame(self, frame: Any) -> Any:
         if self._is_cleaned_up(frame.stream_id):
             return [], []
+        if frame.window_increment == 0 and frame.stream_id in self.streams:
+            # RFC 9113 §6.9: an increment of 0 on a stream is an error of that stream only
+            # (h2 ends the whole connection).
+            return [], [self._stream_error(frame.stream_id)]
         return super()._receive_window_update_frame(frame)
 
     def _receive_rst_stream_frame(self, frame: Any) -> Any:
@@ -618,11 +669,16 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                         f"message encoding {request.message_encoding!r} is not supported",
                     )
                 ]
-        except Exception as exc:
-            # purerpc's parser raises whatever a bad header makes it trip on (a duplicate
-            # content-type is an AttributeError, an absurd grpc-timeout an OverflowError): any
-            # of them is a malformed call, and fails only that call.
-            return [CallRejected(stream_id, StatusCode.INTERNAL, f"malformed gRPC request: {exc}")]
+        except _MalformedRequest as exc:
+            return [CallRejected(stream_id, StatusCode.INVALID_ARGUMENT, str(exc))]
+        except Exception:
+            # purerpc's parser raises whatever a header it did not expect makes it trip on;
+            # what it tripped on is its own business, not the client's.
+            return [
+                CallRejected(
+                    stream_id, StatusCode.INVALID_ARGUMENT, "malformed gRPC request headers"
+                )
+            ]
         self._inbound[stream_id] = _InboundStream(stream_id, self.limits.max_message_size)
         return [request]
 
@@ -633,6 +689,9 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         key = tuple(headers)
         parsed = self._parsed_requests.get(key)
         if parsed is None:
+            problem = request_headers_problem(headers)
+            if problem is not None:
+                raise _MalformedRequest(problem)
             parsed = RequestReceived.parse_from_stream_id_and_headers_destructive(
                 stream_id, HeaderDict(headers)
             )
@@ -664,6 +723,11 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if self._unreturned >= self.limits.connection_window // 4:
             self.h2_connection.increment_flow_control_window(self._unreturned)
             self._unreturned = 0
+
+    def _trailers_received(self, event: h2.events.TrailersReceived) -> list[Event]:
+        # Request trailers are legal HTTP/2 (RFC 9113 §8.1) but carry nothing gRPC reads: they
+        # are dropped, and the END_STREAM they came with ends the request as usual.
+        return []
 
     def _stream_ended(self, event: h2.events.StreamEnded) -> list[Event]:
         if self._inbound.pop(event.stream_id, None) is None:
