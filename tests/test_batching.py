@@ -34,6 +34,7 @@ from trio_infer.protobuf.codec import (
     encode_parameters,
 )
 from trio_infer.repository.settings import EXAMPLES, ModelSettings, TensorSpec, load_repository
+from trio_infer.scheduling import batching
 from trio_infer.scheduling.batching import (
     BatchPlan,
     BatchStatistics,
@@ -249,11 +250,12 @@ def test_an_output_without_the_batchs_rows_fails_the_batch_naming_the_output(
     )
 
 
-# -- a crashing batcher (a fake pool stands in for a bug) -----------------------------------------
+# -- a crashing batcher (a fake pool stands in for a bug; tests/test_failures.py does it for real)
 
 
 class CrashingPool:
-    """Fails with something no pool raises, once ``release`` is set."""
+    """Fails its first call with something no pool raises, once ``release`` is set; echoes ``x``
+    as ``y`` afterwards."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -267,42 +269,101 @@ class CrashingPool:
         priority: int = DEFAULT_PRIORITY,
     ) -> dict[str, np.ndarray]:
         self.calls += 1
-        await self.release.wait()
-        raise RuntimeError("a bug")
+        if self.calls == 1:
+            await self.release.wait()
+            raise RuntimeError("a bug")
+        return {"y": inputs["x"]}
 
 
-async def test_a_crashing_batcher_fails_every_request_it_holds_and_every_later_one(
+CRASHED = (
+    "internal error in the batching of model 'm': the batcher holding the request crashed "
+    "(logged by the server)"
+)
+
+
+async def test_a_crashing_batcher_fails_only_the_requests_it_held_and_is_replaced(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.0)
     pool = CrashingPool()
     batcher = ModelBatcher(settings, pool, batchers=1)
     errors: list[InferError] = []
+    served: list[int] = []
 
     async def request(key: int = 0) -> None:
         parameters = Parameters({"key": key})
-        with pytest.raises(InferError) as caught:
-            await batcher.predict({"x": np.zeros((1, 2))}, parameters, math.inf)
-        errors.append(caught.value)
+        try:
+            outputs = await batcher.predict({"x": np.full((1, 2), key)}, parameters, math.inf)
+        except InferError as exc:
+            errors.append(exc)
+        else:
+            served.append(int(outputs["y"][0, 0]))
 
     async with trio.open_nursery() as nursery:
         await nursery.start(batcher.run)
         nursery.start_soon(request)
         await eventually(lambda: pool.calls == 1)
-        nursery.start_soon(request)  # same key, but its batch is gone: it queues
-        nursery.start_soon(request, 1)  # another key: it queues too
+        nursery.start_soon(request, 1)  # it queues behind the batch that will crash
+        nursery.start_soon(request, 2)
         await eventually(lambda: batcher.statistics().waiting == 2)
         pool.release.set()
-    crashed = "model 'm': batching crashed; see the server log"
-    assert [(e.code, e.message) for e in errors] == [(StatusCode.INTERNAL, crashed)] * 3
-    with pytest.raises(InferError, match="batching crashed"):
-        await batcher.predict({"x": np.zeros((1, 2))}, Parameters(), math.inf)
+        await eventually(lambda: len(errors) + len(served) == 3)
+        await request(3)  # the replacement batcher serves later requests too
+        nursery.cancel_scope.cancel()
+    assert [(e.code, e.message) for e in errors] == [(StatusCode.INTERNAL, CRASHED)]
+    assert sorted(served) == [1, 2, 3]
     stats = batcher.statistics()
-    assert (stats.batches, stats.requests, stats.waiting, stats.crashed) == (1, 1, 0, True)
+    assert (stats.batches, stats.waiting, stats.batcher_crashes) == (4, 0, 1)
     [record] = [r for r in caplog.records if r.name == "trio_infer.scheduling.batching"]
     assert record.levelno == logging.ERROR
-    assert record.getMessage() == "model 'm': batching crashed"
+    assert record.getMessage() == (
+        "internal error: a batcher of model 'm' crashed while running a batch (RuntimeError: a "
+        "bug); the 1 request(s) it held failed, and a fresh batcher replaces it"
+    )
+    assert "Traceback" in caplog.text
     assert "RuntimeError: a bug" in caplog.text
+
+
+async def test_a_batcher_that_crashes_while_planning_fails_the_queue_it_planned_from(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The planner is a pure function: nothing real makes it raise, so it is made to, once.
+    settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.0)
+    pool = CrashingPool()
+    pool.calls = 1  # no crash in the pool
+    batcher = ModelBatcher(settings, pool, batchers=1)
+    real_plan = batching.plan_batch
+    crashes = 0
+
+    def plan_once(waiting: Any, **kwargs: Any) -> BatchPlan:
+        nonlocal crashes
+        if len(waiting) == 2 and not crashes:
+            crashes += 1
+            raise AssertionError("a planning bug")
+        return real_plan(waiting, **kwargs)
+
+    monkeypatch.setattr(batching, "plan_batch", plan_once)
+    errors: list[InferError] = []
+
+    async def request() -> None:
+        with pytest.raises(InferError) as caught:
+            await batcher.predict({"x": np.zeros((1, 2))}, Parameters(), math.inf)
+        errors.append(caught.value)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        # Both join the queue before the batcher, woken by the first, plans.
+        nursery.start_soon(request)
+        nursery.start_soon(request)
+        await eventually(lambda: len(errors) == 2)
+        outputs = await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+        nursery.cancel_scope.cancel()
+    assert [(e.code, e.message) for e in errors] == [(StatusCode.INTERNAL, CRASHED)] * 2
+    assert outputs["y"].tolist() == [[1.0, 1.0]]
+    assert batcher.statistics().batcher_crashes == 1
+    [record] = [r for r in caplog.records if r.name == "trio_infer.scheduling.batching"]
+    assert "crashed while planning a batch (AssertionError: a planning bug)" in record.getMessage()
+    assert "the 2 request(s) it held failed" in record.getMessage()
 
 
 class GatedPool:

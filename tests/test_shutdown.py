@@ -3,9 +3,9 @@ processes, real signals, a real grpcio client.
 
 What must hold: the first SIGINT or SIGTERM stops accepting new calls (GOAWAY; new calls get
 UNAVAILABLE), lets the calls in flight finish within ``--grace-period``, ends the rest with
-UNAVAILABLE, shuts the workers down and exits 0. A second signal exits at once. Either way: no
-process of the server's is left, no traceback, and the exit comes within the grace period plus a
-second.
+UNAVAILABLE, shuts the workers down and exits 0. A second signal exits at once, with 128 plus its
+number (130 for SIGINT, 143 for SIGTERM). Either way: no process of the server's is left, no
+traceback, and the exit comes within the grace period plus a second.
 
 Each server runs in a session of its own (``start_new_session``), so every process it starts -
 the fork server, multiprocessing's resource tracker, the workers - is found by its session id in
@@ -400,8 +400,22 @@ def test_a_second_ctrl_c_exits_at_once(serve: Callable[..., Server]) -> None:
     server.wait_exit(second + AT_ONCE)
     # The connection is cut: the client learns it from the closed socket, not from a status.
     assert call.error().code() == grpc.StatusCode.UNAVAILABLE
-    assert "again: exiting now" in server.stderr()
-    server.assert_clean_exit(0)
+    assert "SIGINT again: exiting now (exit status 130)" in server.stderr()
+    # Not 0: what runs the server (a shell, systemd, Kubernetes) sees that the drain was cut.
+    server.assert_clean_exit(130)
+
+
+def test_a_second_sigterm_exits_at_once_with_143(serve: Callable[..., Server]) -> None:
+    server = serve(grace=30.0).start()
+    call = server.hold(60_000)
+    call.worker_pid()
+    server.send(signal.SIGTERM)
+    server.wait_for_line(r"SIGTERM: shutting down")
+    second = server.send(signal.SIGTERM)
+    server.wait_exit(second + AT_ONCE)
+    assert call.error().code() == grpc.StatusCode.UNAVAILABLE
+    assert "SIGTERM again: exiting now (exit status 143)" in server.stderr()
+    server.assert_clean_exit(143)
 
 
 @pytest.mark.parametrize("killed", ["idle", "busy"])
@@ -512,7 +526,7 @@ def test_a_hung_idle_worker_does_not_hold_up_the_exit(
         server.wait_for_line(r"SIGINT: shutting down")
         second = server.send(signal.SIGINT, group=True)
         server.wait_exit(second + AT_ONCE)
-    server.assert_clean_exit(0)
+    server.assert_clean_exit(0 if signals == "SIGTERM" else 130)
 
 
 def test_a_call_whose_request_is_still_arriving_when_the_drain_begins_is_served(

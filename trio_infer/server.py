@@ -5,9 +5,15 @@
     run_server                         owns everything below; returns when all of it is done
     ├── WorkerPool                     worker processes; closed last, so no call outlives it
     └── server nursery
+        ├── Batching.run               the batching models' batchers
         ├── GrpcServer.serve           listeners and connections (trio_infer.transport)
         └── readiness keeper           loads every model in every worker, marks it ready; again
                                        after a worker crash
+
+Internal tasks that raise (bugs) do not end the server: a pool lane or a batcher fails the calls
+it held, and its owner starts a fresh one in the same nursery; the readiness keeper, which holds
+no call, is run again by the task that supervises it. Each crash is logged with its traceback and
+counted in :attr:`ServerStatistics.task_crashes`.
 
 Shutdown (:meth:`RunningServer.shutdown`): readiness turns false, listeners close and every
 connection gets GOAWAY; calls in flight have the grace period to finish; the rest end with
@@ -82,11 +88,22 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ServerStatistics:
-    """A snapshot of a running server (the numbers a metrics endpoint will expose)."""
+    """A snapshot of a running server (the numbers a metrics endpoint will expose).
+
+    Attributes:
+        admission: The memory budget and the models' queues.
+        pool: The worker processes and their calls.
+        batching: Each batching model's batches, by model name.
+        task_crashes: Internal tasks that raised (bugs), by kind: ``lane`` (a worker lane of
+            the pool), ``batcher`` (a model's batcher, summed over models) and ``readiness``
+            (the readiness keeper). Each crash failed the calls its task held, was logged with
+            its traceback, and its task was replaced.
+    """
 
     admission: AdmissionStatistics
     pool: PoolStatistics
     batching: dict[str, BatchStatistics]
+    task_crashes: dict[str, int] = field(default_factory=dict)
 
 
 class RunningServer:
@@ -101,6 +118,7 @@ class RunningServer:
         """The V2 core every front-end calls: the registry, the pool, admission, batching."""
         self._shutdown_requested = trio.Event()
         self._ready = trio.Event()
+        self._readiness_crashes = 0
 
     @property
     def shutting_down(self) -> bool:
@@ -109,10 +127,17 @@ class RunningServer:
 
     def statistics(self) -> ServerStatistics:
         """Return a snapshot of admission control, the worker pool and batching."""
+        pool = self.core.pool.statistics()
+        batching = self.core.batching.statistics()
         return ServerStatistics(
             admission=self.core.admission.statistics(),
-            pool=self.core.pool.statistics(),
-            batching=self.core.batching.statistics(),
+            pool=pool,
+            batching=batching,
+            task_crashes={
+                "lane": pool.lane_crashes,
+                "batcher": sum(batches.batcher_crashes for batches in batching.values()),
+                "readiness": self._readiness_crashes,
+            },
         )
 
     def shutdown(self) -> None:
@@ -166,7 +191,7 @@ async def run_server(
                 config.workers,
             )
             readiness = trio.CancelScope()
-            nursery.start_soon(_keep_models_ready, server, readiness)
+            nursery.start_soon(_supervise_readiness, server, readiness)
             task_status.started(server)
 
             await server._shutdown_requested.wait()
@@ -194,7 +219,28 @@ async def run_server(
     logger.info("server stopped")
 
 
-async def _keep_models_ready(server: RunningServer, scope: trio.CancelScope) -> None:
+async def _supervise_readiness(server: RunningServer, scope: trio.CancelScope) -> None:
+    """Run the readiness keeper until ``scope`` is cancelled; run it again if it raises."""
+    with scope:
+        while True:
+            try:
+                await _keep_models_ready(server)
+            except Exception as crash:
+                # Cancellations are not caught: the shutdown ends this task.
+                server._readiness_crashes += 1
+                logger.error(
+                    "internal error: the readiness keeper crashed (%s: %s); a fresh one starts "
+                    "in %.1f s",
+                    type(crash).__name__,
+                    crash,
+                    _RETRY_FIRST,
+                    exc_info=crash,
+                )
+                # Not at once: a bug that raises on every try would log as fast as it can.
+                await trio.sleep(_RETRY_FIRST)
+
+
+async def _keep_models_ready(server: RunningServer) -> None:
     """Load every model in every worker and keep the registry's readiness true to it.
 
     A model that fails to load is not ready and is retried with backoff. After a worker process
@@ -203,19 +249,18 @@ async def _keep_models_ready(server: RunningServer, scope: trio.CancelScope) -> 
     ready instead of failing every call.
     """
     registry, pool = server.core.registry, server.core.pool
-    with scope:
-        while True:
-            failing = list(registry)
-            backoff = _RETRY_FIRST
-            while failing:
-                failing = [s for s in failing if not await _load_everywhere(pool, registry, s)]
-                if failing:
-                    await trio.sleep(backoff)
-                    backoff = min(backoff * 2, _RETRY_MAX)
-            if not server._ready.is_set():
-                logger.info("ready: %s", ", ".join(settings.name for settings in registry))
-                server._ready.set()
-            await pool.wait_worker_crash()
+    while True:
+        failing = list(registry)
+        backoff = _RETRY_FIRST
+        while failing:
+            failing = [s for s in failing if not await _load_everywhere(pool, registry, s)]
+            if failing:
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, _RETRY_MAX)
+        if not server._ready.is_set():
+            logger.info("ready: %s", ", ".join(settings.name for settings in registry))
+            server._ready.set()
+        await pool.wait_worker_crash()
 
 
 async def _load_everywhere(

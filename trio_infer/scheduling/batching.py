@@ -25,8 +25,16 @@ Ownership and cancellation:
   call goes on for the others. When the last member leaves, the call is cancelled, which kills
   its worker if the call has started (``kill_on_cancel``): nobody is left to read the result.
 - A model error or a dead worker fails the members of that batch, each with its own copy of the
-  error. A batcher that crashes (a bug) stops its model's batching: its requests and every later
-  one fail with INTERNAL, and the crash is logged with its traceback; it is not restarted.
+  error.
+- A batcher that crashes (a bug: an unexpected exception) fails the requests it held with
+  INTERNAL: its batch's members, or, if it crashed while planning, the queue it was planning
+  from (the same queue would crash the next planner). The crash is logged with its traceback and
+  counted (``BatchStatistics.batcher_crashes``), and a fresh batcher task takes its place in the
+  model's nursery. The model's other batchers and its later requests go on.
+
+Model errors are logged by :class:`ModelErrorLog`, at most one line per model per interval, in
+the server process where the failed call ends (the pool for a model's own errors, the batcher for
+outputs that do not split into the members' rows).
 """
 
 from __future__ import annotations
@@ -36,12 +44,12 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, pairwise
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import trio
 
-from trio_infer.errors import InferError, ModelFailed, Unavailable
+from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters, ParameterValue
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY
@@ -52,6 +60,7 @@ __all__ = [
     "BatchStatistics",
     "Batching",
     "ModelBatcher",
+    "ModelErrorLog",
     "Pending",
     "Predictor",
     "batch_key",
@@ -67,10 +76,9 @@ logger = logging.getLogger(__name__)
 #: Weight of the newest worker call in the running estimate of a call's duration.
 _RUN_TIME_WEIGHT = 0.2
 #: Time a batch needs besides its worker call, so that a batch dispatched for a member's
-#: deadline still answers before it: concatenating, splitting, encoding and sending (about 1 ms),
-#: and a late wake-up of the batcher (up to ~5 ms measured on a busy 2-core machine; 10 ms of
-#: slack lost about one answer in three to its deadline there). Too much only makes
-#: deadline-bound batches leave a little earlier, and smaller.
+#: deadline still answers before it: concatenating, splitting, encoding and sending, and a late
+#: wake-up of the batcher on a busy machine. Too much only makes deadline-bound batches leave a
+#: little earlier, and smaller; too little loses answers to their deadlines.
 _DISPATCH_SLACK = 0.025
 
 
@@ -336,7 +344,7 @@ class BatchStatistics:
         waiting: Requests in the queue now.
         abandoned: Requests that left the queue before their batch ran (deadline, cancel).
         alone: Requests that filled a batch by themselves, so went to the pool directly.
-        crashed: Whether a batcher crashed, which stopped this model's batching.
+        batcher_crashes: Batcher tasks that raised (a bug), each replaced by a fresh one.
     """
 
     batches: int = 0
@@ -349,7 +357,7 @@ class BatchStatistics:
     waiting: int = 0
     abandoned: int = 0
     alone: int = 0
-    crashed: bool = False
+    batcher_crashes: int = 0
 
     @property
     def mean_batch_requests(self) -> float:
@@ -441,6 +449,9 @@ class ModelBatcher:
         self._planning = trio.Lock()
         self._stopped: InferError | None = None
         self._run_time = 0.0
+        # The model's nursery, set by run: where batchers run, and replacements of crashed ones.
+        self._nursery: trio.Nursery | None = None
+        self._model_errors = ModelErrorLog()
         # Counts only: ``waiting`` is filled in by statistics().
         self._statistics = BatchStatistics()
 
@@ -479,8 +490,7 @@ class ModelBatcher:
             return await self._pool.predict(self.settings, inputs, parameters, priority)
         if rows >= self.settings.max_batch_size:
             # It would run alone, as a full batch: it goes to the pool as one, without the
-            # queue, the planning and two task switches (measured: `dense` 64 rows at 25 calls
-            # in flight, 1,410-1,440 requests/s through the batchers, 1,800 without).
+            # queue, the planning and two task switches, which cost more than the call saves.
             self._statistics = replace(self._statistics, alone=self._statistics.alone + 1)
             return await self._pool.predict(self.settings, inputs, parameters, priority)
         key = (priority, batch_key(inputs, parameters))
@@ -498,30 +508,69 @@ class ModelBatcher:
         return replace(self._statistics, waiting=len(self._waiting))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run this model's batchers until cancelled, or until one crashes.
+        """Run this model's batchers until cancelled.
 
-        A crash is logged with its traceback and stops this model's batching: its requests
-        fail with INTERNAL, and so does every later one. Either way, requests still queued when
-        this returns fail (``Unavailable`` when batching was cancelled).
+        A batcher that crashes is replaced (see the module's documentation). Requests still
+        queued when this returns fail with ``Unavailable``.
         """
         name = self.settings.name
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 for _ in range(self._batchers + self._ahead):
                     nursery.start_soon(self._batcher)
                 task_status.started()
         except* Exception as crash:
-            logger.error("model '%s': batching crashed", name, exc_info=crash)
-            self._statistics = replace(self._statistics, crashed=True)
+            # Only a bug in the replacing itself comes here: this model's batching stops, and
+            # its later requests fail, rather than the server.
+            logger.error("model '%s': batching crashed and stopped", name, exc_info=crash)
+            self._count_crash()
             self._stop(_crashed(name))
         finally:
             self._stop(Unavailable(f"model '{name}': batching stopped"))
 
     async def _batcher(self) -> None:
-        while True:
-            async with self._planning:
-                batch = await self._next_batch()
-            await self._run(batch)
+        """Plan and run batches until cancelled; if it raises, a fresh batcher replaces it."""
+        batch: _Batch | None = None
+        try:
+            while True:
+                batch = None
+                async with self._planning:
+                    batch = await self._next_batch()
+                await self._run(batch)
+        except Exception as crash:
+            # Cancellations are not caught: they end the task, as they should.
+            self._replace_crashed_batcher(crash, batch)
+
+    def _replace_crashed_batcher(self, crash: Exception, batch: _Batch | None) -> None:
+        self._count_crash()
+        error = _crashed(self.settings.name)
+        if batch is None:
+            # It crashed while planning, from the queue: what it held is the queue.
+            held = len(self._waiting)
+            self._fail_waiting(error)
+            doing = "planning a batch"
+        else:
+            # _run failed the batch's members already, on its way out.
+            held = len(batch.members)
+            doing = "running a batch"
+        logger.error(
+            "internal error: a batcher of model '%s' crashed while %s (%s: %s); the %d "
+            "request(s) it held failed, and a fresh batcher replaces it",
+            self.settings.name,
+            doing,
+            type(crash).__name__,
+            crash,
+            held,
+            exc_info=crash,
+        )
+        assert self._nursery is not None
+        self._nursery.start_soon(self._batcher)
+
+    def _count_crash(self) -> None:
+        self._statistics = replace(
+            self._statistics, batcher_crashes=self._statistics.batcher_crashes + 1
+        )
 
     async def _next_batch(self) -> _Batch:
         settings = self.settings
@@ -544,15 +593,16 @@ class ModelBatcher:
                 await changed.wait()
 
     def _take(self, positions: tuple[int, ...], now: float) -> _Batch:
-        chosen = set(positions)
         members = [self._waiting[position] for position in positions]
-        self._waiting = [m for i, m in enumerate(self._waiting) if i not in chosen]
         batch = _Batch(members)
-        for member in members:
-            member.batch = batch
         self._statistics = self._statistics.with_batch(
             sum(m.rows for m in members), [now - m.arrived for m in members]
         )
+        # Last, so that a member is in the queue or in the batch returned, whatever raises.
+        chosen = set(positions)
+        self._waiting = [m for i, m in enumerate(self._waiting) if i not in chosen]
+        for member in members:
+            member.batch = batch
         return batch
 
     async def _run(self, batch: _Batch) -> None:
@@ -570,13 +620,19 @@ class ModelBatcher:
                 )
                 elapsed = trio.current_time() - started
                 self._run_time += _RUN_TIME_WEIGHT * (elapsed - self._run_time)
-                parts = split_outputs(outputs, [m.rows for m in members], self.settings.name)
+                try:
+                    parts = split_outputs(outputs, [m.rows for m in members], self.settings.name)
+                except ModelFailed as error:
+                    # The model's fault, found here rather than in the pool: logged here.
+                    self._model_errors.record(self.settings.name, error)
+                    raise
                 for member, part in zip(members, parts, strict=True):
                     member.reply.set_result(part)
         except InferError as error:
             for member in members:
                 member.reply.set_error(error)
         except Exception:
+            # A bug: the batcher is replaced (_batcher), and these requests fail.
             for member in members:
                 member.reply.set_error(_crashed(self.settings.name))
             raise
@@ -604,9 +660,13 @@ class ModelBatcher:
     def _stop(self, error: InferError) -> None:
         if self._stopped is None:
             self._stopped = error
-        for member in self._waiting:
-            member.reply.set_error(self._stopped)
-        self._waiting.clear()
+        self._fail_waiting(self._stopped)
+
+    def _fail_waiting(self, error: InferError) -> None:
+        waiting, self._waiting = self._waiting, []
+        for member in waiting:
+            member.reply.set_error(error)
+        self._notify()
 
 
 class Batching:
@@ -665,4 +725,73 @@ class Batching:
 
 def _crashed(model_name: str) -> InferError:
     # The crash's details are for the operator (logged), not for clients.
-    return InferError(f"model '{model_name}': batching crashed; see the server log")
+    return InferError(
+        f"internal error in the batching of model '{model_name}': the batcher holding the "
+        "request crashed (logged by the server)",
+        StatusCode.INTERNAL,
+    )
+
+
+# --- model errors in the log -----------------------------------------------------------------
+
+#: Where model errors are logged: apart from the server's own messages, so that an operator can
+#: route or silence them by this name.
+model_logger = logging.getLogger("trio_infer.models")
+
+
+@dataclass
+class _Quiet:
+    """When the last line about a model was logged, and its errors counted since."""
+
+    logged: float
+    suppressed: int = 0
+
+
+class ModelErrorLog:
+    """Logs the errors models raise, at most one line per model per :attr:`interval` seconds.
+
+    A model that fails on every call must not flood the log: after a line about a model, its
+    errors are only counted for ``interval`` seconds, and the next line says how many were not
+    logged. A line names the model, the status and the error's message (which holds the model's
+    traceback only when the server runs with ``debug``).
+
+    Lines are WARNINGs, not ERRORs: the server is well, the failure stays with that model's
+    calls, and their clients got the error; ERROR is kept for faults of the server itself (a
+    crashed internal task, a model that cannot be loaded).
+    """
+
+    interval: ClassVar[float] = 10.0
+    """Seconds between two lines about one model (read at each error)."""
+
+    def __init__(self) -> None:
+        self._quiet: dict[str, _Quiet] = {}
+
+    def record(self, model: str, error: InferError, now: float | None = None) -> bool:
+        """Log a model's error, or count it if a line about that model is recent.
+
+        Args:
+            model: The model's name.
+            error: What its call failed with.
+            now: The current time (default: Trio's clock).
+
+        Returns:
+            Whether a line was logged.
+        """
+        if now is None:
+            now = trio.current_time()
+        quiet = self._quiet.get(model)
+        if quiet is not None and now - quiet.logged < self.interval:
+            quiet.suppressed += 1
+            return False
+        suppressed = quiet.suppressed if quiet is not None else 0
+        self._quiet[model] = _Quiet(now)
+        model_logger.warning(
+            "model '%s' failed (%s): %s%s",
+            model,
+            error.code.name,
+            error.message,
+            f" [{suppressed} more error(s) of this model since the previous line were not logged]"
+            if suppressed
+            else "",
+        )
+        return True

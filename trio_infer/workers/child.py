@@ -94,11 +94,10 @@ def serve(address: str) -> None:
     """Run the calls the pool sends on the socket at ``address``, until it closes the connection.
 
     Calls run one at a time, in the order they came. The pool sends a call before the one
-    running ends, so that the next starts at once instead of after a round trip to the server
-    (on a 2-core VM, waking a process that waits on a read took most of the 0.7-0.85 ms
-    between two 10 ms calls). A call the pool cancels is skipped if it has not started: cancels
-    that came during a call are read before the next one starts, and the report of that call
-    names them.
+    running ends, so that the next starts at once instead of after a round trip to the server,
+    most of which is waking a process that waits on a read. A call the pool cancels is skipped
+    if it has not started: cancels that came during a call are read before the next one starts,
+    and the report of that call names them.
 
     Args:
         address: The path of the pool's Unix socket for this worker.

@@ -29,6 +29,15 @@ replacement worker, which loads its models when they are next called.
 
 Error handling: a worker that dies mid-call fails that call with ``Unavailable`` naming the
 signal or exit code; the calls sent after it go back to the queue, and the pool keeps serving.
+Each death is one WARNING line: the worker's pid, the cause and the calls it failed. A model's
+error is logged where its call ends, in this process, at most one line per model per interval
+(``trio_infer.scheduling.batching.ModelErrorLog``).
+
+Supervision: a lane whose task raises (a bug: an assertion, an unexpected exception) fails the
+calls it held with INTERNAL, its worker is killed with it (it is a child of the lane), the crash
+is logged with its traceback and counted (``PoolStatistics.lane_crashes``), and a fresh lane
+takes its place: a new task in the pool's nursery, never a detached one. The pool and the other
+lanes go on.
 
 Resource handling: leaving ``open`` fails calls still queued, closes every worker's connection
 (its ``serve`` returns and trio-parallel stops the idle process) and kills any worker that has
@@ -47,6 +56,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import socket
+import struct
 import tempfile
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -62,6 +72,7 @@ import trio_parallel
 from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
 from trio_infer.repository.settings import ModelSettings
+from trio_infer.scheduling.batching import ModelErrorLog
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY, PRIORITY_LEVELS
 from trio_infer.scheduling.reply import Reply
 from trio_infer.workers import child, wire
@@ -78,10 +89,9 @@ _log = logging.getLogger(__name__)
 _RECENT_CALLS = 16
 #: After this many calls of a model refused in a row, one is started anyway.
 _MAX_REFUSED_IN_A_ROW = 8
-#: Calls a worker holds at once: the one it runs and the next. With one, a worker waited
-#: 0.7-0.85 ms between two 10 ms calls (25 in flight, 2 workers, 2 cores): the round trip
-#: through the server, most of it waking idle processes on this VM. More would hold more
-#: inputs in the socket and delay cancels no further.
+#: Calls a worker holds at once: the one it runs and the next, so that it starts the next
+#: without waiting for a round trip through the server. More would hold more inputs in the
+#: socket and delay cancels no further.
 CALLS_PER_WORKER = 2
 #: Seconds an ended worker's connection is read for its last reports (normally at once).
 _LAST_REPORTS_TIME = 1.0
@@ -89,17 +99,14 @@ _LAST_REPORTS_TIME = 1.0
 _RESTART_PAUSE = 0.1
 
 # Worker type. A replacement worker starts on the request path (after a crash or a cancelled
-# call), so its start-up is latency someone waits for. Measured on 2 cores, Python 3.11,
-# numpy 2.4, from the call to the result of add_sub on a fresh worker (model loaded lazily):
-#   SPAWN       130-185 ms: a new interpreter imports numpy, protobuf and this package each time.
-#   FORKSERVER  13-15 ms: a fork of a server process that imported the _PRELOAD modules once
-#               (pages shared copy-on-write). Preloading trio_infer.workers.child alone gave 40 ms.
+# call), so its start-up is latency someone waits for:
+#   SPAWN       not preferred: a new interpreter imports numpy, protobuf and this package each time.
+#   FORKSERVER  used where available: a fork of a server process that imported the _PRELOAD
+#               modules once (pages shared copy-on-write), so a new worker imports nothing.
 #   FORK        not used: forking the Trio process copies its threads' locks in any state.
-# The first worker costs about the same either way (~150 ms; the fork server imports once).
-# Round trips are alike (add_sub 1x16: p50 230-330 us, p99 ~0.5 ms; trio-parallel alone 140 us).
 # Caveat: multiprocessing re-runs the parent's __main__ script in every worker (as __mp_main__;
 # "python -m pkg" with a pkg/__main__.py is exempt), so whatever that script imports at module
-# level is imported by each new worker: a script that imports the server costs ~120 ms more.
+# level is imported by each new worker, at every start.
 
 # Modules every worker imports; multiprocessing's child set-up itself needs logging and pkgutil.
 _PRELOAD = [
@@ -125,6 +132,8 @@ class PoolStatistics:
             crashes).
         not_started: Calls refused when a worker could take them because their deadline was closer
             than the model's shortest recent call time.
+        lane_crashes: Lanes whose task raised (a bug in this process, not a worker's death),
+            each replaced by a fresh lane.
     """
 
     workers: int
@@ -133,6 +142,7 @@ class PoolStatistics:
     waiting: int
     crashed: int
     not_started: int
+    lane_crashes: int = 0
 
 
 class WorkerPool:
@@ -145,7 +155,11 @@ class WorkerPool:
         self._context = context
         # Each lane runs one trio-parallel job: its worker's serve loop, for the worker's life.
         self._limiter = trio.CapacityLimiter(workers)
-        self._lanes = [_Lane(self, os.path.join(folder, f"{i}.sock")) for i in range(workers)]
+        self._lanes = [_Lane(self, i, os.path.join(folder, f"{i}.sock")) for i in range(workers)]
+        # The pool's nursery, set by open: where lanes run, and replacements of crashed ones.
+        self._nursery: trio.Nursery | None = None
+        self._lane_crashes = 0
+        self._model_errors = ModelErrorLog()
         # Unbounded here: every call is a request the server has admitted, and admission is
         # what bounds them.
         self._queue = _Queue()
@@ -198,8 +212,9 @@ class WorkerPool:
                 body_error: BaseException | None = None
                 async with trio.open_nursery() as nursery:
                     pool = cls(context, workers, folder)
+                    pool._nursery = nursery
                     for lane in pool._lanes:
-                        nursery.start_soon(lane.run)
+                        nursery.start_soon(pool._run_lane, lane)
                     try:
                         yield pool
                     except BaseException as exc:
@@ -307,7 +322,41 @@ class WorkerPool:
             waiting=len(self._queue) + sum(lane.waiting() for lane in self._lanes),
             crashed=self._crashed,
             not_started=self._not_started,
+            lane_crashes=self._lane_crashes,
         )
+
+    async def _run_lane(self, lane: _Lane, pause: float = 0.0) -> None:
+        """Run one lane; if it raises, fail what it held and start a fresh one in its place."""
+        # A replacement waits first: a bug that raises before any call is taken must not turn
+        # into a loop that logs tracebacks as fast as it can.
+        await trio.sleep(pause)
+        try:
+            await lane.run()
+        except* Exception as crash:
+            # Cancellations (a shutdown at the same moment) are not caught: they end the task.
+            self._replace_crashed_lane(lane, crash)
+
+    def _replace_crashed_lane(self, lane: _Lane, crash: BaseException) -> None:
+        self._lane_crashes += 1
+        failed = lane.fail_held()
+        if not lane.crashed_in_life:
+            worker = "it had no worker process"
+        else:
+            pid = lane.pid if lane.pid is not None else "(pid unknown)"
+            worker = f"its worker process {pid} was stopped with it"
+        _log.error(
+            "internal error: worker lane %d crashed (%s); %d call(s) it held failed, %s, and a "
+            "fresh lane replaces it",
+            lane.index,
+            _summary(crash),
+            failed,
+            worker,
+            exc_info=crash,
+        )
+        fresh = _Lane(self, lane.index, lane.address)
+        self._lanes[lane.index] = fresh
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_lane, fresh, _RESTART_PAUSE)
 
     def _call(
         self, what: str, model: str | None, function: Callable[..., Any], *args: object
@@ -475,9 +524,17 @@ class _Lane:
     in that order, so the first is running (or about to), and the others have not started.
     """
 
-    def __init__(self, pool: WorkerPool, address: str) -> None:
+    def __init__(self, pool: WorkerPool, index: int, address: str) -> None:
         self._pool = pool
-        self._address = address
+        self.index = index
+        """Its place in the pool's list of lanes; a replacement takes the same."""
+        self.address = address
+        """The path of the Unix socket its workers connect to."""
+        self.pid: int | None = None
+        """The current (or last) worker process's id, once known."""
+        self.crashed_in_life = False
+        """Whether the lane's task raised during a worker's life (which killed the worker)."""
+        self._failed_starts = 0
         self.private: deque[_Call] = deque()
         """Calls for this worker only (a warm-up), taken before the pool's queue."""
         self.outstanding: deque[_Call] = deque()
@@ -516,6 +573,26 @@ class _Lane:
         """Calls for this worker that will run but have not started."""
         sent = sum(1 for call in itertools.islice(self.outstanding, 1, None) if not call.abandoned)
         return len(self.private) + sent
+
+    def fail_held(self) -> int:
+        """Fail every call this lane holds, after its task crashed; return how many.
+
+        The lane's state is not to be trusted after a bug, so the calls sent to its worker are
+        failed rather than sent back to the queue: the one that caused the crash could crash the
+        next lane too.
+        """
+        calls = [call for call in [*self.outstanding, *self.private] if not call.reply.filled]
+        self.outstanding.clear()
+        self.private.clear()
+        for call in calls:
+            call.reply.set_error(
+                InferError(
+                    f"internal error in the worker pool while {call.what}: the lane holding "
+                    "the call crashed (logged by the server)",
+                    StatusCode.INTERNAL,
+                )
+            )
+        return len(calls)
 
     def kill(self) -> None:
         """Kill the current worker process (trio-parallel's ``kill_on_cancel``)."""
@@ -567,8 +644,9 @@ class _Lane:
         )
         self._killed = self._moved_on = self._leaving = False
         self._exit_cause = "cause unknown"
+        self.pid = None
         self.live = True
-        orderly = connected = False
+        orderly = connected = crashed = False
         try:
             async with trio.open_nursery() as life:
                 connection = await self._start(life)
@@ -581,9 +659,16 @@ class _Lane:
                         finally:
                             self.connected = False
             orderly = True
+        except Exception:
+            # A bug: the life nursery killed the worker on the way out, and the calls are left
+            # to the pool, which fails them as this lane's (WorkerPool._replace_crashed_lane).
+            crashed = self.crashed_in_life = True
+            raise
         finally:
             self.live = False
-            if orderly and not connected:
+            if crashed:
+                pass
+            elif orderly and not connected:
                 self._not_started_at_all()
             else:
                 self._settle(orderly)
@@ -592,10 +677,14 @@ class _Lane:
     async def _start(self, life: trio.Nursery) -> socket.socket | None:
         """Start a worker process in ``life``; its connection, or None if it ended first."""
         try:
-            with _listening(self._address) as listener:
+            with _listening(self.address) as listener:
                 life.start_soon(self._run_process)
                 with self._connecting:
-                    return await _accept(listener)
+                    connection = await _accept(listener)
+                    self._failed_starts = 0
+                    self.pid = _peer_pid(connection)
+                    _log.debug("worker lane %d: worker process %s started", self.index, self.pid)
+                    return connection
         except OSError as exc:
             # No socket for it (out of file descriptors, say): stop the process if it started.
             self._exit_cause = f"{type(exc).__name__}: {exc}"
@@ -607,12 +696,13 @@ class _Lane:
             with self._process:
                 await self._pool._context.run_sync(
                     child.serve,
-                    self._address,
+                    self.address,
                     kill_on_cancel=True,
                     limiter=self._pool._limiter,
                 )
         except trio_parallel.BrokenWorkerError as exc:
             self._exit_cause = _exit_cause(exc)
+            self.pid = getattr(exc.args[-1] if exc.args else None, "pid", None) or self.pid
         except Exception as exc:
             # serve itself failed, before or after connecting: this life is over all the same.
             self._exit_cause = f"{type(exc).__name__}: {exc}"
@@ -675,6 +765,7 @@ class _Lane:
                 continue
             if not self.outstanding:
                 self._head_started = trio.current_time()
+            # From here on the lane holds it: a crash of the lane fails it (fail_held).
             self.outstanding.append(call)
             call.lane = self
             if self._pool._queue:
@@ -749,7 +840,10 @@ class _Lane:
         # The worker went on to its next call, and its state is unknown: it is replaced.
         if self.outstanding:
             call = self.outstanding.popleft()
-            call.reply.set_error(ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})"))
+            error = ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")
+            if call.model is not None:
+                self._pool._model_errors.record(call.model, error)
+            call.reply.set_error(error)
         self._moved_on = True
         self.kill()
 
@@ -759,9 +853,12 @@ class _Lane:
             self.outstanding = deque(c for c in self.outstanding if c.id not in gone)
         if done is not None:
             call_id, ok, value, seconds = done
-            # Calls run in the order they were sent, so the first outstanding one is done.
-            call = self.outstanding.popleft()
-            assert call.id == call_id, f"report of call {call_id}, expected {call.id}"
+            # Calls run in the order they were sent, so the first outstanding one is done. It
+            # stays outstanding until its reply is filled: if this check fails, the lane's crash
+            # fails it.
+            call = self.outstanding[0]
+            assert call.id == call_id, f"report of call {call_id}, expected call {call.id}"
+            self.outstanding.popleft()
             self._head_started = trio.current_time()
             # Reported after the kill was decided: the call after it may have started since.
             self._moved_on = self._killed
@@ -769,6 +866,8 @@ class _Lane:
                 self._pool._learn(call.model, seconds)
                 call.reply.set_result(value)
             else:
+                if call.model is not None:
+                    self._pool._model_errors.record(call.model, value)
                 call.reply.set_error(value)
         self.wake()
 
@@ -786,6 +885,18 @@ class _Lane:
             self._pool._queue.clear()
         for call in waiting:
             call.reply.set_error(error)
+        self._failed_starts += 1
+        # The lane tries again while there is work: only the first failure of a run is a
+        # WARNING, so that a broken environment is one line, not ten a second.
+        _log.log(
+            logging.WARNING if self._failed_starts == 1 else logging.DEBUG,
+            "worker lane %d: a worker process could not start (%s): %d call(s) failed; "
+            "failed starts in a row: %d",
+            self.index,
+            self._exit_cause,
+            len(waiting),
+            self._failed_starts,
+        )
 
     def _settle(self, orderly: bool) -> None:
         """Fill or requeue the calls the ended worker held."""
@@ -803,6 +914,7 @@ class _Lane:
         crashed = not self._killed and not self._leaving
         if crashed:
             pool._note_crash()
+        failed = 0
         # The first call was running if the worker died on its own, or if it went on to it
         # after it was told to stop; the others had not started.
         if calls and not calls[0].abandoned and (crashed or self._moved_on):
@@ -814,10 +926,28 @@ class _Lane:
                 "it held)"
             )
             head.reply.set_error(Unavailable(message))
+            failed = 1
         calls = [call for call in calls if not call.abandoned]
         for call in reversed(calls):
             call.lane = None
             call.home.appendleft(call)
+        if crashed:
+            _log.warning(
+                "worker process %s died (%s): %d call(s) failed with it, %d sent back to the "
+                "queue; a replacement starts when there is work",
+                self.pid if self.pid is not None else "(pid unknown)",
+                self._exit_cause,
+                failed,
+                len(calls),
+            )
+        elif self._killed:
+            _log.debug(
+                "worker process %s was stopped by the pool: %d call(s) failed with it, %d sent "
+                "back to the queue",
+                self.pid,
+                failed,
+                len(calls),
+            )
         if calls:
             pool._wake_lanes()
 
@@ -871,6 +1001,26 @@ class _CallTimes:
 
     def shortest(self) -> float:
         return min(self.recent, default=0.0)
+
+
+def _peer_pid(connection: socket.socket) -> int | None:
+    """The process id of a Unix socket's peer (Linux); None where the OS does not say."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    try:
+        credentials = connection.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid: int = struct.unpack("3i", credentials)[0]
+    return pid or None
+
+
+def _summary(crash: BaseException) -> str:
+    """``Type: message`` of each exception a crash is made of, without the groups around them."""
+    if isinstance(crash, BaseExceptionGroup):
+        return "; ".join(_summary(inner) for inner in crash.exceptions)
+    return f"{type(crash).__name__}: {crash}"
 
 
 def _exit_cause(exc: trio_parallel.BrokenWorkerError) -> str:
