@@ -5,9 +5,9 @@ grpc_service.proto) only interoperate if every message we define has exactly the
 numbers, types, labels, oneofs and map shapes, and every method we serve has their name, types
 and streaming flags. tritonclient ships Triton's descriptors, so we compare against them.
 
-Both files define ``inference.*``, so they cannot both be registered in one process's default
-descriptor pool. Each is loaded in its own subprocess, which prints its serialized
-``FileDescriptorProto``; here they are only parsed as plain messages, never registered.
+Each side is loaded in a subprocess of its own, which prints its serialized
+``FileDescriptorProto``; here they are only parsed as plain messages, never registered, so what
+is compared does not depend on which copies of the protocol this process has imported.
 """
 
 from __future__ import annotations
@@ -167,9 +167,16 @@ def test_service_methods_match_triton(
 
 
 def test_health_matches_grpc_health_v1() -> None:
-    # No reference descriptor is installed for grpc.health.v1, so check the standard's numbers.
+    # The standard's numbers, spelled out, and grpcio-health-checking's own descriptor.
     proto = _load("trio_infer.protobuf._proto.health_pb2")
-    assert proto.package == "grpc.health.v1"
+    reference = _load("grpc_health.v1.health_pb2")
+    assert proto.package == reference.package == "grpc.health.v1"
+    assert [m.SerializeToString() for m in proto.message_type] == [
+        m.SerializeToString() for m in reference.message_type
+    ]
+    assert [s.SerializeToString() for s in proto.service] == [
+        s.SerializeToString() for s in reference.service
+    ]
     messages = _messages(proto.message_type, ".grpc.health.v1")
     assert _field_signature(messages[".grpc.health.v1.HealthCheckRequest"]) == {
         "service": (1, "TYPE_STRING", "LABEL_OPTIONAL", "", None, False)

@@ -2,6 +2,9 @@
 
 ``_proto`` is generated from ``protos/`` (see ``protos/generate.py``); ``codec`` converts tensors
 and parameters between messages and numpy, for the server's gRPC front-end and for the client.
+The generated messages are registered in ``_pool``'s private descriptor pool rather than
+protobuf's default one, so that tritonclient, MLServer or grpcio-health-checking, which register
+the same full names there, can be imported into the same process in either order.
 
 May import: protobuf, numpy, ``trio_infer.datatypes``, ``trio_infer.buffers`` and
 ``trio_infer.errors``.
