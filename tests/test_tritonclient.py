@@ -1,7 +1,7 @@
 """Triton's own Python client (``tritonclient[grpc]``), unchanged, against a real server.
 
-tritonclient registers its own ``inference.*`` protobuf messages, which cannot share a process
-with trio-infer's, so it runs in a subprocess of its own, as any client would.
+It runs in a subprocess of its own, as any client would (that the two can share a process is
+tests/test_coexistence.py's).
 """
 
 from __future__ import annotations
