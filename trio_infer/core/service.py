@@ -11,8 +11,7 @@ to its own (the status table is :mod:`trio_infer.errors`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
@@ -110,16 +109,16 @@ class InferenceCore:
 
     # -- inference ----------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def reserve(self, announced: int, deadline: float) -> AsyncIterator[Reservation]:
+    def reserve(
+        self, announced: int, deadline: float
+    ) -> AbstractAsyncContextManager[Reservation]:
         """Reserve room in the memory budget for a request of ``announced`` bytes, before its
-        body is read; the room is given back when the block exits.
+        body is read (``async with``); the room is given back when the block exits.
 
         Raises:
             Overloaded: The budget cannot make room in time (RESOURCE_EXHAUSTED).
         """
-        async with self.admission.reserve(RESERVED_PER_BYTE * announced, deadline) as grant:
-            yield grant
+        return self.admission.reserve(RESERVED_PER_BYTE * announced, deadline)
 
     async def infer(self, request: InferenceRequest, context: RequestContext) -> InferenceResponse:
         """Run one inference request on its model and return the outputs it asked for.
