@@ -81,8 +81,10 @@ class Rogue(Model):
         if action == "forge_report":
             forged = ((-1, True, {}, 0.0), [])
             wire.send(worker_local("serve", "sock"), wire.pack(forged))
-        if action == "forge_result":
-            forged = ((worker_local("_run", "call_id"), True, "not a dict", 0.0), [])
+        if action in ("forge_result", "forge_failure"):
+            ok = action == "forge_result"
+            value = "not a dict" if ok else "not an InferError"
+            forged = ((worker_local("_run", "call_id"), ok, value, 0.0), [])
             wire.send(worker_local("serve", "sock"), wire.pack(forged))
             # The true report of this call must not follow the forged one.
             report = child._report
@@ -346,6 +348,23 @@ async def test_a_crashed_lane_fails_the_calls_it_held_and_a_fresh_lane_serves_th
     assert "in _on_report" in caplog.text
     ready = await rogues.client.call("ServerReady", pb.ServerReadyRequest())
     assert ready.ready
+
+
+async def test_a_failure_report_that_is_not_an_error_still_fails_its_call_at_once(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # The reply is filled before the call leaves the lane's hands: a report the lane cannot
+    # use as it is still answers its call, with no deadline to wait out.
+    rogues = await start_rogues(nursery, tmp_path, workers=1)
+    error = await rogues.client.error(
+        "ModelInfer", rogues.request(action="forge_failure"), timeout=60
+    )
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert error.details() == (
+        "the worker reported a failure that is not an error: 'not an InferError'"
+    )
+    await rogues.call()
+    assert rogues.server.statistics().task_crashes["lane"] == 0
 
 
 async def test_a_crashed_lane_leaves_the_other_workers_calls_alone(

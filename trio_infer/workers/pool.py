@@ -850,15 +850,22 @@ class _Lane:
     def _on_report(self, done: tuple[int, bool, Any, float] | None, skipped: list[int]) -> None:
         if skipped:
             gone = set(skipped)
-            self.outstanding = deque(c for c in self.outstanding if c.id not in gone)
+            kept: deque[_Call] = deque()
+            for call in self.outstanding:
+                if call.id not in gone:
+                    kept.append(call)
+                elif not call.abandoned:
+                    # The worker skips only calls it was told were cancelled; one still wanted
+                    # gets an answer all the same.
+                    call.reply.set_error(ModelFailed(f"the worker skipped the call ({call.what})"))
+            self.outstanding = kept
         if done is not None:
             call_id, ok, value, seconds = done
             # Calls run in the order they were sent, so the first outstanding one is done. It
-            # stays outstanding until its reply is filled: if this check fails, the lane's crash
-            # fails it.
+            # stays outstanding until its reply is filled: if anything here raises, the lane's
+            # crash fails it with the others it held.
             call = self.outstanding[0]
             assert call.id == call_id, f"report of call {call_id}, expected call {call.id}"
-            self.outstanding.popleft()
             self._head_started = trio.current_time()
             # Reported after the kill was decided: the call after it may have started since.
             self._moved_on = self._killed
@@ -866,9 +873,17 @@ class _Lane:
                 self._pool._learn(call.model, seconds)
                 call.reply.set_result(value)
             else:
+                error = (
+                    value
+                    if isinstance(value, InferError)
+                    else ModelFailed(
+                        f"the worker reported a failure that is not an error: {value!r:.200}"
+                    )
+                )
                 if call.model is not None:
-                    self._pool._model_errors.record(call.model, value)
-                call.reply.set_error(value)
+                    self._pool._model_errors.record(call.model, error)
+                call.reply.set_error(error)
+            self.outstanding.popleft()
         self.wake()
 
     def _not_started_at_all(self) -> None:
