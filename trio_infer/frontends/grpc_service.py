@@ -76,12 +76,6 @@ class GrpcService:
         async with self.core.reserve(length, call.deadline) as reservation:
             data = await call.receive_message()
             assert data is not None, "an announced message arrives or the call fails"
-            # A unary call is one message, then the end of the request (usually in the same
-            # read, so waiting for it costs nothing).
-            if await call.receive_message_length() is not None:
-                raise InvalidInput(
-                    f"{call.method} takes one request message and the client sent more"
-                )
             try:
                 # The stubs say bytes; protobuf parses any bytes-like object.
                 request = route.request_type.FromString(data)  # type: ignore[arg-type]
@@ -90,6 +84,12 @@ class GrpcService:
                 raise InvalidInput(f"the request is not a valid {name}: {exc}") from None
             del data  # the parsed request holds its own copy; drop this one early
             response = await route.handler(request, call, reservation)
+            # A unary call is one message. One more that arrived by now fails the call; the
+            # end of the request is not waited for (a client may half-close late, or never).
+            if call.another_message_nowait():
+                raise InvalidInput(
+                    f"{call.method} takes one request message and the client sent more"
+                )
             await call.send_message(
                 response.SerializeToString() if isinstance(response, Message) else response,
                 last=True,

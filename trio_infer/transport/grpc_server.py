@@ -153,6 +153,25 @@ class Call:
         self._announced = None
         return item
 
+    def another_message_nowait(self) -> bool:
+        """Whether the client has already announced a request message after the one received,
+        without waiting (a unary call that has one is malformed).
+
+        Raises:
+            InferError: what the next message's arrival failed with, if it did.
+        """
+        if self._announced is not None:
+            return True
+        try:
+            item = self._inbound.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return False
+        if isinstance(item, InferError):
+            raise item
+        assert isinstance(item, int), "a message is always announced first"
+        self._announced = item
+        return True
+
     async def _next_item(self) -> int | bytes | bytearray | None:
         # A unary call's request usually arrives whole in the read that starts the call: taken
         # at once, it costs no pass of the scheduler (a checkpoint is one). A call cancelled
