@@ -143,6 +143,8 @@ class _MalformedRequest(Exception):
 
 #: gRPC's TimeoutValue and TimeoutUnit (PROTOCOL-HTTP2.md): at most 8 digits, then a unit.
 _GRPC_TIMEOUT = re.compile(r"[0-9]{1,8}[HMSmun]")
+#: Seconds in each TimeoutUnit.
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
 def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
@@ -166,11 +168,15 @@ def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
         ("application/grpc+", "application/grpc;")
     ):
         return f"content-type {content_type!r} is not application/grpc"
-    timeouts = values.get("grpc-timeout", [])
-    if len(timeouts) > 1:
-        return f"grpc-timeout appears {len(timeouts)} times"
-    if timeouts and not _GRPC_TIMEOUT.fullmatch(timeouts[0]):
-        shown = timeouts[0] if len(timeouts[0]) <= 20 else timeouts[0][:20] + "..."
+    return timeout_problem(values.get("grpc-timeout", []))
+
+
+def timeout_problem(values: Sequence[str]) -> str | None:
+    """What is wrong with a request's ``grpc-timeout`` values (all of them), or None."""
+    if len(values) > 1:
+        return f"grpc-timeout appears {len(values)} times"
+    if values and not _GRPC_TIMEOUT.fullmatch(values[0]):
+        shown = values[0] if len(values[0]) <= 20 else values[0][:20] + "..."
         return (
             f"grpc-timeout {shown!r} is not a gRPC timeout (1 to 8 digits and a unit: "
             "H, M, S, m, u or n)"
@@ -685,28 +691,46 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     def _parsed_request(self, stream_id: int, headers: list[Any]) -> RequestReceived:
         """purerpc's parse of a request's headers, done once per distinct header list (a
         client repeats the same few, and the parse was a sizeable part of reading a small
-        request)."""
-        key = tuple(headers)
+        request). ``grpc-timeout``, which differs call by call, is left out of the list and
+        read here; the request's ``timeout`` is in seconds (a float), or None.
+
+        Raises:
+            _MalformedRequest: the headers are not a gRPC call's.
+        """
+        rest: list[Any] = []
+        timeouts: list[str] = []
+        for field in headers:
+            if field[0] == "grpc-timeout":
+                timeouts.append(field[1])
+            else:
+                rest.append(field)
+        problem = timeout_problem(timeouts)
+        if problem is not None:
+            raise _MalformedRequest(problem)
+        key = tuple(rest)
         parsed = self._parsed_requests.get(key)
         if parsed is None:
-            problem = request_headers_problem(headers)
+            problem = request_headers_problem(rest)
             if problem is not None:
                 raise _MalformedRequest(problem)
             parsed = RequestReceived.parse_from_stream_id_and_headers_destructive(
-                stream_id, HeaderDict(headers)
+                stream_id, HeaderDict(rest)
             )
             if parsed.message_accept_encoding is not None:
                 # The one list among the attributes: copies would share it.
                 parsed.message_accept_encoding = tuple(parsed.message_accept_encoding)
-            if decoded_size(headers) <= MAX_REMEMBERED_BYTES:
+            if decoded_size(rest) <= MAX_REMEMBERED_BYTES:
                 if len(self._parsed_requests) >= _MAX_CHECKED_HEADER_LISTS:
                     self._parsed_requests.clear()
                 self._parsed_requests[key] = parsed
-        # Every attribute is immutable (strings, a timedelta, tuples): a shallow copy is a
-        # request of its own (made by hand, which is quicker than copy.copy).
+        # Every attribute is immutable (strings, tuples): a shallow copy is a request of its
+        # own (made by hand, which is quicker than copy.copy).
         request: RequestReceived = object.__new__(RequestReceived)
         request.__dict__.update(parsed.__dict__)
         request.stream_id = stream_id
+        if timeouts:
+            text = timeouts[0]
+            request.timeout = int(text[:-1]) * _TIMEOUT_UNITS[text[-1]]
         return request
 
     def _data_received(self, event: h2.events.DataReceived) -> list[Event]:

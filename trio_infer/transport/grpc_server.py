@@ -483,7 +483,7 @@ class Connection:
             return
         deadline = math.inf
         if event.timeout is not None:
-            deadline = trio.current_time() + event.timeout.total_seconds()
+            deadline = trio.current_time() + event.timeout
         call = Call(
             self,
             stream_id,
