@@ -41,7 +41,7 @@ from trio_infer import server as server_module
 from trio_infer.errors import InferError, ModelFailed, StatusCode
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
-from trio_infer.scheduling.batching import ModelErrorLog
+from trio_infer.scheduling.model_errors import ModelErrorLog
 from trio_infer.server import RunningServer
 
 ROGUE_MODEL = '''

@@ -220,9 +220,7 @@ def test_each_request_is_parsed_for_itself_when_header_lists_repeat() -> None:
         client.send_headers(stream_id, headers)
         client.send_data(stream_id, b"\0\0\0\0\0", end_stream=True)
         received += [e for e in server.receive_data(client.data_to_send()) if hasattr(e, "timeout")]
-    assert [
-        (r.stream_id, r.method_name, r.timeout, r.custom_metadata) for r in received
-    ] == [
+    assert [(r.stream_id, r.method_name, r.timeout, r.custom_metadata) for r in received] == [
         (1, "M", 5.0, (("x-tag", "a"),)),
         (3, "M", 5.0, (("x-tag", "a"),)),
         (5, "M", 0.007, (("x-tag", "a"),)),

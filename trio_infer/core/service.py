@@ -62,7 +62,11 @@ class InferenceCore:
         self.admission = admission
         workers = pool.statistics().workers
         self.batching = Batching(
-            registry, pool, batchers=workers, ahead=workers * (CALLS_PER_WORKER - 1)
+            registry,
+            pool,
+            batchers=workers,
+            ahead=workers * (CALLS_PER_WORKER - 1),
+            model_errors=pool.model_errors,
         )
         """The batchers of the models that batch; the server runs and stops them."""
         self.draining = False
@@ -109,9 +113,7 @@ class InferenceCore:
 
     # -- inference ----------------------------------------------------------------------------
 
-    def reserve(
-        self, announced: int, deadline: float
-    ) -> AbstractAsyncContextManager[Reservation]:
+    def reserve(self, announced: int, deadline: float) -> AbstractAsyncContextManager[Reservation]:
         """Reserve room in the memory budget for a request of ``announced`` bytes, before its
         body is read (``async with``); the room is given back when the block exits.
 

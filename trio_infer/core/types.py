@@ -16,12 +16,15 @@ from trio_infer.model import ParameterValue
 from trio_infer.repository.settings import TensorSpec
 from trio_infer.scheduling.admission import Reservation
 
+# Reservation and TensorSpec are re-exported: a front-end sees them through the core only.
 __all__ = [
     "InferenceRequest",
     "InferenceResponse",
     "ModelMetadata",
     "RequestContext",
+    "Reservation",
     "ServerMetadata",
+    "TensorSpec",
 ]
 
 

@@ -3,6 +3,8 @@
 ``grpc_service`` serves ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health`` over the
 gRPC transport.
 
-May import: the core, the transport, the protobuf codec and messages. Front-ends never import
-one another.
+May import: the core (its types re-export what a front-end needs of admission and the settings),
+the transport, the protobuf codec and messages. Never scheduling, the workers or the repository
+directly: everything a request does goes through the core. Front-ends never import one
+another.
 """

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError, Message
 
 from trio_infer.buffers import Buffer
 from trio_infer.core.service import InferenceCore
-from trio_infer.core.types import InferenceRequest, RequestContext
+from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
 from trio_infer.errors import InvalidInput, ModelNotFound, Unimplemented
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import health_pb2
@@ -27,8 +27,6 @@ from trio_infer.protobuf.codec import (
     encode_outputs,
     serialize_response,
 )
-from trio_infer.repository.settings import TensorSpec
-from trio_infer.scheduling.admission import Reservation
 from trio_infer.transport.grpc_server import Call
 
 __all__ = ["GrpcService"]

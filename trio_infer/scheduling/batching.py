@@ -44,7 +44,7 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, pairwise
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import numpy as np
 import trio
@@ -52,6 +52,7 @@ import trio
 from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters, ParameterValue
 from trio_infer.repository.settings import ModelSettings
+from trio_infer.scheduling.model_errors import ModelErrorLog
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY
 from trio_infer.scheduling.reply import Reply
 
@@ -60,7 +61,6 @@ __all__ = [
     "BatchStatistics",
     "Batching",
     "ModelBatcher",
-    "ModelErrorLog",
     "Pending",
     "Predictor",
     "batch_key",
@@ -431,7 +431,13 @@ class ModelBatcher:
     """
 
     def __init__(
-        self, settings: ModelSettings, pool: Predictor, *, batchers: int, ahead: int = 0
+        self,
+        settings: ModelSettings,
+        pool: Predictor,
+        *,
+        batchers: int,
+        ahead: int = 0,
+        model_errors: ModelErrorLog | None = None,
     ) -> None:
         if batchers < 1:
             raise ValueError(f"batchers must be at least 1, got {batchers}")
@@ -451,7 +457,7 @@ class ModelBatcher:
         self._run_time = 0.0
         # The model's nursery, set by run: where batchers run, and replacements of crashed ones.
         self._nursery: trio.Nursery | None = None
-        self._model_errors = ModelErrorLog()
+        self._model_errors = model_errors if model_errors is not None else ModelErrorLog()
         # Counts only: ``waiting`` is filled in by statistics().
         self._statistics = BatchStatistics()
 
@@ -685,13 +691,19 @@ class Batching:
     """
 
     def __init__(
-        self, models: Iterable[ModelSettings], pool: Predictor, *, batchers: int, ahead: int = 0
+        self,
+        models: Iterable[ModelSettings],
+        pool: Predictor,
+        *,
+        batchers: int,
+        ahead: int = 0,
+        model_errors: ModelErrorLog | None = None,
     ) -> None:
         self._models: dict[str, ModelBatcher] = {}
         for settings in models:
             if batching_enabled(settings):
                 self._models[settings.name] = ModelBatcher(
-                    settings, pool, batchers=batchers, ahead=ahead
+                    settings, pool, batchers=batchers, ahead=ahead, model_errors=model_errors
                 )
             elif settings.max_batch_size > 1:
                 fixed = [spec.name for spec in settings.inputs if spec.shape[:1] != (-1,)]
@@ -733,65 +745,3 @@ def _crashed(model_name: str) -> InferError:
 
 
 # --- model errors in the log -----------------------------------------------------------------
-
-#: Where model errors are logged: apart from the server's own messages, so that an operator can
-#: route or silence them by this name.
-model_logger = logging.getLogger("trio_infer.models")
-
-
-@dataclass
-class _Quiet:
-    """When the last line about a model was logged, and its errors counted since."""
-
-    logged: float
-    suppressed: int = 0
-
-
-class ModelErrorLog:
-    """Logs the errors models raise, at most one line per model per :attr:`interval` seconds.
-
-    A model that fails on every call must not flood the log: after a line about a model, its
-    errors are only counted for ``interval`` seconds, and the next line says how many were not
-    logged. A line names the model, the status and the error's message (which holds the model's
-    traceback only when the server runs with ``debug``).
-
-    Lines are WARNINGs, not ERRORs: the server is well, the failure stays with that model's
-    calls, and their clients got the error; ERROR is kept for faults of the server itself (a
-    crashed internal task, a model that cannot be loaded).
-    """
-
-    interval: ClassVar[float] = 10.0
-    """Seconds between two lines about one model (read at each error)."""
-
-    def __init__(self) -> None:
-        self._quiet: dict[str, _Quiet] = {}
-
-    def record(self, model: str, error: InferError, now: float | None = None) -> bool:
-        """Log a model's error, or count it if a line about that model is recent.
-
-        Args:
-            model: The model's name.
-            error: What its call failed with.
-            now: The current time (default: Trio's clock).
-
-        Returns:
-            Whether a line was logged.
-        """
-        if now is None:
-            now = trio.current_time()
-        quiet = self._quiet.get(model)
-        if quiet is not None and now - quiet.logged < self.interval:
-            quiet.suppressed += 1
-            return False
-        suppressed = quiet.suppressed if quiet is not None else 0
-        self._quiet[model] = _Quiet(now)
-        model_logger.warning(
-            "model '%s' failed (%s): %s%s",
-            model,
-            error.code.name,
-            error.message,
-            f" [{suppressed} more error(s) of this model since the previous line were not logged]"
-            if suppressed
-            else "",
-        )
-        return True

@@ -31,7 +31,7 @@ Error handling: a worker that dies mid-call fails that call with ``Unavailable``
 signal or exit code; the calls sent after it go back to the queue, and the pool keeps serving.
 Each death is one WARNING line: the worker's pid, the cause and the calls it failed. A model's
 error is logged where its call ends, in this process, at most one line per model per interval
-(``trio_infer.scheduling.batching.ModelErrorLog``).
+(``trio_infer.scheduling.model_errors.ModelErrorLog``).
 
 Supervision: a lane whose task raises (a bug: an assertion, an unexpected exception) fails the
 calls it held with INTERNAL, its worker is killed with it (it is a child of the lane), the crash
@@ -72,7 +72,7 @@ import trio_parallel
 from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
 from trio_infer.model import Parameters
 from trio_infer.repository.settings import ModelSettings
-from trio_infer.scheduling.batching import ModelErrorLog
+from trio_infer.scheduling.model_errors import ModelErrorLog
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY, PRIORITY_LEVELS
 from trio_infer.scheduling.reply import Reply
 from trio_infer.workers import child, wire
@@ -159,7 +159,8 @@ class WorkerPool:
         # The pool's nursery, set by open: where lanes run, and replacements of crashed ones.
         self._nursery: trio.Nursery | None = None
         self._lane_crashes = 0
-        self._model_errors = ModelErrorLog()
+        self.model_errors = ModelErrorLog()
+        """Where model errors are logged; batchers share it (one line per model per interval)."""
         # Unbounded here: every call is a request the server has admitted, and admission is
         # what bounds them.
         self._queue = _Queue()
@@ -842,7 +843,7 @@ class _Lane:
             call = self.outstanding.popleft()
             error = ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")
             if call.model is not None:
-                self._pool._model_errors.record(call.model, error)
+                self._pool.model_errors.record(call.model, error)
             call.reply.set_error(error)
         self._moved_on = True
         self.kill()
@@ -881,7 +882,7 @@ class _Lane:
                     )
                 )
                 if call.model is not None:
-                    self._pool._model_errors.record(call.model, error)
+                    self._pool.model_errors.record(call.model, error)
                 call.reply.set_error(error)
             self.outstanding.popleft()
         self.wake()
