@@ -351,10 +351,12 @@ async def test_a_batcher_that_crashes_while_planning_fails_the_queue_it_planned_
         errors.append(caught.value)
 
     async with trio.open_nursery() as nursery:
+        # Both join the queue before the batchers start, so the first plan sees both (Trio
+        # runs ready tasks in a random order).
+        nursery.start_soon(request)
+        nursery.start_soon(request)
+        await eventually(lambda: batcher.statistics().waiting == 2)
         await nursery.start(batcher.run)
-        # Both join the queue before the batcher, woken by the first, plans.
-        nursery.start_soon(request)
-        nursery.start_soon(request)
         await eventually(lambda: len(errors) == 2)
         outputs = await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
         nursery.cancel_scope.cancel()

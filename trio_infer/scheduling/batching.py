@@ -80,6 +80,8 @@ _RUN_TIME_WEIGHT = 0.2
 #: wake-up of the batcher on a busy machine. Too much only makes deadline-bound batches leave a
 #: little earlier, and smaller; too little loses answers to their deadlines.
 _DISPATCH_SLACK = 0.025
+#: Seconds a batcher that replaces a crashed one waits before it starts.
+_RESTART_PAUSE = 0.1
 
 
 class Predictor(Protocol):
@@ -535,8 +537,11 @@ class ModelBatcher:
         finally:
             self._stop(Unavailable(f"model '{name}': batching stopped"))
 
-    async def _batcher(self) -> None:
+    async def _batcher(self, pause: float = 0.0) -> None:
         """Plan and run batches until cancelled; if it raises, a fresh batcher replaces it."""
+        # A replacement waits first, so that a bug met at every start cannot spin.
+        if pause:
+            await trio.sleep(pause)
         batch: _Batch | None = None
         try:
             while True:
@@ -571,7 +576,7 @@ class ModelBatcher:
             exc_info=crash,
         )
         assert self._nursery is not None
-        self._nursery.start_soon(self._batcher)
+        self._nursery.start_soon(self._batcher, _RESTART_PAUSE)
 
     def _count_crash(self) -> None:
         self._statistics = replace(

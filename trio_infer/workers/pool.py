@@ -311,7 +311,8 @@ class WorkerPool:
         return outputs
 
     async def wait_worker_crash(self) -> None:
-        """Wait until a worker process dies unasked (kills on cancel are not crashes)."""
+        """Wait until a worker process dies unasked (kills on cancel are not crashes) or a
+        crashed lane is replaced: either way a fresh worker needs its models loaded."""
         await self._crash.wait()
 
     def statistics(self) -> PoolStatistics:
@@ -330,7 +331,8 @@ class WorkerPool:
         """Run one lane; if it raises, fail what it held and start a fresh one in its place."""
         # A replacement waits first: a bug that raises before any call is taken must not turn
         # into a loop that logs tracebacks as fast as it can.
-        await trio.sleep(pause)
+        if pause:
+            await trio.sleep(pause)
         try:
             await lane.run()
         except* Exception as crash:
@@ -358,6 +360,7 @@ class WorkerPool:
         self._lanes[lane.index] = fresh
         assert self._nursery is not None
         self._nursery.start_soon(self._run_lane, fresh, _RESTART_PAUSE)
+        self._wake_crash_waiters()
 
     def _call(
         self, what: str, model: str | None, function: Callable[..., Any], *args: object
@@ -436,6 +439,9 @@ class WorkerPool:
 
     def _note_crash(self) -> None:
         self._crashed += 1
+        self._wake_crash_waiters()
+
+    def _wake_crash_waiters(self) -> None:
         self._crash.set()
         self._crash = trio.Event()
 
