@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -671,12 +672,15 @@ def baseline(revision: str) -> ServerKind:
     except subprocess.CalledProcessError:
         raise ValueError(f"--baseline {revision!r} names no commit of this repository") from None
     source = VENVS / f"src-{commit}"
-    if not (source / "pyproject.toml").exists():
-        source.mkdir(parents=True, exist_ok=True)
+    if not source.exists():
+        # Extracted beside it and renamed: an interrupted extraction leaves no tree to reuse.
+        VENVS.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"src-{commit}-", dir=VENVS))
         archive = subprocess.run(
             ["git", "archive", commit], cwd=REPO, capture_output=True, check=True
         ).stdout
-        subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+        subprocess.run(["tar", "-x", "-C", str(partial)], input=archive, check=True)
+        partial.rename(source)
     return replace(
         SERVERS["trio-infer"],
         name=f"trio-infer@{commit}",
