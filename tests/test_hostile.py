@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import urllib.parse
 
+import grpc
 import h2.config
 import h2.connection
 import h2.errors
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import trio
 
-from tests.support import GrpcioClient, start_server
+from tests.support import GrpcioClient, eventually, start_server
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs
 from trio_infer.server import RunningServer
@@ -322,3 +323,62 @@ async def test_malformed_request_headers_get_a_clean_status_for_their_stream(
     assert urllib.parse.unquote(first["grpc-message"]) == message
     assert result[3].get("grpc-status") == "0", result[3]
     await Bystander(server.port).call()
+
+
+def announce_and_stall(port: int, streams: int, announced: int) -> dict[int, dict[str, str]]:
+    """Open ``streams`` ModelInfer calls without a deadline, each sending only a 5-byte prefix
+    announcing ``announced`` bytes, then nothing; return what the server answers each."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    ids = [1 + 2 * i for i in range(streams)]
+    for stream in ids:
+        client.send_headers(stream, REQUEST_HEADERS)
+        client.send_data(stream, b"\x00" + announced.to_bytes(4, "big"))
+    out: dict[int, dict[str, str]] = {stream: {} for stream in ids}
+    ended: set[int] = set()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(30)
+        sock.sendall(client.data_to_send())
+        while ended != set(ids):
+            for event in client.receive_data(sock.recv(65536)):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    out[event.stream_id].update(
+                        (name.decode(), value.decode()) for name, value in event.headers
+                    )
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    ended.add(event.stream_id)
+            sock.sendall(client.data_to_send())
+    return out
+
+
+async def test_announced_bodies_that_never_come_hold_the_budget_only_for_the_receive_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    # Four calls without deadlines announce 8 MiB each and send nothing more: together they
+    # reserve (three times) all of a 96 MiB budget. They end after the receive timeout, and
+    # their reservations with them; a bystander then gets room.
+    server = await start_server(
+        nursery, memory_budget=96 * 1024 * 1024, max_waiting_bytes=0, receive_timeout=1.0
+    )
+    bystander = Bystander(server.port)
+    result: dict[int, dict[str, str]] = {}
+
+    async def attack() -> None:
+        result.update(
+            await trio.to_thread.run_sync(announce_and_stall, server.port, 4, 8 * 1024 * 1024)
+        )
+
+    async with trio.open_nursery() as attackers:
+        attackers.start_soon(attack)
+        await eventually(lambda: server.statistics().admission.reserved_bytes >= 96 * 1024 * 1024)
+        refused = await bystander.client.error(
+            "ModelInfer", pb.ModelInferRequest(model_name="echo"), timeout=10
+        )
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [answer.get("grpc-status") for answer in result.values()] == ["4"] * 4
+    assert all(
+        "did not arrive within 1 s of its admission" in urllib.parse.unquote(answer["grpc-message"])
+        for answer in result.values()
+    )
+    assert server.statistics().admission.reserved_bytes == 0
+    await bystander.call()

@@ -465,8 +465,20 @@ def busy_port() -> Iterator[int]:
         ("--grace-period", "-1", 2, r"--grace-period must be a number of seconds"),
         ("--grace-period", "nan", 2, r"--grace-period must be a number of seconds"),
         ("--max-waiting-bytes", "-1", 2, r"--max-waiting-bytes must be at least 0"),
+        ("--receive-timeout", "0", 2, r"--receive-timeout must be a number of seconds, more"),
+        ("--receive-timeout", "nan", 2, r"--receive-timeout must be a number of seconds, more"),
+        ("--receive-timeout", "inf", 2, r"--receive-timeout must be a number of seconds, more"),
     ],
-    ids=["port-in-use", "port-out-of-range", "negative-grace", "nan-grace", "negative-waiting"],
+    ids=[
+        "port-in-use",
+        "port-out-of-range",
+        "negative-grace",
+        "nan-grace",
+        "negative-waiting",
+        "zero-receive-timeout",
+        "nan-receive-timeout",
+        "infinite-receive-timeout",
+    ],
 )
 def test_a_bad_option_is_one_line_and_a_nonzero_status(
     serve: Callable[..., Server],
@@ -480,7 +492,7 @@ def test_a_bad_option_is_one_line_and_a_nonzero_status(
     if option == "--grpc-port":
         port = str(busy_port) if value == "busy" else value
     grace = value if option == "--grace-period" else "30"
-    extra = (option, value) if option == "--max-waiting-bytes" else ()
+    extra = (option, value) if option in ("--max-waiting-bytes", "--receive-timeout") else ()
     server = serve(grace=grace, args=("--host", "127.0.0.1", "--grpc-port", port, *extra))
     assert server.process.wait(TIMEOUT) == status
     lines = server.stderr().splitlines()

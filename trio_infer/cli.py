@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
         help="calls one client connection may have open at once (default: %(default)s)",
     )
     serve.add_argument(
+        "--receive-timeout",
+        type=float,
+        default=defaults.receive_timeout,
+        help="seconds an admitted request message may take to arrive whole, whatever the "
+        "call's deadline (default: %(default)s)",
+    )
+    serve.add_argument(
         "--log-level",
         type=str.upper,
         choices=_LOG_LEVELS,
@@ -188,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         # Otherwise the shutdown itself fails, with a traceback, when the first signal comes.
         logger.error("--grace-period must be a number of seconds, at least 0")
         return 2
+    if not 0 < args.receive_timeout < math.inf:  # also catches NaN
+        logger.error("--receive-timeout must be a number of seconds, more than 0")
+        return 2
     from trio_infer.server import ServerConfig
 
     config = ServerConfig(
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         memory_budget=args.memory_budget,
         max_waiting_bytes=args.max_waiting_bytes,
         max_concurrent_streams=args.max_concurrent_streams,
+        receive_timeout=args.receive_timeout,
         debug=args.debug,
     )
     try:

@@ -71,6 +71,8 @@ class ServerConfig:
             together (default: a quarter of the budget); 0 refuses at once a request that
             does not fit.
         max_concurrent_streams: Calls one client connection may have open at once.
+        receive_timeout: Seconds an admitted request message may take to arrive whole, whatever
+            the call's deadline (what was reserved for it is held no longer).
         debug: Include tracebacks in the messages of model errors.
     """
 
@@ -83,6 +85,7 @@ class ServerConfig:
     memory_budget: int = field(default_factory=lambda: _physical_memory() // 4)
     max_waiting_bytes: int | None = None
     max_concurrent_streams: int = 100
+    receive_timeout: float = 30.0
     debug: bool = False
 
 
@@ -174,6 +177,7 @@ async def run_server(
         limits = ProtocolLimits(
             max_message_size=config.max_message_size,
             max_concurrent_streams=config.max_concurrent_streams,
+            receive_timeout=config.receive_timeout,
         )
         grpc = GrpcServer(GrpcService(core).handle, limits)
         listeners = await trio.open_tcp_listeners(config.grpc_port, host=config.host)

@@ -201,12 +201,16 @@ class ProtocolLimits:
             needs to cover one round trip's worth of data.
         send_timeout: How long a response may wait for the client to open its flow-control
             window before the call is abandoned (a client that stopped reading).
+        receive_timeout: How long an admitted request message may take to arrive whole,
+            whatever the call's deadline: a client that announces a message and never sends
+            it holds what was reserved for it no longer than this.
     """
 
     max_message_size: int = 64 * 1024 * 1024
     max_concurrent_streams: int = 100
     connection_window: int = 16 * 1024 * 1024
     send_timeout: float = 30.0
+    receive_timeout: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,24 @@ class Call:
             return None
         if self._connection.protocol.admit(self._stream_id, length):
             self._connection.flush()
-        item = await self._next_item()
+        try:
+            # A unary request usually came whole with its prefix: no scope to enter then.
+            item: int | bytes | bytearray | InferError | None = self._inbound.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            limit = self._connection.protocol.limits.receive_timeout
+            item = None
+            with trio.move_on_after(limit) as waiting:
+                item = await self._next_item()
+            if waiting.cancelled_caught:
+                raise InferError(
+                    f"the request message of {length} bytes did not arrive within {limit:g} s "
+                    "of its admission",
+                    StatusCode.DEADLINE_EXCEEDED,
+                ) from None
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if isinstance(item, InferError):
+                raise item
         if item is None:
             raise InferError(
                 "the client ended the call in the middle of a message", StatusCode.INVALID_ARGUMENT
