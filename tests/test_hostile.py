@@ -19,7 +19,7 @@ import trio
 
 from tests.support import GrpcioClient, eventually, start_server
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
-from trio_infer.protobuf.codec import decode_outputs, encode_inputs
+from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
 
 #: What the server advertises as SETTINGS_MAX_HEADER_LIST_SIZE.
@@ -382,3 +382,63 @@ async def test_announced_bodies_that_never_come_hold_the_budget_only_for_the_rec
     )
     assert server.statistics().admission.reserved_bytes == 0
     await bystander.call()
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a timeout fails the test)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+@pytest.mark.parametrize("sent", [b"", b"PRI * HTTP/2.0\r\n"], ids=["nothing", "half-a-preface"])
+async def test_a_connection_without_a_preface_is_closed_after_the_handshake_timeout(
+    nursery: trio.Nursery, sent: bytes
+) -> None:
+    server = await start_server(nursery, handshake_timeout=0.5)
+
+    def connect_and_stall() -> bytes:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.settimeout(20)
+            sock.sendall(sent)
+            return read_until_closed(sock)
+
+    # Closed: recv returns the end of the stream (the server's own SETTINGS may come first).
+    received = await trio.to_thread.run_sync(connect_and_stall)
+    assert b"GOAWAY" not in received  # no call was made: nothing to drain
+    await Bystander(server.port).call()
+
+
+async def test_an_idle_connection_gets_goaway_and_is_closed_and_a_busy_one_is_not(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start_server(nursery, idle_timeout=0.5)
+
+    def call_then_idle() -> list[object]:
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        client.initiate_connection()
+        client.send_headers(1, REQUEST_HEADERS)
+        client.send_data(1, grpc_message(echo_request()), end_stream=True)
+        events: list[object] = []
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.settimeout(20)
+            sock.sendall(client.data_to_send())
+            while chunk := sock.recv(65536):
+                events += client.receive_data(chunk)
+                sock.sendall(client.data_to_send())
+        return events
+
+    events = await trio.to_thread.run_sync(call_then_idle)
+    ended = [e for e in events if isinstance(e, h2.events.StreamEnded)]
+    assert [e.stream_id for e in ended] == [1]  # its call was answered first
+    assert goaway_codes(events) == [h2.errors.ErrorCodes.NO_ERROR]
+
+    # A call that runs longer than the idle timeout keeps its connection.
+    client = GrpcioClient(server.port)
+    request = pb.ModelInferRequest(model_name="sleep")
+    encode_inputs(request, [("x", np.zeros(1, np.float32))], raw=True)
+    encode_parameters(request.parameters, {"delay_ms": 1500})
+    response = await client.call("ModelInfer", request, timeout=20)
+    assert decode_outputs(response)["x"].tolist() == [0.0]
+    await Bystander(server.port).call()

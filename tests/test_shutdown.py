@@ -468,6 +468,8 @@ def busy_port() -> Iterator[int]:
         ("--receive-timeout", "0", 2, r"--receive-timeout must be a number of seconds, more"),
         ("--receive-timeout", "nan", 2, r"--receive-timeout must be a number of seconds, more"),
         ("--receive-timeout", "inf", 2, r"--receive-timeout must be a number of seconds, more"),
+        ("--handshake-timeout", "-1", 2, r"--handshake-timeout must be a number of seconds, more"),
+        ("--idle-timeout", "0", 2, r"--idle-timeout must be a number of seconds, more"),
     ],
     ids=[
         "port-in-use",
@@ -478,6 +480,8 @@ def busy_port() -> Iterator[int]:
         "zero-receive-timeout",
         "nan-receive-timeout",
         "infinite-receive-timeout",
+        "negative-handshake-timeout",
+        "zero-idle-timeout",
     ],
 )
 def test_a_bad_option_is_one_line_and_a_nonzero_status(
@@ -492,7 +496,7 @@ def test_a_bad_option_is_one_line_and_a_nonzero_status(
     if option == "--grpc-port":
         port = str(busy_port) if value == "busy" else value
     grace = value if option == "--grace-period" else "30"
-    extra = (option, value) if option in ("--max-waiting-bytes", "--receive-timeout") else ()
+    extra = (option, value) if option not in ("--grpc-port", "--grace-period") else ()
     server = serve(grace=grace, args=("--host", "127.0.0.1", "--grpc-port", port, *extra))
     assert server.process.wait(TIMEOUT) == status
     lines = server.stderr().splitlines()

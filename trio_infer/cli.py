@@ -113,6 +113,19 @@ def _parser() -> argparse.ArgumentParser:
         "call's deadline (default: %(default)s)",
     )
     serve.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=defaults.handshake_timeout,
+        help="seconds a new connection may take to send its HTTP/2 preface (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout,
+        help="seconds a connection may carry no call and send nothing before it is closed "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
         "--log-level",
         type=str.upper,
         choices=_LOG_LEVELS,
@@ -196,9 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         # Otherwise the shutdown itself fails, with a traceback, when the first signal comes.
         logger.error("--grace-period must be a number of seconds, at least 0")
         return 2
-    if not 0 < args.receive_timeout < math.inf:  # also catches NaN
-        logger.error("--receive-timeout must be a number of seconds, more than 0")
-        return 2
+    for option, seconds in (
+        ("--receive-timeout", args.receive_timeout),
+        ("--handshake-timeout", args.handshake_timeout),
+        ("--idle-timeout", args.idle_timeout),
+    ):
+        if not 0 < seconds < math.inf:  # also catches NaN
+            logger.error("%s must be a number of seconds, more than 0", option)
+            return 2
     from trio_infer.server import ServerConfig
 
     config = ServerConfig(
@@ -212,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         max_waiting_bytes=args.max_waiting_bytes,
         max_concurrent_streams=args.max_concurrent_streams,
         receive_timeout=args.receive_timeout,
+        handshake_timeout=args.handshake_timeout,
+        idle_timeout=args.idle_timeout,
         debug=args.debug,
     )
     try:

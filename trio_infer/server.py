@@ -73,6 +73,9 @@ class ServerConfig:
         max_concurrent_streams: Calls one client connection may have open at once.
         receive_timeout: Seconds an admitted request message may take to arrive whole, whatever
             the call's deadline (what was reserved for it is held no longer).
+        handshake_timeout: Seconds a new connection may take to send its HTTP/2 preface.
+        idle_timeout: Seconds a connection may carry no call and send nothing before it is
+            closed.
         debug: Include tracebacks in the messages of model errors.
     """
 
@@ -86,6 +89,8 @@ class ServerConfig:
     max_waiting_bytes: int | None = None
     max_concurrent_streams: int = 100
     receive_timeout: float = 30.0
+    handshake_timeout: float = 10.0
+    idle_timeout: float = 300.0
     debug: bool = False
 
 
@@ -178,6 +183,8 @@ async def run_server(
             max_message_size=config.max_message_size,
             max_concurrent_streams=config.max_concurrent_streams,
             receive_timeout=config.receive_timeout,
+            handshake_timeout=config.handshake_timeout,
+            idle_timeout=config.idle_timeout,
         )
         grpc = GrpcServer(GrpcService(core).handle, limits)
         listeners = await trio.open_tcp_listeners(config.grpc_port, host=config.host)

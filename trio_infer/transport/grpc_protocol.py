@@ -204,6 +204,10 @@ class ProtocolLimits:
         receive_timeout: How long an admitted request message may take to arrive whole,
             whatever the call's deadline: a client that announces a message and never sends
             it holds what was reserved for it no longer than this.
+        handshake_timeout: How long a new connection may take to send its preface and first
+            SETTINGS frame before it is closed.
+        idle_timeout: How long a connection may carry no call and send nothing before it is
+            closed (with GOAWAY): an idle client cannot hold a file descriptor for ever.
     """
 
     max_message_size: int = 64 * 1024 * 1024
@@ -211,6 +215,8 @@ class ProtocolLimits:
     connection_window: int = 16 * 1024 * 1024
     send_timeout: float = 30.0
     receive_timeout: float = 30.0
+    handshake_timeout: float = 10.0
+    idle_timeout: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -614,6 +620,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
 
     def __init__(self, limits: ProtocolLimits) -> None:
         self.limits = limits
+        self.handshake_done = False
+        """Whether the client's preface and first SETTINGS frame have arrived."""
         super().__init__(
             GRPCConfiguration(client_side=False, max_message_length=limits.max_message_size)
         )
@@ -765,6 +773,12 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Event]:
         self._inbound.pop(event.stream_id, None)
         return [StreamReset(event.stream_id)]
+
+    def _remote_settings_changed(self, event: h2.events.RemoteSettingsChanged) -> list[Event]:
+        # The client's first SETTINGS frame follows its preface: the handshake is done.
+        self.handshake_done = True
+        events: list[Event] = super()._remote_settings_changed(event)
+        return events
 
     def _connection_terminated(self, event: h2.events.ConnectionTerminated) -> list[Event]:
         return [ConnectionTerminated()]

@@ -327,6 +327,10 @@ class Connection:
         #: The peer broke HTTP/2: a GOAWAY is queued to send before the socket closes.
         self._goodbye_pending = False
         self._nursery: trio.Nursery | None = None
+        #: When the last bytes came from the client (Trio clock): what the watchdog reads.
+        self._last_read = trio.current_time()
+        #: Set once the client's preface and first SETTINGS have arrived.
+        self._handshake = trio.Event()
 
     def flush(self) -> None:
         """Ask the writer to send whatever the protocol has queued."""
@@ -348,6 +352,7 @@ class Connection:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
+                nursery.start_soon(self._watchdog)
                 try:
                     await self._reader()
                 finally:
@@ -369,13 +374,36 @@ class Connection:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._send(self.protocol.data_to_send())
 
-    def drain(self) -> None:
+    def drain(self, reason: str = "server is shutting down") -> None:
         """Refuse new calls (GOAWAY) and let the calls in flight finish."""
         if not self._goaway_sent:
             self._goaway_sent = True
-            self._refusing = "server is shutting down"
+            self._refusing = reason
             self.protocol.go_away()
             self.flush()
+
+    async def _watchdog(self) -> None:
+        """Close a connection its client leaves idle: no preface and first SETTINGS within the
+        handshake timeout (cut off), or no call in flight and nothing read for the idle
+        timeout (GOAWAY, then closed)."""
+        limits = self.protocol.limits
+        with trio.move_on_after(limits.handshake_timeout):
+            await self._handshake.wait()
+        if not self._handshake.is_set():
+            logger.debug("closing a connection that sent no preface in time")
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+            return
+        while True:
+            quiet_until = self._last_read + limits.idle_timeout
+            if trio.current_time() >= quiet_until and not self._calls:
+                break
+            # Busy, or read from since: look again when the client could next be idle long
+            # enough.
+            await trio.sleep_until(max(quiet_until, trio.current_time() + limits.idle_timeout / 4))
+        logger.debug("closing a connection idle for %g s", limits.idle_timeout)
+        self.drain("connection idle")
+        self.close()
 
     def cancel_calls(self, status: StatusCode, message: str) -> None:
         """End every call in flight with ``status`` (e.g. UNAVAILABLE at the end of a drain)."""
@@ -447,6 +475,7 @@ class Connection:
                 return  # the connection is broken, or closed under us
             if not data:
                 return
+            self._last_read = trio.current_time()
             drained = len(data) < _READ_SIZE
             try:
                 events = self.protocol.receive_data(data)
@@ -454,6 +483,8 @@ class Connection:
                 logger.warning("closing connection: %s", exc)
                 self._goodbye_pending = True
                 return
+            if self.protocol.handshake_done and not self._handshake.is_set():
+                self._handshake.set()
             self._reset_in_read = {e.stream_id for e in events if isinstance(e, StreamReset)}
             for event in events:
                 self._dispatch(event)
