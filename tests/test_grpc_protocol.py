@@ -11,8 +11,10 @@ from h2.stream import StreamClosedBy
 
 from tests.support import GRPC_REQUEST, client_and_server
 from trio_infer.errors import StatusCode
+from trio_infer.transport import grpc_protocol
 from trio_infer.transport.grpc_protocol import (
     MessageReceived,
+    RateLimit,
     RequestEnded,
     ServerProtocol,
     request_headers_problem,
@@ -82,10 +84,14 @@ def test_an_answer_spends_both_windows_and_its_trailers_end_the_stream() -> None
     assert events[1].data == b"x" * 100  # type: ignore[attr-defined]
 
 
-def test_a_header_block_longer_than_a_frame_is_cut_into_continuation_frames() -> None:
+def test_a_header_block_longer_than_a_frame_is_cut_into_continuation_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The encoder owes the client one dynamic table size update for each change of its
     # SETTINGS_HEADER_TABLE_SIZE, all at the start of the next block (RFC 7541 §4.2): after
-    # thousands of changes, the response headers no longer fit one 16 KiB frame.
+    # thousands of changes, the response headers no longer fit one 16 KiB frame. So many
+    # SETTINGS frames are a flood the server would refuse: its bound is lifted for this test.
+    monkeypatch.setattr(grpc_protocol, "_SETTINGS_FRAMES", (1e9, 1e9))
     client, server = _connected()
     client.send_headers(1, GRPC_REQUEST)
     client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
@@ -147,3 +153,12 @@ GRPC_CALL = [
 )
 def test_request_headers_problem(headers: list[tuple[str, str]], problem: str | None) -> None:
     assert request_headers_problem(headers) == problem
+
+
+def test_a_rate_limit_allows_its_burst_then_its_rate() -> None:
+    limit = RateLimit(rate=10.0, burst=3.0)
+    assert [limit.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert limit.take(0.05) is False  # half a token back
+    assert limit.take(0.1) is True  # one whole token
+    assert limit.take(0.1) is False
+    assert [limit.take(100.0) for _ in range(4)] == [True, True, True, False]  # refilled to burst

@@ -442,3 +442,29 @@ async def test_an_idle_connection_gets_goaway_and_is_closed_and_a_busy_one_is_no
     response = await client.call("ModelInfer", request, timeout=20)
     assert decode_outputs(response)["x"].tolist() == [0.0]
     await Bystander(server.port).call()
+
+
+async def test_rapid_reset_ends_the_connection_with_enhance_your_calm(
+    server: RunningServer,
+) -> None:
+    # CVE-2023-44487: HEADERS then RST_STREAM, thousands of times in one write.
+    encoder = hpack.Encoder()
+    block = encoder.encode(REQUEST_HEADERS)
+    flood = b"".join(
+        frame(0x1, 0x4, stream, block) + frame(0x3, 0x0, stream, (8).to_bytes(4, "big"))
+        for stream in range(1, 2 * 5000, 2)
+    )
+    events = await trio.to_thread.run_sync(exchange_until_closed, server.port, flood)
+    assert goaway_codes(events) == [h2.errors.ErrorCodes.ENHANCE_YOUR_CALM]
+    await Bystander(server.port).call()
+
+
+async def test_a_settings_flood_ends_the_connection_before_it_is_all_answered(
+    server: RunningServer,
+) -> None:
+    flood = frame(0x4, 0x0, 0, b"") * 50_000
+    events = await trio.to_thread.run_sync(exchange_until_closed, server.port, flood)
+    assert goaway_codes(events) == [h2.errors.ErrorCodes.ENHANCE_YOUR_CALM]
+    acknowledged = [e for e in events if isinstance(e, h2.events.SettingsAcknowledged)]
+    assert len(acknowledged) <= 101  # our own SETTINGS, then the burst the bound allows
+    await Bystander(server.port).call()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -77,6 +78,7 @@ __all__ = [
     "MessageRefused",
     "ProtocolLimits",
     "ProtocolViolation",
+    "RateLimit",
     "RequestEnded",
     "RequestReceived",
     "ServerProtocol",
@@ -182,6 +184,40 @@ def timeout_problem(values: Sequence[str]) -> str | None:
             "H, M, S, m, u or n)"
         )
     return None
+
+
+class RateLimit:
+    """A token bucket: at most ``burst`` events at once, and ``rate`` a second over time.
+
+    Args:
+        rate: Events a second it refills by.
+        burst: The most it holds (and starts with).
+    """
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = burst
+        self._last: float | None = None
+
+    def take(self, now: float) -> bool:
+        """Whether one more event at ``now`` (seconds, any monotonic clock) is within bounds."""
+        if self._last is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
+#: Streams a client may reset, per connection: a grpc client cancels one for every deadline
+#: that passes (hundreds a second in a deadline storm), while a rapid-reset attack (CVE-2023-44487)
+#: resets tens of thousands a second, each having cost the server a call.
+_RESETS = (1000.0, 500.0)
+#: SETTINGS frames a client may send, per connection: one at the start and a few later at most;
+#: each costs an ACK.
+_SETTINGS_FRAMES = (10.0, 100.0)
 
 
 class ProtocolViolation(Exception):
@@ -432,6 +468,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         self._frame_dispatch_table[_DataRecord] = self._receive_data_frame
         self._frame_dispatch_table[_HeadersRecord] = self._receive_headers_frame
         self._frame_dispatch_table[_WindowUpdateRecord] = self._receive_window_update_frame
+        self._resets = RateLimit(*_RESETS)
+        self._settings_frames = RateLimit(*_SETTINGS_FRAMES)
         #: What is queued to send ahead of ``_data_to_send``, in order: earlier contents of that
         #: buffer, and large DATA frames as a header and the payload itself.
         self.queued: list[Buffer] = []
@@ -544,7 +582,15 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     def _receive_rst_stream_frame(self, frame: Any) -> Any:
         if self._is_cleaned_up(frame.stream_id):
             return [], []
+        # h2 ends the connection with GOAWAY ENHANCE_YOUR_CALM on this error.
+        if not self._resets.take(time.monotonic()):
+            raise h2.exceptions.DenialOfServiceError("too many streams reset by the client")
         return super()._receive_rst_stream_frame(frame)
+
+    def _receive_settings_frame(self, frame: Any) -> Any:
+        if "ACK" not in frame.flags and not self._settings_frames.take(time.monotonic()):
+            raise h2.exceptions.DenialOfServiceError("too many SETTINGS frames")
+        return super()._receive_settings_frame(frame)
 
 
 class _InboundStream:
