@@ -20,6 +20,8 @@ from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
     ModelInferResponse,
 )
 from trio_infer.protobuf.codec import (
+    MAX_BYTES_ELEMENTS,
+    MAX_PARAMETERS,
     decode_inputs,
     decode_outputs,
     decode_parameters,
@@ -336,7 +338,9 @@ def test_huge_declared_shape_is_compared_before_allocating() -> None:
     message = decode_error(raw_request(("A", "FP32", [2**40, 2**20], bytes(8))))
     assert f"has {2**60} elements but raw_input_contents[0] holds 2 FP32 elements" in message
     message = decode_error(raw_request(("B", "BYTES", [2**37, 2**20], length_prefixed(b"a"))))
-    assert f"too few for the {2**57} length-prefixed BYTES elements" in message
+    assert f"has {2**57} BYTES elements; at most {MAX_BYTES_ELEMENTS} are taken" in message
+    message = decode_error(raw_request(("B", "BYTES", [2**10, 2**10], length_prefixed(b"a"))))
+    assert f"too few for the {2**20} length-prefixed BYTES elements" in message
     typed = typed_request("C", "INT32", [2**40, 2**20], int_contents=[1])
     assert f"has {2**60} elements but contents.int_contents holds 1 values" in decode_error(typed)
 
@@ -865,3 +869,38 @@ def test_raw_outputs_of_any_byte_order_and_strides_are_little_endian_c_order() -
     [view] = encode_outputs(ModelInferResponse(), [("OUT", array)], raw=True)
     assert bytes(view) == np.ascontiguousarray(array, "<i8").tobytes()
     assert_same(round_trip([("OUT", array)], raw=True)["OUT"], array.astype("<i8"), "INT64")
+
+
+def test_a_bytes_tensor_over_the_element_cap_is_refused_before_it_is_decoded() -> None:
+    request = ModelInferRequest()
+    request.inputs.add(name="s", datatype="BYTES", shape=[MAX_BYTES_ELEMENTS + 1])
+    # Each element's 4-byte prefix and no more: the message itself is small enough to send.
+    request.raw_input_contents.append(bytes(4 * (MAX_BYTES_ELEMENTS + 1)))
+    with pytest.raises(InvalidInput) as caught:
+        decode_inputs(request)
+    assert caught.value.message == (
+        f"input 's': shape [{MAX_BYTES_ELEMENTS + 1}] has {MAX_BYTES_ELEMENTS + 1} BYTES "
+        f"elements; at most {MAX_BYTES_ELEMENTS} are taken"
+    )
+
+
+def test_a_bytes_tensor_at_the_element_cap_is_decoded() -> None:
+    request = ModelInferRequest()
+    request.inputs.add(name="s", datatype="BYTES", shape=[MAX_BYTES_ELEMENTS])
+    request.raw_input_contents.append(bytes(4 * MAX_BYTES_ELEMENTS))
+    decoded = decode_inputs(request)["s"]
+    assert decoded.shape == (MAX_BYTES_ELEMENTS,)
+    assert decoded[0] == b""
+
+
+def test_more_parameters_than_the_cap_are_refused() -> None:
+    request = ModelInferRequest()
+    for i in range(MAX_PARAMETERS + 1):
+        request.parameters[f"p{i}"].bool_param = True
+    with pytest.raises(InvalidInput) as caught:
+        decode_parameters(request.parameters)
+    assert caught.value.message == (
+        f"{MAX_PARAMETERS + 1} parameters in one map; at most {MAX_PARAMETERS} are taken"
+    )
+    del request.parameters["p0"]
+    assert len(decode_parameters(request.parameters)) == MAX_PARAMETERS

@@ -33,6 +33,8 @@ from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
 )
 
 __all__ = [
+    "MAX_BYTES_ELEMENTS",
+    "MAX_PARAMETERS",
     "decode_inputs",
     "decode_outputs",
     "decode_parameters",
@@ -90,6 +92,14 @@ _MAX_RANK = 32
 #: Raw BYTES elements are prefixed by their length as a little-endian uint32.
 _LENGTH_PREFIX = 4
 _MAX_ELEMENT_BYTES = 2**32 - 1
+
+#: Parameters one map (a request's, a tensor's) may hold. Each becomes Python objects decoded
+#: one by one on the event loop; V2 clients send a handful.
+MAX_PARAMETERS = 1024
+#: Elements one BYTES tensor may hold. Each becomes a Python ``bytes`` object, decoded one by one
+#: on the event loop, at about ten times the memory of a short element's bytes: a cap keeps both
+#: the loop's stall and the memory beyond what was reserved bounded.
+MAX_BYTES_ELEMENTS = 1 << 20
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -199,6 +209,11 @@ def _decode_tensors(
             raise side.error(f"{where} appears more than once in the {side.message}")
         datatype = _checked_datatype(where, tensor.datatype, side)
         shape = _checked_shape(where, tensor.shape, datatype, side)
+        if datatype == "BYTES" and math.prod(shape) > MAX_BYTES_ELEMENTS:
+            raise side.error(
+                f"{where}: shape {shape_text(shape)} has {math.prod(shape)} BYTES elements; "
+                f"at most {MAX_BYTES_ELEMENTS} are taken"
+            )
         typed_fields = _set_fields(tensor.contents) if tensor.HasField("contents") else []
         if raw:
             if typed_fields:
@@ -558,8 +573,13 @@ def decode_parameters(params: Mapping[str, InferParameter]) -> dict[str, bool | 
         ``float`` or ``str``.
 
     Raises:
-        InvalidInput: If a parameter has no value set.
+        InvalidInput: If a parameter has no value set, or there are more than
+            :data:`MAX_PARAMETERS`.
     """
+    if len(params) > MAX_PARAMETERS:
+        raise InvalidInput(
+            f"{len(params)} parameters in one map; at most {MAX_PARAMETERS} are taken"
+        )
     values: dict[str, bool | int | float | str] = {}
     for key, param in params.items():
         choice = param.WhichOneof("parameter_choice")
