@@ -7,6 +7,7 @@ Ownership, top to bottom::
         ├── writer                    sends what the protocol queued, once per scheduling tick
         │                             (a call alone on its connection sends its own answer)
         ├── reader                    bytes -> events; cancels the calls they orphan
+        ├── watchdog                  closes it after the handshake or the idle timeout
         └── call (one per stream)     CancelScope(deadline = arrival + grpc-timeout)
             └── handler(call)         the service: reads, works, sends
 
