@@ -673,12 +673,12 @@ class _Lane:
             raise
         finally:
             self.live = False
-            if crashed:
-                pass
-            elif orderly and not connected:
-                self._not_started_at_all()
-            else:
-                self._settle(orderly)
+            # A crash leaves the calls to the pool (see above); otherwise they are settled here.
+            if not crashed:
+                if orderly and not connected:
+                    self._not_started_at_all()
+                else:
+                    self._settle(orderly)
         return connected
 
     async def _start(self, life: trio.Nursery) -> socket.socket | None:
