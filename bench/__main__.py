@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
         "--scenarios",
         default="all",
         help="comma-separated scenario names or prefixes: live, dense, dense-n64, sleep, "
-        "kill, storm, overload, batching, dense-n1-raw-c25, batching-on, ... (default: all)",
+        "kill, storm, overload, batching, hostile, dense-n1-raw-c25, batching-on, "
+        "hostile-rapid-reset, ... (default: all)",
     )
     parser.add_argument(
         "--duration",

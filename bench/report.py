@@ -201,12 +201,90 @@ def _batching_section(rows: Sequence[Result]) -> list[str]:
     return lines
 
 
+def _attacker_summary(seen: dict[str, Any]) -> str:
+    """The attacker's counts, short: connections, how they ended, its calls' ends (top 3)."""
+    if "failed" in seen:
+        return str(seen["failed"])
+
+    def top(counts: dict[str, int]) -> str:
+        return ", ".join(f"{k} {n:,}" for k, n in list(counts.items())[:3])
+
+    parts = [f"{seen.get('connections', 0):,} conns"]
+    if seen.get("ended"):
+        parts.append(top(seen["ended"]))
+    if seen.get("calls"):
+        parts.append(top(seen["calls"]))
+    if seen.get("blocked"):
+        parts.append(f"writes blocked {seen['blocked']}")
+    parts.append(f"{seen.get('sent_bytes', 0) / 2**20:,.0f} MiB written")
+    return "; ".join(parts)
+
+
+def _hostile_section(rows: Sequence[Result]) -> list[str]:
+    first = rows[0].extra
+    lines = [
+        "",
+        f"### Hostile clients: a bystander (`dense` 1 row, raw, C={rows[0].concurrency}, "
+        f"deadline {first['deadline_s']:g} s) alone, then beside each attack; "
+        f"`--memory-budget` {first['budget_mib']:g} MiB",
+        "",
+        "| server | attack | alone req/s | alone p50 / p99 ms | attacked req/s "
+        "| attacked p50 / p99 ms | errors (alone; attacked) | req/s x | p99 x "
+        "| server RSS idle / peak MiB | peak - budget MiB | workers max MiB "
+        "| server CPU cores alone / attacked | attacker CPU cores | outcome | attacker saw |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        e = r.extra
+        alone_cpu, attack_cpu = e.get("cpu_alone"), e.get("cpu_attack")
+        cores = (
+            f"{alone_cpu['server']:.2f} / {attack_cpu['server']:.2f}"
+            if alone_cpu and attack_cpu
+            else "-"
+        )
+        outcome = e["outcome"] + ("" if e["server_alive"] else " (SERVER DIED)")
+        lines.append(
+            f"| {r.server} | {e['attack']} | {_number(e['alone_throughput'], 0)} "
+            f"| {_number(e['alone_p50_ms'], 2)} / {_number(e['alone_p99_ms'], 2)} "
+            f"| {_number(r.throughput, 0)} | {_number(r.p50_ms, 2)} / {_number(r.p99_ms, 2)} "
+            f"| {_errors(e['alone_errors'])}; {_errors(r.errors)} "
+            f"| {_number(e['throughput_ratio'], 2)} | {_number(e['p99_ratio'], 2)} "
+            f"| {e['rss_idle_mib']:g} / {e['rss_peak_mib']:g} | {e['over_budget_mib']:+g} "
+            f"| {e['workers_attack_max_mib']:g} | {cores} "
+            f"| {_number(attack_cpu['others'], 2) if attack_cpu else '-'} | {outcome} "
+            f"| {_attacker_summary(e['attacker']).replace('|', '/')} |"
+        )
+    lines.append("")
+    lines.append(
+        "Alone: the bystander's window right before the attack, on the same server (started "
+        "afresh for each attack). Attacked: the same window length beside the attack, after "
+        f"{first['ramp_s']:g} s of it. Peak: the server process's largest RSS sample (every "
+        "50 ms) or its VmHWM, whichever is larger; workers: the largest sum of their RSS "
+        "samples. CPU: cores used over the window (the attacker runs at nice 19). "
+        "Outcome: what most of the attacker's calls or connections ended with "
+        "(`blocked`: the server stopped reading it; `held`: nothing ended its connections)."
+    )
+    late = [r for r in rows if r.extra.get("after") not in (None, "ok")]
+    if late:
+        lines.append("")
+        lines.append(
+            "A call right after the attack stopped: "
+            + "; ".join(f"{r.extra['attack']}: {r.extra['after']}" for r in late)
+            + "."
+        )
+    return lines
+
+
 def details(results: Sequence[Result]) -> str:
-    """The overload and batching sections (empty when neither ran)."""
+    """The overload, batching and hostile sections (empty when none ran)."""
     overload = [r for r in results if r.kind == "overload" and r.extra]
     batching = [r for r in results if r.kind == "batching" and r.extra]
-    lines = (_overload_section(overload) if overload else []) + (
-        _batching_section(batching) if batching else []
+    hostile = [r for r in results if r.kind == "hostile" and r.extra]
+    lines = (
+        (_overload_section(overload) if overload else [])
+        + (_batching_section(batching) if batching else [])
+        + (_hostile_section(hostile) if hostile else [])
     )
     return "\n".join(lines)
 

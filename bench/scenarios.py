@@ -23,13 +23,17 @@
 ``batching-M-cC``   ``dense`` 1 row at concurrency C, on a copy of the example repository with
                     batching off (``max_batch_size`` 0) or on (the example's): throughput,
                     latency and the mean batch size.
+``hostile-A``       trio-infer with a 256 MiB memory budget; a bystander (``dense`` 1 row, C=4)
+                    alone, then beside attack A (:mod:`bench.attacks`, a process of its own):
+                    its latency, throughput and errors both times, the server's peak RSS and
+                    CPU, and what the attacker saw.
 =================  ========================================================================
 
 Scenarios always run in this order, each on every server before the next; ``kill`` and
 ``storm`` come last because they can leave a server degraded (it is restarted when they do).
 ``live``, ``dense`` and ``sleep`` run in rounds (``--rounds``), the servers taking turns.
-``overload`` and ``batching`` (trio-infer only) each start a server of their own, after the
-shared ones stopped.
+``overload``, ``batching`` and ``hostile`` (trio-infer only) each start a server of their own,
+after the shared ones stopped.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import batch_probe, client
+from bench import attacks, batch_probe, client
 from bench.servers import REPO, CpuSnapshot, MemorySampler, ServerKind, ServerProcess
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.repository.settings import EXAMPLES, SETTINGS_FILE
@@ -85,7 +89,13 @@ BATCHING_CONCURRENCY = (25, 100)
 #: priority: of the ``sleep`` scenario's clients, how many send priority 1.
 PRIORITY_CLIENTS = 5
 #: Scenario kinds that run on a server of their own, started with their own settings.
-OWN_SERVER_KINDS = frozenset({"overload", "batching"})
+OWN_SERVER_KINDS = frozenset({"overload", "batching", "hostile"})
+#: hostile: the bystander's concurrency, and each of its calls' deadline in seconds (short
+#: enough that a bystander kept waiting shows as DEADLINE_EXCEEDED within the window).
+HOSTILE_CONCURRENCY = 4
+HOSTILE_DEADLINE = 2.0
+#: hostile: seconds between two RSS samples.
+HOSTILE_RSS_INTERVAL = 0.05
 #: Scenario kinds measured in several rounds, the servers taking turns (see :func:`merge_rounds`).
 ROUND_KINDS = frozenset({"live", "dense", "sleep"})
 
@@ -111,6 +121,8 @@ class Scenario:
     """overload: the server runs with ``--max-waiting-bytes 0``: what does not fit is refused."""
     batching: bool = False
     """batching: ``dense`` keeps the example's ``max_batch_size`` (on) or gets 0 (off)."""
+    attack: str = ""
+    """hostile: the attack of :mod:`bench.attacks` beside the bystander."""
 
     @property
     def own_server(self) -> bool:
@@ -170,6 +182,10 @@ def all_scenarios() -> list[Scenario]:
             Scenario(f"batching-{mode}-c{c}", "batching", c, batching=mode == "on")
             for mode in ("off", "on")
         ]
+    scenarios += [
+        Scenario(f"hostile-{attack}", "hostile", HOSTILE_CONCURRENCY, attack=attack)
+        for attack in attacks.ATTACKS
+    ]
     return scenarios
 
 
@@ -220,6 +236,10 @@ class Timing:
     kill_after: float
     overload_warmup: float
     overload: float
+    hostile_ramp: float
+    """hostile: seconds the attack runs before the bystander's window beside it starts."""
+    hostile: float
+    """hostile: measured seconds of the bystander, alone and again beside the attack."""
     timeout: float = 10.0
 
     @classmethod
@@ -229,13 +249,14 @@ class Timing:
             return cls(
                 warmup=0.25, duration=duration or 0.8, rounds=rounds or 1, storm=2.0,
                 recovery_limit=5.0, kill_before=1.0, kill_after=2.0, overload_warmup=1.5,
-                overload=max(2.0, duration or 0.0),
+                overload=max(2.0, duration or 0.0), hostile_ramp=0.5,
+                hostile=max(1.5, duration or 0.0),
             )  # fmt: skip
         duration = duration or 2.0
         return cls(
             warmup=1.0, duration=duration, rounds=rounds or 3, storm=4.0, recovery_limit=60.0,
             kill_before=2.0, kill_after=max(4.0, duration), overload_warmup=5.0,
-            overload=max(10.0, duration),
+            overload=max(10.0, duration), hostile_ramp=1.0, hostile=max(8.0, duration),
         )  # fmt: skip
 
 
@@ -826,6 +847,175 @@ async def _batching(
     return result
 
 
+# ------------------------------------------------------------------------------------------
+# hostile: a well-behaved client alone, then beside an attack
+
+
+def attack_outcome(seen: dict[str, Any]) -> str:
+    """One word for what an attacker saw (:class:`bench.attacks.Outcomes` as JSON):
+    ``blocked`` when the server stopped reading it; else the status most of its calls ended
+    with (for ``trailers``, those that sent trailers); else how most of its connections ended
+    other than being held to the end (a GOAWAY's code, ``reset``, ``closed``); else ``held``."""
+    if seen.get("blocked"):
+        return "blocked"
+    calls: dict[str, int] = seen.get("calls", {})
+    if seen.get("attack") == "trailers":
+        calls = {k: n for k, n in calls.items() if k.startswith("trailers:")}
+    ended = {k: n for k, n in calls.items() if not k.endswith("open at the end")}
+    if ended:
+        return max(ended, key=lambda k: ended[k]).rpartition(": ")[2].replace(" ", "-")
+    closed = {k: n for k, n in seen.get("ended", {}).items() if k != "held"}
+    if closed:
+        return max(closed, key=lambda k: closed[k]).removeprefix("GOAWAY ").replace(" ", "-")
+    return "held"
+
+
+async def _start_attack(target: str, attack: str, until: float) -> asyncio.subprocess.Process:
+    """The attacker, in a process of its own (:mod:`bench.attacks`)."""
+    host, _, port = target.rpartition(":")
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.attacks", attack, host, port, repr(until),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+
+
+async def _attack_report(attacker: asyncio.subprocess.Process, limit: float) -> dict[str, Any]:
+    """What the attacker printed; after ``limit`` seconds it is killed and reports nothing."""
+    try:
+        async with asyncio.timeout(limit):
+            output, errors = await attacker.communicate()
+    except TimeoutError:
+        return {"failed": f"the attacker did not stop within {limit:.0f} s of its end"}
+    finally:
+        if attacker.returncode is None:
+            attacker.kill()
+            await attacker.wait()
+    try:
+        report: dict[str, Any] = json.loads(output)
+    except ValueError:
+        tail = errors.decode(errors="replace").strip().splitlines()[-1:]
+        return {"failed": f"the attacker exited with {attacker.returncode}: {tail}"}
+    return report
+
+
+def _peak(memory: Sequence[Any], start: float, end: float, part: str) -> float:
+    return _mib(max((getattr(m, part) for m in memory if start <= m.at <= end), default=0))
+
+
+async def _hostile(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
+    """The bystander alone for a window, then the attack starts and, after a ramp, the same
+    bystander for a window beside it; the attacker stops by itself at that window's end. The
+    row is the bystander under attack; ``extra`` has it alone, the ratios, RSS and CPU."""
+    result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
+    x = client.dense_input(1)
+    request = client.infer_request("dense", x, raw=True)
+    cpu: dict[str, CpuSnapshot] = {}
+    attacker_pid: list[int] = []
+
+    def take_cpu(name: str) -> Callable[[], None]:
+        return lambda: cpu.__setitem__(
+            name, CpuSnapshot.take(server.pid, attacker_pid[0] if attacker_pid else None)
+        )
+
+    def window(origin: float | None, start: str, end: str) -> Awaitable[client.Samples]:
+        return client.closed_loop(
+            call,
+            concurrency=scenario.concurrency,
+            warmup=timing.warmup,
+            origin=origin,
+            duration=timing.hostile,
+            call_timeout=HOSTILE_DEADLINE,
+            actions=[
+                client.Action(0.0, take_cpu(start)),
+                client.Action(timing.hostile, take_cpu(end)),
+            ],
+        )
+
+    with MemorySampler(server, HOSTILE_RSS_INTERVAL) as sampler:
+        await asyncio.sleep(5 * HOSTILE_RSS_INTERVAL)  # idle samples first
+        async with client.open_channel(server.target) as channel:
+            call = _infer(client.stub_for(channel), request)
+            result.check = await _checked_first_call(call, lambda r: client.check_dense(r, x))
+            alone = await window(None, "alone start", "alone end")
+            attack_start = time.perf_counter()
+            origin = attack_start + timing.hostile_ramp
+            until = origin + timing.hostile
+            attacker = await _start_attack(server.target, scenario.attack, until)
+            attacker_pid.append(attacker.pid)
+            try:
+                under = await window(origin, "attack start", "attack end")
+            finally:
+                seen = await _attack_report(attacker, until - time.perf_counter() + 20.0)
+            attack_end = time.perf_counter()
+            # Whether the server serves normally once the attacker is gone.
+            await asyncio.sleep(0.2)
+            after = await _checked_first_call(call, lambda r: client.check_dense(r, x))
+        await asyncio.sleep(5 * HOSTILE_RSS_INTERVAL)
+    result.absorb(under.summary())
+    calm = alone.summary()
+    memory = sampler.samples
+    if not memory:
+        result.notes = "no RSS samples (server gone?)"
+        return result
+    alive = server.alive()
+    idle = memory[0]
+    e: dict[str, Any] = {
+        "attack": scenario.attack,
+        "budget_mib": attacks.BUDGET / MIB,
+        "deadline_s": HOSTILE_DEADLINE,
+        "window_s": timing.hostile,
+        "ramp_s": timing.hostile_ramp,
+        "alone_throughput": calm.throughput,
+        "alone_p50_ms": calm.p50_ms,
+        "alone_p99_ms": calm.p99_ms,
+        "alone_requests": calm.requests,
+        "alone_errors": calm.errors,
+        "throughput_ratio": result.throughput / calm.throughput if calm.throughput else None,
+        "p50_ratio": result.p50_ms / calm.p50_ms if calm.p50_ms else None,
+        "p99_ratio": result.p99_ms / calm.p99_ms if calm.p99_ms else None,
+        "rss_idle_mib": _mib(idle.server),
+        "workers_idle_mib": _mib(idle.workers),
+        "rss_alone_max_mib": _peak(memory, 0.0, attack_start, "server"),
+        "rss_attack_max_mib": _peak(memory, attack_start, attack_end, "server"),
+        "rss_hwm_mib": _mib(sampler.server_peak_kib),
+        "workers_attack_max_mib": _peak(memory, attack_start, attack_end, "workers"),
+        "workers_seen": len(sampler.workers_seen),
+        "cpu_alone": (cpu["alone start"].until(cpu["alone end"]) if "alone end" in cpu else None),
+        "cpu_attack": (
+            cpu["attack start"].until(cpu["attack end"]) if "attack end" in cpu else None
+        ),
+        "attacker": seen,
+        "outcome": "failed" if "failed" in seen else attack_outcome(seen),
+        "after": after,
+        "server_alive": alive,
+        "rss_t": [round(m.at - origin, 2) for m in memory],
+        "rss_server_mib": [_mib(m.server) for m in memory],
+    }
+    e["rss_peak_mib"] = max(e["rss_attack_max_mib"], e["rss_hwm_mib"])
+    e["over_budget_mib"] = round(e["rss_peak_mib"] - e["budget_mib"], 1)
+    result.extra = e
+    cores = e["cpu_attack"]
+    result.notes = (
+        f"{scenario.attack}: outcome {e['outcome']}; bystander alone "
+        f"{calm.throughput:,.0f} req/s p50 {calm.p50_ms:.2f} p99 {calm.p99_ms:.2f} ms"
+        f"{' errors ' + str(sum(calm.errors.values())) if calm.errors else ''}; "
+        f"server RSS idle {e['rss_idle_mib']:g} MiB, peak {e['rss_peak_mib']:g} MiB "
+        f"(budget {e['budget_mib']:g}), workers max {e['workers_attack_max_mib']:g} MiB"
+        + (
+            f"; CPU cores under attack: server {cores['server']:.2f}, workers "
+            f"{cores['workers']:.2f}, attacker {cores['others']:.2f}"
+            if cores
+            else ""
+        )
+        + ("" if after == "ok" else f"; after the attack: {after}")
+        + ("" if alive else "; THE SERVER DIED")
+    )
+    if "failed" in seen:
+        result.check = str(seen["failed"])
+    result.restart = not alive
+    return result
+
+
 def run_on_own_server(
     kind: ServerKind, python: Path, workers: int, run_dir: Path, scenario: Scenario,
     timing: Timing, log: Callable[[str], None],
@@ -840,9 +1030,17 @@ def run_on_own_server(
         runner: Callable[[ServerProcess, Scenario, Timing], Awaitable[Result]]
         if scenario.kind == "overload":
             args: tuple[str, ...] = ("--memory-budget", str(OVERLOAD_BUDGET))
+            if kind.name == "trio-infer":
+                # The measured clients share one channel, as the other clients do: the budget,
+                # not one connection's share of it, is the bound these rows measure (a
+                # baseline's older tree has no share, nor the option).
+                args += ("--max-connection-bytes", str(OVERLOAD_BUDGET))
             if scenario.no_waiting:
                 args += ("--max-waiting-bytes", "0")
             runner = _overload
+        elif scenario.kind == "hostile":
+            args = ("--memory-budget", str(attacks.BUDGET))
+            runner = _hostile
         else:
             repository = _batching_repository(Path(tmp), scenario.batching)
             args = (str(repository),)

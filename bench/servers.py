@@ -391,7 +391,7 @@ def _no_env(ports: Ports, workers: int) -> dict[str, str]:
 
 ALL_KINDS = frozenset({"live", "dense", "sleep", "priority", "storm", "kill"})
 #: trio-infer alone also runs the scenarios that start it with its own settings.
-TRIO_INFER_KINDS = ALL_KINDS | {"overload", "batching"}
+TRIO_INFER_KINDS = ALL_KINDS | {"overload", "batching", "hostile"}
 
 SERVERS: dict[str, ServerKind] = {
     kind.name: kind
