@@ -230,6 +230,90 @@ async def test_while_shedding_a_probe_waits_at_most_target_wait_and_light_load_e
         assert not admission.statistics().shedding
 
 
+async def test_one_connection_holds_at_most_its_share_and_others_still_get_room() -> None:
+    admission = Admission(budget_bytes=100)  # a connection's share: half the budget
+    async with admission.reserve(30, math.inf, owner=1), admission.reserve(20, math.inf, owner=1):
+        with pytest.raises(Overloaded) as caught:
+            async with admission.reserve(1, math.inf, owner=1):
+                pass  # pragma: no cover - never admitted
+        assert caught.value.message == (
+            "connection's share of the memory budget full: the request needs 1 more bytes, "
+            "the connection holds 50 of its 50 (--max-connection-bytes)"
+        )
+        # Refused at once although the budget has room; another connection gets it.
+        async with admission.reserve(50, math.inf, owner=2):
+            assert admission.statistics().reserved_bytes == 100
+    # Its bytes given back, the connection has its whole share again.
+    async with admission.reserve(50, math.inf, owner=1):
+        pass
+    statistics = admission.statistics()
+    assert (statistics.reserved_bytes, statistics.rejected) == (0, {"max_connection_bytes": 1})
+
+
+async def test_a_request_larger_than_the_share_is_refused_and_one_without_owner_is_not() -> None:
+    admission = Admission(budget_bytes=100, max_owner_bytes=40)
+    with pytest.raises(Overloaded, match="needs 41 more bytes, the connection holds 0 of its 40"):
+        async with admission.reserve(41, math.inf, owner="a"):
+            pass  # pragma: no cover - never admitted
+    async with admission.reserve(100, math.inf):
+        assert admission.statistics().reserved_bytes == 100
+
+
+async def test_grown_bytes_count_against_the_share() -> None:
+    admission = Admission(budget_bytes=100)
+    async with admission.reserve(40, math.inf, owner="a") as reservation:
+        reservation.grow_nowait(10, "the outputs")
+        with pytest.raises(Overloaded) as caught:
+            reservation.grow_nowait(1, "the decoded inputs")
+        assert caught.value.message == (
+            "connection's share of the memory budget full: the decoded inputs needs 1 more "
+            "bytes, the connection holds 50 of its 50 (--max-connection-bytes)"
+        )
+        assert reservation.nbytes == 50
+    # The grown bytes were given back with the rest.
+    async with admission.reserve(50, math.inf, owner="a"):
+        assert admission.statistics().reserved_bytes == 50
+
+
+async def test_a_waiter_whose_connection_filled_its_share_meanwhile_is_refused_at_grant() -> None:
+    admission = Admission(budget_bytes=100, max_waiting_bytes=100, max_owner_bytes=60)
+    releases = {name: trio.Event() for name in ("a", "b", "c")}
+    outcomes: dict[str, str] = {}
+
+    async def hold(name: str, nbytes: int) -> None:
+        owner = name[0]
+        try:
+            async with admission.reserve(nbytes, math.inf, owner=owner):
+                outcomes[name] = "admitted"
+                await releases[owner].wait()
+        except Overloaded as exc:
+            outcomes[name] = exc.message
+
+    async with trio.open_nursery() as nursery:
+        for name, nbytes in (("b", 60), ("c", 40), ("a1", 30), ("a2", 40)):
+            nursery.start_soon(hold, name, nbytes)
+            await trio.testing.wait_all_tasks_blocked()
+        # Each of a's requests fits its share alone: both wait for the full budget.
+        assert admission.statistics().waiting == 2
+        releases["c"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcomes["a1"] == "admitted"
+        releases["b"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        # The budget has room for a2 now, a's share does not.
+        assert outcomes["a2"] == (
+            "connection's share of the memory budget full: the request needs 40 more bytes, "
+            "the connection holds 30 of its 60 (--max-connection-bytes)"
+        )
+        releases["a"].set()
+    statistics = admission.statistics()
+    assert (statistics.reserved_bytes, statistics.waiting) == (0, 0)
+    assert statistics.rejected == {"max_connection_bytes": 1}
+    # Every share given back: a has all of its own again.
+    async with admission.reserve(60, math.inf, owner="a"):
+        pass
+
+
 # -- the bounds over the wire -----------------------------------------------------------------
 
 
@@ -324,9 +408,11 @@ async def test_requests_beyond_the_budget_wait_or_are_refused_and_never_exceed_i
 ) -> None:
     # Each request reserves three times its ~300 KiB message: 4 MiB admits four at a time, and
     # its waiting room (a quarter of the budget) holds one more. Ten clients: the rest are
-    # refused.
+    # refused. All ten share one connection, here allowed the whole budget.
     budget = 4 * MiB
-    probe = await start_probe(nursery, tmp_path, server={"memory_budget": budget})
+    probe = await start_probe(
+        nursery, tmp_path, server={"memory_budget": budget, "max_connection_bytes": budget}
+    )
     payload = np.zeros(300 * 1024, np.uint8)
     peak_reserved = peak_waiting = 0
     outcomes: Counter[str] = Counter()
@@ -367,9 +453,12 @@ async def test_with_no_waiting_room_what_does_not_fit_is_refused_at_once(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     probe = await start_probe(
-        nursery, tmp_path, server={"memory_budget": 4 * MiB, "max_waiting_bytes": 0}
+        nursery,
+        tmp_path,
+        server={"memory_budget": 4 * MiB, "max_waiting_bytes": 0, "max_connection_bytes": 4 * MiB},
     )
-    # 1 MiB reserves 3 MiB of the 4; then 512 KiB (1.5 MiB) does not fit.
+    # 1 MiB reserves 3 MiB of the 4; then 512 KiB (1.5 MiB) does not fit. Both calls share a
+    # connection, here allowed the whole budget.
     holder = probe.client.stub.ModelInfer.future(
         sized_probe_request(MiB, tag="holder", action="sleep", delay_ms=600), timeout=10
     )

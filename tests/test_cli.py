@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import trustme
 
 from tests.test_shutdown import EXIT_SLACK, TIMEOUT, Server, v2_stub, wait_until
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
@@ -139,3 +140,101 @@ def test_debug_logs_the_servers_debug_lines_but_no_librarys(
         if not (logger == "trio_infer" or logger.startswith("trio_infer."))
     ]
     assert theirs == [], server.stderr()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1001"])
+def test_a_connection_share_outside_the_budget_is_one_line_and_exit_2(value: str) -> None:
+    done = run("serve", "--memory-budget", "1000", "--max-connection-bytes", value)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].endswith("--max-connection-bytes must be between 1 and --memory-budget")
+
+
+# -- TLS files ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> dict[str, Path]:
+    """A server certificate and key, a key of another certificate, a client CA, and a file
+    that is not PEM, made by trustme."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    files = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "other-key", "ca")}
+    issued.cert_chain_pems[0].write_to_path(str(files["cert"]))
+    issued.private_key_pem.write_to_path(str(files["key"]))
+    ca.issue_cert("elsewhere").private_key_pem.write_to_path(str(files["other-key"]))
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    files["not-pem"] = tmp_path / "notes.txt"
+    files["not-pem"].write_text("not a certificate\n")
+    files["missing"] = tmp_path / "missing.pem"
+    return files
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--tls-cert", "missing", "--tls-key", "key"), "--tls-cert {missing}: no such file"),
+        (
+            ("--tls-cert", "cert", "--tls-key", "other-key"),
+            "--tls-key {other-key}: does not match the certificate in {cert}",
+        ),
+        (
+            ("--tls-cert", "not-pem", "--tls-key", "key"),
+            "--tls-cert {not-pem}: holds no PEM certificate",
+        ),
+        (
+            ("--tls-cert", "key", "--tls-key", "key"),
+            "--tls-cert {key}: holds a private key but no PEM certificate",
+        ),
+        (
+            ("--tls-cert", "cert", "--tls-key", "cert"),
+            "--tls-key {cert}: holds no PEM private key",
+        ),
+        (
+            ("--tls-cert", "cert", "--tls-key", "key", "--tls-client-ca", "not-pem"),
+            "--tls-client-ca {not-pem}: holds no PEM certificate",
+        ),
+        (("--tls-key", "key"), "--tls-key needs --tls-cert"),
+        (("--tls-client-ca", "ca"), "--tls-client-ca needs --tls-cert and --tls-key"),
+        (("--tls-cert", "cert"), "--tls-cert needs --tls-key"),
+    ],
+    ids=[
+        "missing-cert",
+        "key-not-matching",
+        "cert-not-pem",
+        "key-as-cert",
+        "cert-as-key",
+        "client-ca-not-pem",
+        "key-without-cert",
+        "client-ca-without-cert",
+        "cert-without-key",
+    ],
+)
+def test_a_bad_tls_file_or_option_is_one_line_naming_it_and_exit_2(
+    tls_files: dict[str, Path], options: tuple[str, ...], message: str
+) -> None:
+    argv = [str(tls_files[value]) if value in tls_files else value for value in options]
+    done = run("serve", *argv)
+    assert (done.returncode, done.stdout) == (2, "")
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, lines
+    expected = message.format_map({name: str(path) for name, path in tls_files.items()})
+    assert lines[0].endswith(f"ERROR trio_infer: {expected}"), lines[0]
+
+
+def test_the_start_line_says_the_server_serves_mutual_tls(
+    serve: Callable[..., Server], tls_files: dict[str, Path]
+) -> None:
+    server = serve(
+        "--tls-cert",
+        str(tls_files["cert"]),
+        "--tls-key",
+        str(tls_files["key"]),
+        "--tls-client-ca",
+        str(tls_files["ca"]),
+    )
+    server.wait_for_line(
+        r"INFO trio_infer\.server: serving 4 model\(s\) from \S+ on 127\.0\.0\.1:\d+ over "
+        r"mutual TLS \(client certificates required\) with 2 worker\(s\)$"
+    )

@@ -25,8 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import resource
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +40,10 @@ import numpy as np
 import pytest
 import trio
 
-from tests.probe import process_exists
+from tests.probe import process_exists, start_probe
 from tests.support import GrpcioClient, eventually, start_server
 from trio_infer import server as server_module
+from trio_infer.client import InferenceClient
 from trio_infer.errors import InferError, ModelFailed, StatusCode
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
@@ -455,3 +461,117 @@ async def test_a_crashed_readiness_keeper_is_run_again_and_the_server_becomes_re
     )
     assert record.exc_info is not None
     await rogues.call()
+
+
+# -- a worker that cannot be started --------------------------------------------------------------
+
+
+@contextmanager
+def out_of_file_descriptors() -> Iterator[None]:
+    """Use up this process's file descriptors, as a client holding connections open does: lower
+    the soft limit a little above the highest open descriptor and open /dev/null until the
+    kernel refuses. Both are undone on the way out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 32, hard))
+    try:
+        while True:
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_worker_that_cannot_start_for_want_of_file_descriptors_leaves_the_models_served(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    probe = await start_probe(nursery, tmp_path)
+    statistics = probe.server.statistics
+    async with InferenceClient.connect("127.0.0.1", probe.server.port) as client:
+
+        async def call(found: list[int], delay_ms: int = 0) -> None:
+            parameters = {"action": "sleep", "delay_ms": delay_ms}
+            result = await client.infer(
+                "probe", {"x": np.zeros(1, np.float32)}, parameters=parameters, timeout=30
+            )
+            found.append(int(result["pid"][0]))
+
+        async def serving_workers() -> set[int]:
+            """The workers that serve pairs of 300 ms calls, sent until two have served one.
+
+            An idle worker takes a call before a busy one is sent a second, but a worker may be
+            busy with what the test does not see (the readiness keeper loading the model in
+            every worker once a lane has a worker again), and then it can be sent both calls of
+            a pair (``CALLS_PER_WORKER``). A worker that takes no calls at all still fails."""
+            pids: list[int] = []
+            for _ in range(10):
+                async with trio.open_nursery() as calls:
+                    for _ in range(2):
+                        calls.start_soon(call, pids, 300)
+                if len(set(pids)) >= 2:
+                    break
+            return set(pids)
+
+        first = await serving_workers()
+        assert len(first) == 2
+        victim, survivor = sorted(first)
+        caplog.clear()
+        with out_of_file_descriptors():
+            os.kill(victim, signal.SIGKILL)
+            # Its replacement cannot start; the lane tries again, and again, and takes no call.
+            await eventually(lambda: statistics().pool.failed_starts >= 3, within=30)
+            assert statistics().pool.down == 1
+            assert await client.model_ready("probe")
+            served: list[int] = []
+            for _ in range(5):
+                await call(served)
+            assert served == [survivor] * 5
+        # Descriptors to be had again: the lane gets a worker, which loads the model.
+        await eventually(lambda: statistics().pool.down == 0, within=30)
+        await eventually(lambda: statistics().pool.idle == 2, within=30)
+        assert statistics().pool.crashed == 1
+        pids = await serving_workers()
+        assert survivor in pids
+        assert victim not in pids
+        assert len(pids) == 2
+        assert statistics().pool.crashed == 1
+    # Each cause of the failed starts is one WARNING, however many tries it failed.
+    causes = [
+        record.getMessage().split("could not start (", 1)[1].split("): ", 1)[0]
+        for record in warnings_and_worse(caplog)
+        if "could not start" in record.getMessage()
+    ]
+    assert causes
+    assert len(causes) == len(set(causes)), causes
+
+
+async def test_a_worker_whose_fork_server_died_is_killed_when_its_call_is_abandoned(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # CPython 3.11's fork server dies when a client runs out of file descriptors halfway through
+    # asking it for a process (as in the test above). The workers it started go on; but
+    # multiprocessing reads their exit status through it, and once any process is started (or
+    # active_children is called) it records each of them as exited with code 255, so
+    # trio-parallel's kill on cancel sends no signal.
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("workers are not started by a fork server here")
+    probe = await start_probe(nursery, tmp_path)
+    fork_server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert fork_server is not None
+    os.kill(fork_server, signal.SIGKILL)
+    # Not reaped here: multiprocessing reaps it when it starts another.
+    await eventually(lambda: not process_exists(fork_server))
+    multiprocessing.active_children()
+    error = await probe.error(deadline=1.0, tag="hung", action="hang")
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    hung = probe.pid("hung")
+    # Killed, not left running a call nobody waits for, outside the pool.
+    await eventually(lambda: not process_exists(hung), within=5)
+    # And the pool goes on, with a worker from a fork server started again.
+    assert await probe.call(action="ok") != hung

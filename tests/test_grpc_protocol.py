@@ -14,6 +14,7 @@ from trio_infer.errors import StatusCode
 from trio_infer.transport import grpc_protocol
 from trio_infer.transport.grpc_protocol import (
     MessageReceived,
+    PingPolicy,
     RateLimit,
     RequestEnded,
     ServerProtocol,
@@ -162,3 +163,32 @@ def test_a_rate_limit_allows_its_burst_then_its_rate() -> None:
     assert limit.take(0.1) is True  # one whole token
     assert limit.take(0.1) is False
     assert [limit.take(100.0) for _ in range(4)] == [True, True, True, False]  # refilled to burst
+
+
+def test_the_ping_policy_forgives_two_early_pings_and_any_followed_by_an_answer() -> None:
+    policy = PingPolicy(min_interval=10.0, max_strikes=2)
+    assert [policy.received(t) for t in (0.0, 1.0, 2.0)] == [True, True, True]  # 2 strikes
+    assert policy.received(3.0) is False  # the third strike
+    policy = PingPolicy(min_interval=10.0, max_strikes=2)
+    for t in range(0, 100, 1):  # one a second, with an answer sent between each two
+        assert policy.received(float(t))
+        policy.data_sent()
+    policy = PingPolicy(min_interval=10.0, max_strikes=2)
+    assert all(policy.received(float(t)) for t in range(0, 1000, 10))  # never too early
+
+
+def test_a_read_of_many_frames_is_handled_in_slices() -> None:
+    # Each call handles a bounded number of frames and says more are pending; together they
+    # handle all of them, in order.
+    client, server = _connected()
+    count = 3 * grpc_protocol._FRAMES_PER_PASS + 7
+    for _ in range(count):
+        client.increment_flow_control_window(1)
+    before = server.h2_connection.outbound_flow_control_window
+    server.receive_data(client.data_to_send())
+    passes = 1
+    while server.input_pending:
+        server.receive_data(b"")
+        passes += 1
+    assert passes == 4
+    assert server.h2_connection.outbound_flow_control_window == before + count

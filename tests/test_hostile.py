@@ -3,7 +3,10 @@ with a well-behaved grpcio client beside each whose calls must keep succeeding."
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import socket
+import time
 import urllib.parse
 
 import grpc
@@ -12,6 +15,7 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.settings
 import hpack
 import numpy as np
 import pytest
@@ -21,6 +25,7 @@ from tests.support import GrpcioClient, eventually, start_server
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
+from trio_infer.transport.grpc_protocol import ProtocolLimits
 
 #: What the server advertises as SETTINGS_MAX_HEADER_LIST_SIZE.
 HEADER_LIST_LIMIT = 16 * 1024
@@ -358,7 +363,11 @@ async def test_announced_bodies_that_never_come_hold_the_budget_only_for_the_rec
     # reserve (three times) all of a 96 MiB budget. They end after the receive timeout, and
     # their reservations with them; a bystander then gets room.
     server = await start_server(
-        nursery, memory_budget=96 * 1024 * 1024, max_waiting_bytes=0, receive_timeout=1.0
+        nursery,
+        memory_budget=96 * 1024 * 1024,
+        max_waiting_bytes=0,
+        max_connection_bytes=96 * 1024 * 1024,  # the one connection may take it all here
+        receive_timeout=1.0,
     )
     bystander = Bystander(server.port)
     result: dict[int, dict[str, str]] = {}
@@ -468,3 +477,531 @@ async def test_a_settings_flood_ends_the_connection_before_it_is_all_answered(
     acknowledged = [e for e in events if isinstance(e, h2.events.SettingsAcknowledged)]
     assert len(acknowledged) <= 101  # our own SETTINGS, then the burst the bound allows
     await Bystander(server.port).call()
+
+
+def announce_until_refused(
+    port: int, streams: int, announced: int
+) -> tuple[socket.socket, dict[int, dict[str, str]]]:
+    """Open ``streams`` ModelInfer calls on one connection, each sending only a 5-byte prefix
+    announcing ``announced`` bytes, and read until one of them ends; return the connection,
+    still open, and what the server answered each stream so far."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    ids = [1 + 2 * i for i in range(streams)]
+    for stream in ids:
+        client.send_headers(stream, REQUEST_HEADERS)
+        client.send_data(stream, b"\x00" + announced.to_bytes(4, "big"))
+    out: dict[int, dict[str, str]] = {stream: {} for stream in ids}
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(30)
+    sock.sendall(client.data_to_send())
+    ended = False
+    while not ended:
+        for event in client.receive_data(sock.recv(65536)):
+            if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                out[event.stream_id].update(
+                    (name.decode(), value.decode()) for name, value in event.headers
+                )
+            ended = ended or isinstance(event, h2.events.StreamEnded | h2.events.StreamReset)
+        sock.sendall(client.data_to_send())
+    return sock, out
+
+
+async def test_one_connection_cannot_take_more_than_its_share_of_the_budget(
+    nursery: trio.Nursery,
+) -> None:
+    # Three calls on one connection announce 8 MiB each (24 MiB reserved each) and never send
+    # their bodies. Two fit in the connection's share, half of a 96 MiB budget; the third is
+    # refused at once, and the other half stays for everyone else.
+    server = await start_server(nursery, memory_budget=96 * 1024 * 1024, max_waiting_bytes=0)
+    sock, result = await trio.to_thread.run_sync(
+        announce_until_refused, server.port, 3, 8 * 1024 * 1024
+    )
+    with sock:
+        refused = [answer for answer in result.values() if answer]
+        assert [answer.get("grpc-status") for answer in refused] == ["8"]  # RESOURCE_EXHAUSTED
+        assert urllib.parse.unquote(refused[0]["grpc-message"]) == (
+            "connection's share of the memory budget full: the request needs 25165824 more "
+            "bytes, the connection holds 50331648 of its 50331648 (--max-connection-bytes)"
+        )
+        statistics = server.statistics().admission
+        assert statistics.reserved_bytes == 48 * 1024 * 1024
+        assert statistics.rejected == {"max_connection_bytes": 1}
+        await Bystander(server.port).call()
+    # The connection gone, its reservations are given back.
+    await eventually(lambda: server.statistics().admission.reserved_bytes == 0)
+    await Bystander(server.port).call()
+
+
+def ping(payload: bytes = b"12345678") -> bytes:
+    return frame(0x6, 0x0, 0, payload)
+
+
+async def test_pings_too_often_end_the_connection_with_too_many_pings(
+    server: RunningServer,
+) -> None:
+    # gRPC's keepalive enforcement: two PINGs too soon are forgiven, the third is not.
+    events = await trio.to_thread.run_sync(exchange_until_closed, server.port, ping() * 4)
+    goaways = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert [(e.error_code, e.additional_data) for e in goaways] == [
+        (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, b"too_many_pings")
+    ]
+    acknowledged = [e for e in events if isinstance(e, h2.events.PingAckReceived)]
+    assert len(acknowledged) == 3
+    await Bystander(server.port).call()
+
+
+def ping_then_call(port: int, calls: int) -> list[object]:
+    """A PING, then an echo call read to its end, ``calls`` times on one connection; the h2
+    events the server's bytes made."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    events: list[object] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        for stream in range(1, 2 * calls, 2):
+            client.ping(b"12345678")
+            client.send_headers(stream, REQUEST_HEADERS)
+            client.send_data(stream, grpc_message(echo_request()), end_stream=True)
+            sock.sendall(client.data_to_send())
+            ended = False
+            while not ended:
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the connection"
+                for event in client.receive_data(chunk):
+                    events.append(event)
+                    ended = ended or isinstance(event, h2.events.StreamEnded)
+                sock.sendall(client.data_to_send())
+    return events
+
+
+async def test_pings_between_answered_calls_are_forgiven(server: RunningServer) -> None:
+    # A client's flow-control probes come with its calls: the answers sent between two PINGs
+    # forgive them, as gRPC servers do.
+    events = await trio.to_thread.run_sync(ping_then_call, server.port, 10)
+    assert goaway_codes(events) == []
+    assert len([e for e in events if isinstance(e, h2.events.StreamEnded)]) == 10
+
+
+async def test_pings_keep_no_connection_open_past_the_idle_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    # Only calls count as use: a client pinging within the keepalive rules is still idle.
+    # PINGs every 100 ms, a hundred times the interval allowed: a busy server that reads two
+    # in one go still sees them apart.
+    server = await start_server(nursery, idle_timeout=0.5, keepalive_min_interval=0.001)
+
+    def ping_until_closed() -> list[object]:
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        client.initiate_connection()
+        events: list[object] = []
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.settimeout(0.1)
+            sock.sendall(client.data_to_send())
+            for _ in range(200):  # 20 s at most
+                try:
+                    sock.sendall(ping())
+                    time.sleep(0.1)
+                    chunk = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                except ConnectionError:
+                    break  # closed: the GOAWAY came before
+                if not chunk:
+                    break
+                events += client.receive_data(chunk)
+        return events
+
+    events = await trio.to_thread.run_sync(ping_until_closed)
+    assert goaway_codes(events) == [h2.errors.ErrorCodes.NO_ERROR]
+    await Bystander(server.port).call()
+
+
+def unknown_method_flood(port: int, path_length: int, seconds: float) -> int:
+    """Call an unknown method with a long path again and again on one connection for
+    ``seconds``, never reading: each call is a few bytes (the path is in the client's HPACK
+    table) and each answer is a status naming the method (its first 200 characters).
+    Returns the calls sent."""
+    path = "/unknown.Service/" + "x" * path_length
+    headers = [(n, path if n == ":path" else v) for n, v in REQUEST_HEADERS]
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    client.local_settings.max_concurrent_streams = 2**31 - 1
+    client.initiate_connection()
+    body = grpc_message(b"")
+    sent = 0
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.settimeout(2.0)
+        sock.sendall(client.data_to_send())
+        end = time.monotonic() + seconds
+        stream = 1
+        while time.monotonic() < end:
+            batch = bytearray()
+            for _ in range(50):
+                # Streams end as the server answers; h2 never hears, so it is told nothing.
+                batch += frame(0x1, 0x4, stream, client.encoder.encode(headers))
+                batch += frame(0x0, 0x1, stream, body)
+                stream += 2
+            try:
+                sock.sendall(batch)
+            except TimeoutError:
+                break  # the server stopped reading: what it holds for us is bounded
+            sent += 50
+    return sent
+
+
+async def test_a_client_that_reads_nothing_makes_the_server_hold_a_bounded_backlog(
+    server: RunningServer,
+) -> None:
+    # Tiny requests (a 3 KB path the client's HPACK table holds) each answered with a status,
+    # and the client never reads: the server stops reading its requests once its unsent
+    # answers pass max_unsent_bytes, so what it holds for the client stays bounded.
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            transport = server.statistics().transport
+            assert transport is not None
+            peak = max(peak, transport.largest_unsent_bytes)
+            await trio.sleep(0.01)
+
+    async with trio.open_nursery() as watching:
+        watching.start_soon(watch)
+        sent = await trio.to_thread.run_sync(unknown_method_flood, server.port, 3000, 10.0)
+        await Bystander(server.port).call()
+        watching.cancel_scope.cancel()
+    bound = ProtocolLimits().max_unsent_bytes
+    assert peak > bound / 2, (peak, sent)  # the attack did fill what it could
+    # The bound, plus what the requests of the last read before it was passed answer.
+    assert peak < bound + 2 * 1024 * 1024, (peak, sent)
+
+
+def half_closed_call(
+    port: int,
+    body: bytes,
+    *,
+    end_stream: bool = True,
+    receive_buffer: int = 0,
+    after_answer_starts: bool = False,
+) -> tuple[dict[str, str], int]:
+    """A ModelInfer call sending ``body`` (as flow control allows), then the client's TCP
+    half-close (once the first bytes of the answer are in, with ``after_answer_starts``), then
+    everything read until the server closes the connection; the call's
+    status (its trailers, or its trailers-only response) and how many bytes of DATA came."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    client.increment_flow_control_window(2**31 - 1 - 65535)
+    client.send_headers(1, REQUEST_HEADERS)
+    trailers: dict[str, str] = {}
+    received = 0
+    with socket.socket() as sock:
+        if receive_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.connect(("127.0.0.1", port))
+        sock.settimeout(10)
+        sock.sendall(client.data_to_send())
+        while body:
+            room = min(client.local_flow_control_window(1), client.max_outbound_frame_size)
+            if room:
+                client.send_data(1, body[:room], end_stream=end_stream and len(body) <= room)
+                body = body[room:]
+            else:
+                client.receive_data(sock.recv(65536))  # window updates: the answer comes after
+            sock.sendall(client.data_to_send())
+        first: list[object] = []
+        while after_answer_starts and not first:
+            first = client.receive_data(sock.recv(16))
+            received += sum(
+                e.flow_controlled_length for e in first if isinstance(e, h2.events.DataReceived)
+            )
+        sock.shutdown(socket.SHUT_WR)
+        while chunk := sock.recv(65536):
+            for event in client.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    trailers.update((n.decode(), v.decode()) for n, v in event.headers)
+                elif isinstance(event, h2.events.DataReceived):
+                    received += event.flow_controlled_length
+    return trailers, received
+
+
+def echo_of(x: np.ndarray, model: str = "echo", **parameters: int) -> bytes:
+    request = pb.ModelInferRequest(model_name=model)
+    encode_inputs(request, [("x", x)], raw=True)
+    encode_parameters(request.parameters, parameters)
+    return request.SerializeToString()
+
+
+async def test_calls_in_flight_are_answered_after_the_client_half_closes(
+    server: RunningServer,
+) -> None:
+    body = grpc_message(echo_of(np.zeros(1, np.float32), "sleep", delay_ms=300))
+    trailers, _ = await trio.to_thread.run_sync(half_closed_call, server.port, body)
+    assert trailers.get("grpc-status") == "0", trailers
+    await Bystander(server.port).call()
+
+
+async def test_an_answer_still_queued_at_the_half_close_is_written_whole(
+    server: RunningServer,
+) -> None:
+    # The call has ended, its answer started, when the client half-closes; the rest of its
+    # 1 MiB answer cannot have been written yet (the client's receive buffer is small): it is
+    # written whole, then the status.
+    x = np.ones(256 * 1024, np.float32)
+    call = functools.partial(half_closed_call, receive_buffer=4096, after_answer_starts=True)
+    trailers, received = await trio.to_thread.run_sync(call, server.port, grpc_message(echo_of(x)))
+    assert trailers.get("grpc-status") == "0", trailers
+    assert received > x.nbytes
+
+
+async def test_a_call_still_waiting_for_its_request_ends_at_the_half_close(
+    server: RunningServer,
+) -> None:
+    # Half a message prefix, then the half-close: no more can come, so the call ends at once
+    # (rather than holding its connection and task) and the connection closes.
+    call = functools.partial(half_closed_call, end_stream=False)
+    trailers, _ = await trio.to_thread.run_sync(call, server.port, b"\x00\x00")
+    assert trailers.get("grpc-status") == "3", trailers  # INVALID_ARGUMENT
+    await eventually(lambda: server.statistics().transport.connections == 0)  # type: ignore[union-attr]
+
+
+def send_request_then_stop_reading(
+    port: int, request: bytes, headers: list[tuple[str, str]] = REQUEST_HEADERS
+) -> socket.socket:
+    """Send one ModelInfer call whose answer the client lets in (its flow-control windows
+    wide open, frames of up to 16 MiB) but does not read; return the socket, still open."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.update_settings(
+        {
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1,
+            h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**24 - 1,
+        }
+    )
+    client.increment_flow_control_window(2**31 - 1 - 65535)
+    client.send_headers(1, headers)
+    body = grpc_message(request)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(10)
+    sock.sendall(client.data_to_send())
+    while body:
+        room = min(client.local_flow_control_window(1), client.max_outbound_frame_size)
+        if room:
+            client.send_data(1, body[:room], end_stream=len(body) <= room)
+            body = body[room:]
+        else:
+            client.receive_data(sock.recv(65536))  # the server's window updates
+        sock.sendall(client.data_to_send())
+    return sock
+
+
+async def test_an_answer_holds_its_reservation_until_its_bytes_are_written(
+    server: RunningServer,
+) -> None:
+    # A 3.5 MiB echo to a client that reads none of it: the kernel's buffers take some, the
+    # rest stays queued (under max_unsent_bytes) after the call has ended. What the call
+    # reserved is held until those bytes have been written, not given back when its handler
+    # returned.
+    x = np.ones(7 * 1024 * 1024 // 8, np.float32)
+    request = pb.ModelInferRequest(model_name="echo")
+    encode_inputs(request, [("x", x)], raw=True)
+    sock = await trio.to_thread.run_sync(
+        send_request_then_stop_reading, server.port, request.SerializeToString()
+    )
+    with sock:
+
+        def ended_with_bytes_unsent() -> bool:
+            transport = server.statistics().transport
+            assert transport is not None
+            return transport.calls == 0 and transport.unsent_bytes > 1024 * 1024
+
+        await eventually(ended_with_bytes_unsent)
+        assert server.statistics().admission.reserved_bytes >= 3 * x.nbytes
+        received = await trio.to_thread.run_sync(read_until_reserved_is_free, sock, server)
+    assert received  # the reservation was freed as the client read, not before
+    assert server.statistics().admission.reserved_bytes == 0
+
+
+def read_until_reserved_is_free(sock: socket.socket, server: RunningServer) -> bytes:
+    """Read what the server sends until nothing is reserved any more (10 s at most)."""
+    received = bytearray()
+    end = time.monotonic() + 10
+    sock.settimeout(0.05)  # the last bytes may be in before the server has seen them written
+    while server.statistics().admission.reserved_bytes and time.monotonic() < end:
+        with contextlib.suppress(TimeoutError):
+            received += sock.recv(1 << 20)
+    return bytes(received)
+
+
+async def test_a_request_of_millions_of_empty_submessages_is_refused_before_it_is_parsed(
+    server: RunningServer,
+) -> None:
+    # 8 MiB of empty requested outputs: four million objects and seconds of the event loop
+    # for protobuf's parser. Their fields are counted from the wire format first.
+    flood = b"\x0a\x04echo" + b"\x32\x00" * 4_000_000
+    result = await trio.to_thread.run_sync(call_with_body, server.port, grpc_message(flood))
+    assert result.get("grpc-status") == "3", result  # INVALID_ARGUMENT
+    assert urllib.parse.unquote(result["grpc-message"]) == (
+        "the request has more than 16384 fields outside its tensors' contents"
+    )
+    assert server.statistics().admission.reserved_bytes == 0
+    await Bystander(server.port).call()
+
+
+async def test_a_large_message_to_a_method_without_tensors_is_refused_from_its_prefix(
+    server: RunningServer,
+) -> None:
+    headers = [
+        (n, "/inference.GRPCInferenceService/ModelMetadata" if n == ":path" else v)
+        for n, v in REQUEST_HEADERS
+    ]
+    result = await trio.to_thread.run_sync(announce_one, server.port, headers, 1024 * 1024)
+    assert result.get("grpc-status") == "8", result  # RESOURCE_EXHAUSTED
+    assert urllib.parse.unquote(result["grpc-message"]) == (
+        "request message of 1048576 bytes is larger than the maximum of 65536 bytes for "
+        "/inference.GRPCInferenceService/ModelMetadata"
+    )
+    await Bystander(server.port).call()
+
+
+def announce_one(port: int, headers: list[tuple[str, str]], announced: int) -> dict[str, str]:
+    """A call whose 5-byte prefix announces ``announced`` bytes, and no more; its answer."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, headers)
+    client.send_data(1, b"\x00" + announced.to_bytes(4, "big"))
+    out: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(client.data_to_send())
+        while "grpc-status" not in out:
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            for event in client.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    out.update((name.decode(), value.decode()) for name, value in event.headers)
+            sock.sendall(client.data_to_send())
+    return out
+
+
+def call_with_body(port: int, body: bytes) -> dict[str, str]:
+    """A ModelInfer call with ``body`` as its request stream, sent as flow control allows;
+    its response headers and trailers."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, REQUEST_HEADERS)
+    out: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(client.data_to_send())
+        while "grpc-status" not in out:
+            room = min(client.local_flow_control_window(1), client.max_outbound_frame_size)
+            if body and room:
+                client.send_data(1, body[:room], end_stream=len(body) <= room)
+                body = body[room:]
+            else:
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the connection"
+                for event in client.receive_data(chunk):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        out.update((n.decode(), v.decode()) for n, v in event.headers)
+            sock.sendall(client.data_to_send())
+    return out
+
+
+async def test_bytes_that_are_not_a_request_get_invalid_argument_naming_the_message(
+    server: RunningServer,
+) -> None:
+    result = await trio.to_thread.run_sync(call_with_body, server.port, grpc_message(b"\xff\xff"))
+    assert result.get("grpc-status") == "3", result  # INVALID_ARGUMENT
+    assert urllib.parse.unquote(result["grpc-message"]) == (
+        "the request is not a valid inference.ModelInferRequest"
+    )
+    await Bystander(server.port).call()
+
+
+def reset_flood_then_call(port: int, resets: int) -> dict[str, str]:
+    """``resets`` calls opened and reset at once, then an echo call, in one write on one
+    connection; the echo call's response headers and trailers."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    for stream in range(1, 2 * resets, 2):
+        client.send_headers(stream, REQUEST_HEADERS)
+        client.reset_stream(stream, h2.errors.ErrorCodes.CANCEL)
+    last = 2 * resets + 1
+    client.send_headers(last, REQUEST_HEADERS)
+    client.send_data(last, grpc_message(echo_request()), end_stream=True)
+    out: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(client.data_to_send())
+        while "grpc-status" not in out:
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            for event in client.receive_data(chunk):
+                if (
+                    isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
+                    and event.stream_id == last
+                ):
+                    out.update((n.decode(), v.decode()) for n, v in event.headers)
+            sock.sendall(client.data_to_send())
+    return out
+
+
+async def test_calls_opened_and_reset_in_one_read_start_no_work(server: RunningServer) -> None:
+    # A rapid-reset flood under the reset bound, in one write: no call task is started for
+    # any of its calls, and the connection goes on serving.
+    transport = server.statistics().transport
+    assert transport is not None
+    before = transport.calls_started
+    result = await trio.to_thread.run_sync(reset_flood_then_call, server.port, 200)
+    assert result.get("grpc-status") == "0", result
+    transport = server.statistics().transport
+    assert transport is not None
+    assert transport.calls_started == before + 1
+
+
+async def test_an_error_names_a_long_method_by_its_start_only(server: RunningServer) -> None:
+    # One byte of HPACK can stand for a 3 KB path: its answer must not be kilobytes.
+    client = GrpcioClient(server.port)
+    method = "/unknown.Service/" + "x" * 3000
+    call = client.channel.unary_unary(method)
+    with pytest.raises(grpc.RpcError) as caught:
+        await trio.to_thread.run_sync(lambda: call(b"", timeout=10))
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert caught.value.details() == f"method {method[:200]}... is not served here"
+
+
+async def test_an_answer_cut_off_by_its_deadline_holds_its_reservation_until_written(
+    server: RunningServer,
+) -> None:
+    # A 16 MiB echo with a deadline, to a client that takes frames of any size and reads
+    # nothing: the answer is queued no further than max_unsent_bytes, the deadline ends the
+    # call with part of it queued, and what the call reserved is held until that part has
+    # been written (the queued frames are views of the answer's memory).
+    x = np.ones(4 * 1024 * 1024, np.float32)
+    headers = [*REQUEST_HEADERS, ("grpc-timeout", "1500m")]
+    sock = await trio.to_thread.run_sync(
+        send_request_then_stop_reading, server.port, echo_of(x), headers
+    )
+    peak = 0
+
+    def cut_off_with_bytes_unsent() -> bool:
+        nonlocal peak
+        transport = server.statistics().transport
+        assert transport is not None
+        peak = max(peak, transport.largest_unsent_bytes)
+        return transport.calls == 0 and transport.unsent_bytes > 1024 * 1024
+
+    with sock:
+        await eventually(cut_off_with_bytes_unsent)
+        assert server.statistics().admission.reserved_bytes >= 3 * x.nbytes
+        assert peak <= ProtocolLimits().max_unsent_bytes + 64 * 1024
+        await trio.to_thread.run_sync(read_until_reserved_is_free, sock, server)
+    assert server.statistics().admission.reserved_bytes == 0

@@ -60,7 +60,7 @@ from trio_infer.errors import StatusCode
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc
 from trio_infer.protobuf.codec import encode_inputs, encode_parameters
-from trio_infer.transport.grpc_server import Call, GrpcServer
+from trio_infer.transport.grpc_server import Call, GrpcServer, ProtocolLimits
 
 #: Allowed beyond the issue's "grace period plus a second" for Popen.wait's polling and a loaded
 #: machine; measured exits do not need it (module doc).
@@ -470,6 +470,18 @@ def busy_port() -> Iterator[int]:
         ("--receive-timeout", "inf", 2, r"--receive-timeout must be a number of seconds, more"),
         ("--handshake-timeout", "-1", 2, r"--handshake-timeout must be a number of seconds, more"),
         ("--idle-timeout", "0", 2, r"--idle-timeout must be a number of seconds, more"),
+        (
+            "--keepalive-min-interval",
+            "-5",
+            2,
+            r"--keepalive-min-interval must be a number of seconds, more",
+        ),
+        (
+            "--keepalive-min-interval",
+            "soon",
+            2,
+            r"--keepalive-min-interval: invalid float value: 'soon'",
+        ),
     ],
     ids=[
         "port-in-use",
@@ -482,6 +494,8 @@ def busy_port() -> Iterator[int]:
         "infinite-receive-timeout",
         "negative-handshake-timeout",
         "zero-idle-timeout",
+        "negative-keepalive-interval",
+        "word-keepalive-interval",
     ],
 )
 def test_a_bad_option_is_one_line_and_a_nonzero_status(
@@ -543,6 +557,26 @@ def test_a_hung_idle_worker_does_not_hold_up_the_exit(
         second = server.send(signal.SIGINT, group=True)
         server.wait_exit(second + AT_ONCE)
     server.assert_clean_exit(0 if signals == "SIGTERM" else 130)
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_no_worker_outlives_the_server_when_one_is_killed_just_before_sigterm(
+    serve: Callable[..., Server], run: int
+) -> None:
+    # The readiness keeper starts a replacement for the killed worker while the drain begins:
+    # the server must still have every worker gone by the time it exits. The fork server and
+    # the resource tracker, which exit when the server's end of their pipes closes, are not
+    # workers.
+    del run
+    server = serve(grace=5.0).start()
+    helpers = {p.pid for p in session_processes(server.session) if p.ppid == server.process.pid}
+    os.kill(server.workers()[0], signal.SIGKILL)
+    server.wait_for_line(r"worker process \d+ died")
+    signalled = server.send(signal.SIGTERM)
+    server.wait_exit(signalled + 5.0 + 1 + EXIT_SLACK)
+    left = [p for p in session_processes(server.session) if p.pid not in helpers]
+    assert not left, f"running when the server exited: {left}\n{server.stderr()}"
+    server.assert_clean_exit(0)
 
 
 def test_a_call_whose_request_is_still_arriving_when_the_drain_begins_is_served(
@@ -646,10 +680,10 @@ def _trailers_by_stream(received: bytes) -> dict[int, dict[str, str]]:
 
 
 async def _serve_in_process(
-    nursery: trio.Nursery, handler: Callable[[Call], Any]
+    nursery: trio.Nursery, handler: Callable[[Call], Any], limits: ProtocolLimits | None = None
 ) -> tuple[GrpcServer, trio.SocketStream]:
     """A GrpcServer on a loopback port, and a TCP connection to it."""
-    server = GrpcServer(handler)
+    server = GrpcServer(handler, limits)
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     await nursery.start(server.serve, listeners)
     stream = await trio.open_tcp_stream("127.0.0.1", listeners[0].socket.getsockname()[1])
@@ -681,7 +715,9 @@ async def test_statuses_queued_while_the_writer_is_blocked_are_sent_before_closi
             hold_started.set()
             await trio.sleep_forever()
 
-    server, stream = await _serve_in_process(nursery, handler)
+    # Big's answer is queued whole (its call would otherwise wait for the client to read).
+    limits = ProtocolLimits(max_unsent_bytes=64 * 1024 * 1024)
+    server, stream = await _serve_in_process(nursery, handler, limits)
     client = _h2_client(window=2**31 - 1)
     for path in ("/test.Service/Big", "/test.Service/Hold"):
         stream_id = client.get_next_available_stream_id()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,14 +21,20 @@ from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
     ModelInferResponse,
 )
 from trio_infer.protobuf.codec import (
+    BYTES_ELEMENT_OVERHEAD,
     MAX_BYTES_ELEMENTS,
     MAX_PARAMETERS,
+    DecodingCost,
+    EncodingCost,
     decode_inputs,
     decode_outputs,
     decode_parameters,
+    decoding_cost,
     encode_inputs,
     encode_outputs,
     encode_parameters,
+    encode_response,
+    encoding_cost,
     serialize_response,
 )
 from trio_infer.repository.settings import TensorSpec
@@ -904,3 +911,207 @@ def test_more_parameters_than_the_cap_are_refused() -> None:
     )
     del request.parameters["p0"]
     assert len(decode_parameters(request.parameters)) == MAX_PARAMETERS
+
+
+# -- what decoding costs ------------------------------------------------------------------------
+
+
+def test_typed_contents_cost_the_parsed_field_and_the_array_not_their_wire_size() -> None:
+    request = ModelInferRequest()
+    encode_inputs(
+        request, [("x", np.zeros(1000, np.int64)), ("b", np.ones(10, np.bool_))], raw=False
+    )
+    message = request.ByteSize()
+    cost = decoding_cost(request, message)
+    # An INT64 of value 0 is one byte on the wire, up to 16 in the parsed field (which grows by
+    # doubling) and 8 in the array.
+    assert cost == DecodingCost(nbytes=1000 * (16 + 8) + 10 * (2 + 1), elements=1010)
+    assert cost.nbytes > 10 * message
+
+
+def test_narrow_typed_contents_also_cost_their_narrowed_copy() -> None:
+    request = ModelInferRequest()
+    encode_inputs(request, [("x", np.zeros(100, np.int8))], raw=False)
+    assert decoding_cost(request, request.ByteSize()).nbytes == 100 * (8 + 4 + 1)
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
+def test_bytes_elements_cost_an_object_each_and_their_payloads(raw: bool) -> None:
+    request = ModelInferRequest()
+    encode_inputs(request, [("s", np.array([b"ab"] * 100, dtype=np.object_))], raw=raw)
+    message = request.ByteSize()
+    assert decoding_cost(request, message) == DecodingCost(
+        nbytes=100 * BYTES_ELEMENT_OVERHEAD + message, elements=100
+    )
+
+
+def test_raw_numeric_inputs_cost_nothing_beyond_their_message() -> None:
+    request = ModelInferRequest()
+    encode_inputs(request, [("x", np.zeros((64, 256), np.float32))], raw=True)
+    assert decoding_cost(request, request.ByteSize()) == DecodingCost(nbytes=0, elements=0)
+
+
+def test_a_raw_bytes_shape_larger_than_its_message_costs_what_the_message_can_hold() -> None:
+    request = ModelInferRequest()
+    tensor = request.inputs.add(name="s", datatype="BYTES", shape=[1 << 40])
+    request.raw_input_contents.append(b"\x00" * 40)
+    message = request.ByteSize()
+    count = message // 4  # each element takes at least its 4-byte length prefix
+    assert decoding_cost(request, message).elements == count
+    assert tensor.shape == [1 << 40]
+
+
+# --------------------------------------------------------------------------------------------
+# encode_response: the server's answer written without an object per element
+
+
+def old_way(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> bytes:
+    """The response's bytes as protobuf serialises the real message holding the outputs."""
+    response = ModelInferResponse(model_name="m", model_version="3", id="call")
+    response.parameters["p"].int64_param = 7
+    return b"".join(serialize_response(response, encode_outputs(response, outputs, raw=raw)))
+
+
+def new_way(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> list[Any]:
+    response = ModelInferResponse(model_name="m", model_version="3", id="call")
+    response.parameters["p"].int64_param = 7
+    return encode_response(response, outputs, raw=raw)
+
+
+def check_encoded(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> None:
+    sent = b"".join(new_way(outputs, raw=raw))
+    assert sent == old_way(outputs, raw=raw)
+    decoded = decode_outputs(ModelInferResponse.FromString(sent))
+    assert list(decoded) == [name for name, _ in outputs]
+    for name, array in outputs:
+        array = np.asarray(array)
+        datatype = datatype_of(array)
+        if datatype == "BYTES":
+            expected = np.empty(array.size, dtype=object)
+            expected[:] = [e.encode() if isinstance(e, str) else e for e in array.ravel().tolist()]
+            array = expected.reshape(array.shape)
+        assert_same(decoded[name], array, datatype)
+
+
+_bytes_elements = st.one_of(st.binary(max_size=200), st.text(max_size=20))
+
+
+@st.composite
+def _outputs(draw: st.DrawFn) -> list[tuple[str, np.ndarray]]:
+    outputs: list[tuple[str, np.ndarray]] = []
+    for index in range(draw(st.integers(0, 3))):
+        datatype = draw(st.sampled_from(list(DATATYPES)))
+        if datatype == "BYTES":
+            shape = draw(_shapes)
+            count = int(np.prod(shape))
+            array = np.empty(count, dtype=object)
+            array[:] = draw(st.lists(_bytes_elements, min_size=count, max_size=count))
+            array = array.reshape(shape)
+        else:
+            big_endian = draw(st.booleans())
+            dtype = DATATYPES[datatype].newbyteorder(">" if big_endian else "<")
+            array = draw(hnp.arrays(dtype, _shapes))
+            if array.ndim and draw(st.booleans()):
+                array = array[::-1]  # not C-order: copied
+        outputs.append((f"out{index}", array))
+    return outputs
+
+
+@settings(database=None, max_examples=300, deadline=None)
+@given(outputs=_outputs(), raw=st.booleans())
+def test_encoded_response_is_protobufs_serialisation_of_the_real_message(
+    outputs: list[tuple[str, np.ndarray]], raw: bool
+) -> None:
+    check_encoded(outputs, raw=raw)
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
+def test_encoded_response_of_outputs_larger_than_an_encoding_step(raw: bool) -> None:
+    # Several varint and framing steps, values of every varint size and sign, BYTES elements
+    # alone in a step (larger than one) and many to a step.
+    rng = np.random.default_rng(16)
+    wide = rng.integers(-(2**63), 2**63 - 1, 70_000, dtype=np.int64)
+    wide[::7] = rng.integers(-200, 200, wide[::7].size)
+    lengths = rng.integers(0, 300, 150_000)
+    lengths[[5, 70_000]] = [3 << 20, 1 << 20]
+    elements = np.empty(lengths.size, dtype=object)
+    elements[:] = [bytes([n % 251]) * int(n) for n in lengths]
+    outputs = [
+        ("i64", wide),
+        ("i8", rng.integers(-128, 127, 30_000, dtype=np.int8)),
+        ("u32", rng.integers(0, 2**32 - 1, 40_000, dtype=np.uint32)),
+        ("u64", rng.integers(0, 2**64 - 1, 40_000, dtype=np.uint64)),
+        ("small", np.arange(100_000) % 128),
+        ("b", np.arange(200_000) % 3 == 0),
+        ("f32", rng.standard_normal((300, 400)).astype(np.float32)),
+        ("f64", rng.standard_normal(50_000).astype(">f8")),
+        ("s", elements),
+    ]
+    check_encoded(outputs, raw=raw)
+
+
+def test_typed_fixed_width_outputs_are_sent_from_the_arrays_own_memory() -> None:
+    array = np.arange(100_000, dtype="<f4").reshape(1000, 100)
+    parts = new_way([("OUT", array)], raw=False)
+    assert any(np.shares_memory(np.frombuffer(part, np.uint8), array) for part in parts)
+
+
+def test_a_bool_view_of_other_bytes_is_encoded_as_protobuf_encodes_true() -> None:
+    array = np.array([0, 1, 2, 255], np.uint8).view(np.bool_)
+    check_encoded([("B", array)], raw=False)
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
+def test_encode_response_refuses_what_encode_outputs_refuses(raw: bool) -> None:
+    array = np.array([b"ok", 3], dtype=object)
+    with pytest.raises(ModelFailed, match=r"output 'B': BYTES element 1 is int"):
+        encode_response(ModelInferResponse(), [("B", array)], raw=raw)
+    with pytest.raises(ModelFailed, match=r"output 'B': BYTES element 1 is int"):
+        encoding_cost([("B", array)], raw=raw)
+    with pytest.raises(ModelFailed, match="output 'C'"):
+        encoding_cost([("C", np.zeros(2, np.complex64))], raw=raw)
+
+
+_COST_CASES: dict[str, list[tuple[str, np.ndarray]]] = {
+    "int64 small": [("x", np.arange(300_000) % 100)],
+    "int64 wide": [("x", np.arange(-150_000, 150_000) * 2**40)],
+    "int8 negative": [("x", np.full(300_000, -1, np.int8))],
+    "uint32": [("x", np.arange(300_000, dtype=np.uint32) * 1000)],
+    "fp32 big-endian": [("x", np.ones(300_000, ">f4"))],
+    "fp64 strided": [("x", np.ones(600_000)[::2])],
+    "bool": [("x", np.arange(300_000) % 2 == 0)],
+    "bytes short": [("x", np.array([b"ab"] * 300_000, dtype=object))],
+    "bytes long": [("x", np.array([b"a" * 5000] * 1000, dtype=object))],
+    "str": [("x", np.array(["héllo"] * 100_000, dtype=object))],
+}
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
+@pytest.mark.parametrize("case", list(_COST_CASES))
+def test_encoding_allocates_no_more_than_its_cost(case: str, raw: bool) -> None:
+    outputs = _COST_CASES[case]
+    cost = encoding_cost(outputs, raw=raw)
+    tracemalloc.start()
+    try:
+        parts = new_way(outputs, raw=raw)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= cost.nbytes
+    # Not a loose bound either: within a few times the real peak.
+    assert cost.nbytes <= 4 * peak + 8 * 2**20
+    del parts
+
+
+def test_the_cost_of_outputs_counts_the_arrays_and_the_work() -> None:
+    numeric = np.zeros((100, 10), np.int64)
+    elements = np.array([b"abc"] * 50, dtype=object)
+    cost = encoding_cost([("n", numeric), ("s", elements)], raw=False)
+    assert cost.outputs == numeric.nbytes + elements.nbytes + 50 * (BYTES_ELEMENT_OVERHEAD + 3)
+    assert cost.elements == 1050
+    # Raw, a little-endian C-order numeric output is sent as it is: no work, no bytes.
+    raw = encoding_cost([("n", numeric)], raw=True)
+    assert raw == EncodingCost(raw.nbytes, numeric.nbytes, 0)
+    assert raw.nbytes <= 8192  # its metadata
+    # One FP16 output makes every output raw, as in encode_response.
+    assert encoding_cost([("n", numeric), ("h", np.zeros(1, np.float16))], raw=False).elements == 0

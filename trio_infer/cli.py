@@ -22,7 +22,7 @@ import logging
 import math
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
@@ -38,13 +38,22 @@ logger = logging.getLogger("trio_infer")
 _MAX_MESSAGE_SIZE = 1024 * 1024 * 1024
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_TLS_OPTIONS = {"certificate": "--tls-cert", "key": "--tls-key", "client CA": "--tls-client-ca"}
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse, with a bad option or value said in one line (no usage block), exit 2: the
+    same as every other invalid value, for logs and scripts that read the last line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
     from trio_infer.core.service import SERVER_NAME, SERVER_VERSION
     from trio_infer.server import ServerConfig
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="trio-infer", description="An Open Inference Protocol (KServe V2) gRPC model server."
     )
     parser.add_argument("--version", action="version", version=f"{SERVER_NAME} {SERVER_VERSION}")
@@ -100,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
         "refuses at once what does not fit (default: a quarter of the budget)",
     )
     serve.add_argument(
+        "--max-connection-bytes",
+        type=int,
+        default=None,
+        help="bytes of the memory budget the requests of one client connection may hold "
+        "together; more is refused at once; the budget turns it off (default: half the budget)",
+    )
+    serve.add_argument(
         "--max-concurrent-streams",
         type=int,
         default=defaults.max_concurrent_streams,
@@ -122,8 +138,30 @@ def _parser() -> argparse.ArgumentParser:
         "--idle-timeout",
         type=float,
         default=defaults.idle_timeout,
-        help="seconds a connection may carry no call and send nothing before it is closed "
-        "(default: %(default)s)",
+        help="seconds a connection may carry no call before it is closed (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--keepalive-min-interval",
+        type=float,
+        default=defaults.keepalive_min_interval,
+        help="seconds a client must leave between its keepalive PINGs when no answer was sent "
+        "between them; after more than 2 sooner ones, GOAWAY too_many_pings (default: "
+        "%(default)s, gRPC's)",
+    )
+    serve.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="serve TLS with this PEM certificate chain (with --tls-key; default: plaintext)",
+    )
+    serve.add_argument(
+        "--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert"
+    )
+    serve.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="require client certificates issued by these PEM CA certificates (mutual TLS)",
     )
     serve.add_argument(
         "--log-level",
@@ -205,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_waiting_bytes is not None and args.max_waiting_bytes < 0:
         logger.error("--max-waiting-bytes must be at least 0")
         return 2
+    if args.max_connection_bytes is not None and not (
+        0 < args.max_connection_bytes <= args.memory_budget
+    ):
+        logger.error("--max-connection-bytes must be between 1 and --memory-budget")
+        return 2
     if not args.grace_period >= 0:  # also catches NaN
         # Otherwise the shutdown itself fails, with a traceback, when the first signal comes.
         logger.error("--grace-period must be a number of seconds, at least 0")
@@ -213,10 +256,20 @@ def main(argv: list[str] | None = None) -> int:
         ("--receive-timeout", args.receive_timeout),
         ("--handshake-timeout", args.handshake_timeout),
         ("--idle-timeout", args.idle_timeout),
+        ("--keepalive-min-interval", args.keepalive_min_interval),
     ):
         if not 0 < seconds < math.inf:  # also catches NaN
             logger.error("%s must be a number of seconds, more than 0", option)
             return 2
+    if args.tls_cert is None and (args.tls_key is not None or args.tls_client_ca is not None):
+        if args.tls_key is not None:
+            logger.error("--tls-key needs --tls-cert")
+        else:
+            logger.error("--tls-client-ca needs --tls-cert and --tls-key")
+        return 2
+    if args.tls_cert is not None and args.tls_key is None:
+        logger.error("--tls-cert needs --tls-key")
+        return 2
     from trio_infer.server import ServerConfig
 
     config = ServerConfig(
@@ -228,12 +281,26 @@ def main(argv: list[str] | None = None) -> int:
         max_message_size=args.max_message_size,
         memory_budget=args.memory_budget,
         max_waiting_bytes=args.max_waiting_bytes,
+        max_connection_bytes=args.max_connection_bytes,
         max_concurrent_streams=args.max_concurrent_streams,
         receive_timeout=args.receive_timeout,
         handshake_timeout=args.handshake_timeout,
         idle_timeout=args.idle_timeout,
+        keepalive_min_interval=args.keepalive_min_interval,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         debug=args.debug,
     )
+    if config.tls_cert is not None and config.tls_key is not None:
+        from trio_infer.transport.tls import TLSFileError, server_context
+
+        try:
+            # Built here to check the files at start (the server builds its own).
+            server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+        except TLSFileError as exc:
+            logger.error("%s %s: %s", _TLS_OPTIONS[exc.role], exc.path, exc.problem)
+            return 2
     try:
         # Checked before starting anything, so a typo in a settings file is one clear line.
         load_repository(config.repository)

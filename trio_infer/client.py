@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -267,7 +268,7 @@ class _SocketWriter(SocketWrapper):  # type: ignore[misc]
     def __init__(
         self,
         protocol: _ClientProtocol,
-        stream: anyio.abc.SocketStream,
+        stream: anyio.abc.ByteStream,
         on_failure: Callable[[str], None],
     ) -> None:
         super().__init__(protocol, stream)
@@ -284,7 +285,7 @@ class _SocketWriter(SocketWrapper):  # type: ignore[misc]
 class _ClientSocket(GRPCProtoSocket):  # type: ignore[misc]
     """purerpc's client socket; see the module docstring for what it changes and why."""
 
-    def __init__(self, stream: anyio.abc.SocketStream, max_message_size: int) -> None:
+    def __init__(self, stream: anyio.abc.ByteStream, max_message_size: int) -> None:
         super().__init__(GRPCConfiguration(client_side=True), stream)
         # Replace the protocol and writer purerpc's constructor made, before anything runs.
         self.protocol = _ClientProtocol(max_message_size)
@@ -369,6 +370,11 @@ class _ClientSocket(GRPCProtoSocket):  # type: ignore[misc]
                 try:
                     data = await self._socket.recv(self._receive_buffer_size)
                 except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return
+                except ssl.SSLError as exc:
+                    # anyio raises the server's TLS alert as it is (a client certificate
+                    # refused, say); raised here, it would fail the whole connect() block.
+                    reason = f"TLS failed: {exc.reason or exc}"
                     return
                 try:
                     events = self.protocol.receive_data(data)
@@ -489,7 +495,12 @@ class InferenceClient:
     @classmethod
     @asynccontextmanager
     async def connect(
-        cls, host: str, port: int, *, max_message_size: int = 64 * _MiB
+        cls,
+        host: str,
+        port: int,
+        *,
+        max_message_size: int = 64 * _MiB,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> AsyncIterator[InferenceClient]:
         """Connect to a server; the connection closes when the ``async with`` block ends.
 
@@ -498,17 +509,31 @@ class InferenceClient:
             port: Its gRPC port.
             max_message_size: The largest request and response message this client sends or
                 accepts, in bytes (the server has its own limit).
+            ssl_context: Connect with TLS, checking the server's certificate against ``host``
+                (e.g. ``ssl.create_default_context(cafile=...)``; for mutual TLS, with
+                ``load_cert_chain`` called on it). gRPC servers expect ALPN ``h2``:
+                ``ssl_context.set_alpn_protocols(["h2"])``. Plaintext when None.
 
         Returns:
             An async context manager that yields the connected client.
 
         Raises:
-            Unavailable: If the server cannot be reached.
+            Unavailable: If the server cannot be reached, or the TLS handshake fails.
         """
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        stream: anyio.abc.ByteStream
         try:
-            stream = await anyio.connect_tcp(host, port)
-        except OSError as exc:
+            if ssl_context is None:
+                stream = await anyio.connect_tcp(host, port)
+            else:
+                # Not standard-compatible: HTTP/2 ends a connection with GOAWAY, so closing
+                # need not wait for the server's close_notify, which gRPC servers may not send.
+                stream = await anyio.connect_tcp(
+                    host, port, ssl_context=ssl_context, tls_standard_compatible=False
+                )
+        except (OSError, anyio.BrokenResourceError) as exc:
+            # A failed handshake is an ssl.SSLError (an OSError), or a BrokenResourceError
+            # when the server closed the connection during it.
             raise Unavailable(f"cannot connect to {authority}: {exc}") from exc
         # Exceptions are raised after the socket's task group has exited: raised through it,
         # they would come out wrapped in an ExceptionGroup.

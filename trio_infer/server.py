@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from trio_infer.repository.settings import EXAMPLES, ModelSettings, load_reposit
 from trio_infer.scheduling.admission import Admission, AdmissionStatistics
 from trio_infer.scheduling.batching import BatchStatistics
 from trio_infer.transport.grpc_protocol import ProtocolLimits
-from trio_infer.transport.grpc_server import GrpcServer
+from trio_infer.transport.grpc_server import GrpcServer, TransportStatistics
+from trio_infer.transport.tls import server_context
 from trio_infer.workers.pool import PoolStatistics, WorkerPool
 
 __all__ = ["RunningServer", "ServerConfig", "ServerStatistics", "run_server"]
@@ -70,12 +72,22 @@ class ServerConfig:
         max_waiting_bytes: The most bytes requests waiting for room in the budget may ask for
             together (default: a quarter of the budget); 0 refuses at once a request that
             does not fit.
+        max_connection_bytes: The most bytes of the budget the requests of one client
+            connection may hold, reserved and waiting together (default: half the budget);
+            past it a request is refused at once.
         max_concurrent_streams: Calls one client connection may have open at once.
         receive_timeout: Seconds an admitted request message may take to arrive whole, whatever
             the call's deadline (what was reserved for it is held no longer).
         handshake_timeout: Seconds a new connection may take to send its HTTP/2 preface.
-        idle_timeout: Seconds a connection may carry no call and send nothing before it is
-            closed.
+        idle_timeout: Seconds a connection may carry no call before it is closed.
+        keepalive_min_interval: Seconds a client must leave between two PINGs with no answer
+            sent between them; more than two sooner ones end its connection (GOAWAY
+            ENHANCE_YOUR_CALM "too_many_pings", as gRPC servers do).
+        tls_cert: Serve TLS with this PEM certificate chain (with ``tls_key``); plaintext when
+            None.
+        tls_key: The PEM private key of ``tls_cert``.
+        tls_client_ca: Require client certificates that chain to these PEM CA certificates
+            (mutual TLS); needs ``tls_cert``.
         debug: Include tracebacks in the messages of model errors.
     """
 
@@ -87,10 +99,15 @@ class ServerConfig:
     max_message_size: int = 64 * 1024 * 1024
     memory_budget: int = field(default_factory=lambda: _physical_memory() // 4)
     max_waiting_bytes: int | None = None
+    max_connection_bytes: int | None = None
     max_concurrent_streams: int = 100
     receive_timeout: float = 30.0
     handshake_timeout: float = 10.0
     idle_timeout: float = 300.0
+    keepalive_min_interval: float = 300.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
     debug: bool = False
 
 
@@ -102,6 +119,7 @@ class ServerStatistics:
         admission: The memory budget and the models' queues.
         pool: The worker processes and their calls.
         batching: Each batching model's batches, by model name.
+        transport: The gRPC connections: how many, their calls, their unsent bytes.
         task_crashes: Internal tasks that raised (bugs), by kind: ``lane`` (a worker lane of
             the pool), ``batcher`` (a model's batcher, summed over models) and ``readiness``
             (the readiness keeper). Each crash failed the calls its task held, was logged with
@@ -112,18 +130,22 @@ class ServerStatistics:
     pool: PoolStatistics
     batching: dict[str, BatchStatistics]
     task_crashes: dict[str, int] = field(default_factory=dict)
+    transport: TransportStatistics | None = None
 
 
 class RunningServer:
     """A handle on a server started with ``await nursery.start(run_server, config)``."""
 
-    def __init__(self, host: str, port: int, core: InferenceCore) -> None:
+    def __init__(
+        self, host: str, port: int, core: InferenceCore, transport: GrpcServer | None = None
+    ) -> None:
         self.host = host
         """The address the server listens on."""
         self.port = port
         """The gRPC port it is bound to (the real one, when 0 was asked for)."""
         self.core = core
         """The V2 core every front-end calls: the registry, the pool, admission, batching."""
+        self._transport = transport
         self._shutdown_requested = trio.Event()
         self._ready = trio.Event()
         self._readiness_crashes = 0
@@ -146,6 +168,7 @@ class RunningServer:
                 "batcher": sum(batches.batcher_crashes for batches in batching.values()),
                 "readiness": self._readiness_crashes,
             },
+            transport=None if self._transport is None else self._transport.statistics(),
         )
 
     def shutdown(self) -> None:
@@ -170,14 +193,22 @@ async def run_server(
 
     Raises:
         SettingsError: the repository or a model's settings are invalid.
+        TLSFileError: a TLS file is missing or invalid.
+        ValueError: ``tls_key`` or ``tls_client_ca`` is given without ``tls_cert``, or
+            ``tls_cert`` without ``tls_key``.
         OSError: the port cannot be bound.
     """
     registry = ModelRegistry(load_repository(config.repository))
+    ssl_context = _tls_context(config)
     async with WorkerPool.open(config.workers, debug=config.debug) as pool:
         core = InferenceCore(
             registry,
             pool,
-            Admission(config.memory_budget, max_waiting_bytes=config.max_waiting_bytes),
+            Admission(
+                config.memory_budget,
+                max_waiting_bytes=config.max_waiting_bytes,
+                max_owner_bytes=config.max_connection_bytes,
+            ),
         )
         limits = ProtocolLimits(
             max_message_size=config.max_message_size,
@@ -185,20 +216,22 @@ async def run_server(
             receive_timeout=config.receive_timeout,
             handshake_timeout=config.handshake_timeout,
             idle_timeout=config.idle_timeout,
+            min_ping_interval=config.keepalive_min_interval,
         )
-        grpc = GrpcServer(GrpcService(core).handle, limits)
+        grpc = GrpcServer(GrpcService(core).handle, limits, ssl_context=ssl_context)
         listeners = await trio.open_tcp_listeners(config.grpc_port, host=config.host)
         port: int = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             await nursery.start(core.batching.run)
             await nursery.start(grpc.serve, listeners)
-            server = RunningServer(config.host, port, core)
+            server = RunningServer(config.host, port, core, grpc)
             logger.info(
-                "serving %d model(s) from %s on %s:%d with %d worker(s)",
+                "serving %d model(s) from %s on %s:%d%s with %d worker(s)",
                 len(list(registry)),
                 config.repository,
                 config.host,
                 port,
+                _security(config),
                 config.workers,
             )
             readiness = trio.CancelScope()
@@ -257,7 +290,9 @@ async def _keep_models_ready(server: RunningServer) -> None:
     A model that fails to load is not ready and is retried with backoff. After a worker process
     crashes, the models are loaded again: that starts the replacement worker now rather than on
     some caller's request path, and a model whose loading is what crashes workers turns not
-    ready instead of failing every call.
+    ready instead of failing every call. A worker that cannot be started (out of file
+    descriptors, say) is not a failure of the models: a model stays ready while any worker has
+    it loaded, and is loaded in that worker's lane once it has a worker again.
     """
     registry, pool = server.core.registry, server.core.pool
     while True:
@@ -271,7 +306,7 @@ async def _keep_models_ready(server: RunningServer) -> None:
         if not server._ready.is_set():
             logger.info("ready: %s", ", ".join(settings.name for settings in registry))
             server._ready.set()
-        await pool.wait_worker_crash()
+        await pool.wait_workers_changed()
 
 
 async def _load_everywhere(
@@ -285,6 +320,25 @@ async def _load_everywhere(
         return False
     registry.set_ready(settings.name, True)
     return True
+
+
+def _tls_context(config: ServerConfig) -> ssl.SSLContext | None:
+    if config.tls_cert is None:
+        if config.tls_key is not None or config.tls_client_ca is not None:
+            raise ValueError("tls_key and tls_client_ca need tls_cert")
+        return None
+    if config.tls_key is None:
+        raise ValueError("tls_cert needs tls_key")
+    return server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+
+
+def _security(config: ServerConfig) -> str:
+    """How the listener is secured, as the start-up log line says it."""
+    if config.tls_cert is None:
+        return ""
+    if config.tls_client_ca is None:
+        return " over TLS"
+    return " over mutual TLS (client certificates required)"
 
 
 def _physical_memory() -> int:

@@ -11,6 +11,7 @@ to its own (the status table is :mod:`trio_infer.errors`).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from contextlib import AbstractAsyncContextManager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -113,14 +114,24 @@ class InferenceCore:
 
     # -- inference ----------------------------------------------------------------------------
 
-    def reserve(self, announced: int, deadline: float) -> AbstractAsyncContextManager[Reservation]:
+    def reserve(
+        self, announced: int, deadline: float, owner: Hashable | None = None
+    ) -> AbstractAsyncContextManager[Reservation]:
         """Reserve room in the memory budget for a request of ``announced`` bytes, before its
         body is read (``async with``); the room is given back when the block exits.
 
+        Args:
+            announced: The request message's size in bytes.
+            deadline: The caller's deadline on the Trio clock (``math.inf``: none).
+            owner: The client connection the request came on, as a key unique among the
+                connections open: it may hold at most its share of the budget
+                (``--max-connection-bytes``). ``None``: the budget alone bounds it.
+
         Raises:
-            Overloaded: The budget cannot make room in time (RESOURCE_EXHAUSTED).
+            Overloaded: The budget cannot make room in time, or the connection's share is
+                full (RESOURCE_EXHAUSTED).
         """
-        return self.admission.reserve(RESERVED_PER_BYTE * announced, deadline)
+        return self.admission.reserve(RESERVED_PER_BYTE * announced, deadline, owner)
 
     async def infer(self, request: InferenceRequest, context: RequestContext) -> InferenceResponse:
         """Run one inference request on its model and return the outputs it asked for.
@@ -140,7 +151,7 @@ class InferenceCore:
         reservation = context.reservation
         extra = (
             estimate_output_bytes(request.inputs, settings.outputs)
-            - reservation.nbytes // RESERVED_PER_BYTE
+            - reservation.granted // RESERVED_PER_BYTE
         )
         if extra > 0:
             reservation.grow_nowait(extra, f"the outputs of model '{settings.name}'")

@@ -13,20 +13,28 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import trio
 from google.protobuf.message import DecodeError, Message
 
 from trio_infer.buffers import Buffer
-from trio_infer.core.service import InferenceCore
+from trio_infer.core.service import RESERVED_PER_BYTE, InferenceCore
 from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
-from trio_infer.errors import InvalidInput, ModelNotFound, Unimplemented
+from trio_infer.errors import InvalidInput, ModelNotFound, Overloaded, Unimplemented
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import health_pb2
 from trio_infer.protobuf.codec import (
+    EncodingCost,
     decode_inputs,
     decode_parameters,
-    encode_outputs,
-    serialize_response,
+    decoding_cost,
+    encode_response,
+    encoding_cost,
+    prepare_inputs,
 )
+from trio_infer.protobuf.field_count import MODEL_INFER_REQUEST, FieldTree, count_fields
+from trio_infer.protobuf.wire import WireInferRequest
+from trio_infer.transport.grpc_protocol import shown
 from trio_infer.transport.grpc_server import Call
 
 __all__ = ["GrpcService"]
@@ -35,6 +43,22 @@ _V2 = "/inference.GRPCInferenceService/"
 _HEALTH = "/grpc.health.v1.Health/"
 _SERVING = health_pb2.HealthCheckResponse.ServingStatus.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.ServingStatus.NOT_SERVING
+#: Inputs with more elements to convert one by one than this are decoded in a thread, and
+#: outputs with more elements to convert or copy are encoded in one: on the event loop they
+#: would hold it for more than a few milliseconds (docs/performance.md).
+_OFF_LOOP_ELEMENTS = 1 << 15
+#: Requests larger than this have their typed contents copied out and counted in a thread:
+#: the copy and the count are linear in the contents (docs/performance.md).
+_OFF_LOOP_PREPARE = 1 << 20
+
+
+#: The largest request message of a method that is not ModelInfer: names and versions, no
+#: tensors. A larger one is refused from its prefix, never read or parsed.
+_MAX_SMALL_MESSAGE = 64 * 1024
+#: Fields a ModelInferRequest may have outside its tensors' contents (counted before it is
+#: parsed: see :mod:`trio_infer.protobuf.field_count`): four full parameter maps and thousands
+#: of tensors.
+MAX_REQUEST_FIELDS = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -42,6 +66,17 @@ class _Route:
     request_type: type[Message]
     #: A handler returns its response, or (ModelInfer) the buffers of one already serialised.
     handler: Callable[[Any, Call, Reservation], Awaitable[Message | list[Buffer]]]
+    #: The largest request message taken (None: the transport's --max-message-size).
+    max_message: int | None = _MAX_SMALL_MESSAGE
+    #: The submessages whose fields are counted before parsing (None: the message is small
+    #: enough for its parse to be cheap whatever it holds).
+    fields: FieldTree | None = None
+    #: The protocol's name of the request message (``request_type`` may be a view of it).
+    message_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.message_name:
+            object.__setattr__(self, "message_name", self.request_type.DESCRIPTOR.full_name)
 
 
 class GrpcService:
@@ -53,13 +88,23 @@ class GrpcService:
 
     def __init__(self, core: InferenceCore) -> None:
         self.core = core
+        # One decode in a thread at a time: each thread that wants the GIL is another switch
+        # interval the event loop may wait for it.
+        self._decoding = trio.CapacityLimiter(1)
         self._routes: dict[str, _Route] = {
             _V2 + "ServerLive": _Route(pb.ServerLiveRequest, self._server_live),
             _V2 + "ServerReady": _Route(pb.ServerReadyRequest, self._server_ready),
             _V2 + "ModelReady": _Route(pb.ModelReadyRequest, self._model_ready),
             _V2 + "ServerMetadata": _Route(pb.ServerMetadataRequest, self._server_metadata),
             _V2 + "ModelMetadata": _Route(pb.ModelMetadataRequest, self._model_metadata),
-            _V2 + "ModelInfer": _Route(pb.ModelInferRequest, self._model_infer),
+            # The wire view: typed contents arrive as blobs, decoded by the codec with numpy.
+            _V2 + "ModelInfer": _Route(
+                WireInferRequest,
+                self._model_infer,
+                None,
+                MODEL_INFER_REQUEST,
+                pb.ModelInferRequest.DESCRIPTOR.full_name,
+            ),
             _HEALTH + "Check": _Route(health_pb2.HealthCheckRequest, self._health_check),
         }
 
@@ -67,19 +112,33 @@ class GrpcService:
         """Serve one unary call."""
         route = self._routes.get(call.method)
         if route is None:
-            raise Unimplemented(f"method {call.method} is not served here")
+            raise Unimplemented(f"method {shown(call.method, 200)} is not served here")
         length = await call.receive_message_length()
         if length is None:
             raise InvalidInput(f"{call.method} expects one request message and got none")
-        async with self.core.reserve(length, call.deadline) as reservation:
+        if route.max_message is not None and length > route.max_message:
+            raise Overloaded(
+                f"request message of {length} bytes is larger than the maximum of "
+                f"{route.max_message} bytes for {call.method}"
+            )
+        async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
             data = await call.receive_message()
             assert data is not None, "an announced message arrives or the call fails"
+            if (
+                route.fields is not None
+                and len(data) > _MAX_SMALL_MESSAGE
+                and count_fields(data, route.fields, MAX_REQUEST_FIELDS) > MAX_REQUEST_FIELDS
+            ):
+                raise InvalidInput(
+                    f"the request has more than {MAX_REQUEST_FIELDS} fields outside its "
+                    "tensors' contents"
+                )
             try:
                 # The stubs say bytes; protobuf parses any bytes-like object.
                 request = route.request_type.FromString(data)  # type: ignore[arg-type]
-            except DecodeError as exc:
-                name = route.request_type.DESCRIPTOR.full_name
-                raise InvalidInput(f"the request is not a valid {name}: {exc}") from None
+            except DecodeError:
+                # protobuf's message says no more than which type, under the view's name.
+                raise InvalidInput(f"the request is not a valid {route.message_name}") from None
             del data  # the parsed request holds its own copy; drop this one early
             response = await route.handler(request, call, reservation)
             # A unary call is one message. One more that arrived by now fails the call; the
@@ -88,6 +147,10 @@ class GrpcService:
                 raise InvalidInput(
                     f"{call.method} takes one request message and the client sent more"
                 )
+            # Large outputs are written from their own memory, possibly after the handler has
+            # returned, or been cut off with part of the answer queued: the reservation covers
+            # them until their bytes have left, whichever way the call ends.
+            call.release_when_sent(reservation.release_later())
             await call.send_message(
                 response.SerializeToString() if isinstance(response, Message) else response,
                 last=True,
@@ -129,10 +192,31 @@ class GrpcService:
         )
 
     async def _model_infer(
-        self, request: pb.ModelInferRequest, call: Call, reservation: Reservation
+        self, request: Any, call: Call, reservation: Reservation
     ) -> list[Buffer]:
+        # ``request`` is a WireInferRequest: a ModelInferRequest whose inputs' contents are
+        # still serialised (see trio_infer.protobuf.wire).
         raw = len(request.raw_input_contents) > 0
-        inputs = decode_inputs(request)
+        message_size = reservation.granted // RESERVED_PER_BYTE
+        if message_size > _OFF_LOOP_PREPARE:
+            prepared = await trio.to_thread.run_sync(
+                prepare_inputs, request, limiter=self._decoding, abandon_on_cancel=False
+            )
+        else:
+            prepared = prepare_inputs(request)
+        decoded = decoding_cost(prepared, message_size)
+        # The reservation holds one message's size for the decoded inputs; typed contents and
+        # BYTES elements can take many times that in memory, reserved before they are made.
+        extra = decoded.nbytes - message_size
+        if extra > 0:
+            reservation.grow_nowait(extra, "the decoded inputs")
+        if decoded.elements > _OFF_LOOP_ELEMENTS:
+            inputs = await trio.to_thread.run_sync(
+                decode_inputs, prepared, limiter=self._decoding, abandon_on_cancel=False
+            )
+        else:
+            inputs = decode_inputs(prepared)
+        del prepared
         # The arrays are views of their own copies of the raw buffers: the request's are not
         # needed any more, and a large request would otherwise be held twice.
         request.ClearField("raw_input_contents")
@@ -160,8 +244,40 @@ class GrpcService:
         response = pb.ModelInferResponse(
             model_name=answer.model_name, model_version=answer.model_version, id=answer.id
         )
+        # asarray is free for arrays and lets a model return a numpy scalar.
+        outputs = [(name, np.asarray(array)) for name, array in answer.outputs]
+
+        def reserve_answer(cost: EncodingCost) -> None:
+            # What the reservation holds for the answer: all of it but the message and the
+            # decoded inputs (both still held). The output arrays and what encoding them
+            # allocates must fit in that or be added; the bytes stay reserved until the
+            # answer's buffers are written (handle's release_when_sent).
+            share = reservation.nbytes - message_size - max(decoded.nbytes, message_size)
+            extra = cost.outputs + cost.nbytes - share
+            if extra > 0:
+                reservation.grow_nowait(extra, "the encoded outputs")
+
+        def encode_off_loop() -> list[Buffer]:
+            cost = encoding_cost(outputs, raw=raw)
+            trio.from_thread.run_sync(reserve_answer, cost)
+            return encode_response(response, outputs, raw=raw)
+
+        # Elements the encode converts or copies one way or another (raw numeric outputs in
+        # little-endian C order are sent from their own memory): known without a pass.
+        converted = sum(
+            array.size
+            for _, array in outputs
+            if not raw or array.dtype.kind in "OSU" or not array.flags.c_contiguous
+        )
+        if converted > _OFF_LOOP_ELEMENTS:
+            # Costing (a pass over the arrays) and encoding both run off the loop; only the
+            # reservation's growth comes back to it.
+            return await trio.to_thread.run_sync(
+                encode_off_loop, limiter=self._decoding, abandon_on_cancel=False
+            )
+        reserve_answer(encoding_cost(outputs, raw=raw))
         # Raw outputs go to the socket from the arrays' memory, not through a serialised copy.
-        return serialize_response(response, encode_outputs(response, answer.outputs, raw=raw))
+        return encode_response(response, outputs, raw=raw)
 
     async def _health_check(
         self, request: health_pb2.HealthCheckRequest, call: Call, reservation: Reservation

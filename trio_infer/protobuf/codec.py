@@ -16,15 +16,19 @@ input raises ``InvalidInput`` and a malformed response an
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from trio_infer.buffers import Buffer
 from trio_infer.datatypes import DATATYPES, datatype_of, shape_text
 from trio_infer.errors import InferError, InvalidInput, ModelFailed
+from trio_infer.protobuf import wire
 from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
     InferParameter,
     InferTensorContents,
@@ -33,14 +37,23 @@ from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
 )
 
 __all__ = [
+    "BYTES_ELEMENT_OVERHEAD",
     "MAX_BYTES_ELEMENTS",
     "MAX_PARAMETERS",
+    "UNPACKED_LIMIT",
+    "DecodingCost",
+    "EncodingCost",
+    "WireInputs",
     "decode_inputs",
     "decode_outputs",
     "decode_parameters",
+    "decoding_cost",
     "encode_inputs",
     "encode_outputs",
     "encode_parameters",
+    "encode_response",
+    "encoding_cost",
+    "prepare_inputs",
     "serialize_response",
 ]
 
@@ -101,6 +114,47 @@ MAX_PARAMETERS = 1024
 #: the loop's stall and the memory beyond what was reserved bounded.
 MAX_BYTES_ELEMENTS = 1 << 20
 
+#: Bytes one BYTES element holds beyond its payload once decoded: a Python ``bytes`` object's
+#: header (33 bytes, rounded up by the allocator), its slot in a list and in the object array,
+#: and protobuf's view of it in a parsed typed field. Conservative: empty and one-byte elements
+#: are shared objects and cost only their slots.
+BYTES_ELEMENT_OVERHEAD = 96
+
+#: Elements decoded in one step of a typed field. Between steps the interpreter may hand the
+#: GIL to another thread: a decode run off the event loop lets the loop run at the switch
+#: interval instead of waiting for the whole field.
+_DECODE_CHUNK = 1 << 13
+
+#: The memory one element of each typed field takes once protobuf has parsed it: twice its
+#: size, as a repeated field grows by doubling while it is parsed.
+_FIELD_ITEMSIZE: dict[str, int] = {
+    "bool_contents": 2,
+    "int_contents": 8,
+    "int64_contents": 16,
+    "uint_contents": 8,
+    "uint64_contents": 16,
+    "fp32_contents": 8,
+    "fp64_contents": 16,
+}
+
+#: Contents whose packed fields the wire view cannot take as blobs (elements sent unpacked,
+#: fields the protocol does not define, a field split into very many records) are parsed by
+#: the real ``InferTensorContents`` instead, element by element on the event loop, up to this
+#: many bytes: each element takes at least two bytes unpacked, so that stall stays about a
+#: millisecond. Larger ones are refused; every protobuf encoder packs proto3 numeric fields.
+UNPACKED_LIMIT = 1 << 16
+
+#: Records of one packed field (or of one input's ``contents``) the wire view takes: each is a
+#: Python ``bytes`` object, and encoders write one (merging messages, a few).
+_MAX_RECORDS = 64
+
+#: The typed fields whose elements are fixed-width little-endian, not varints.
+_FIXED_FIELDS = frozenset({"fp32_contents", "fp64_contents"})
+
+#: Every typed field in field-number order, the order ``ListFields`` reports them in.
+_FIELD_ORDER = tuple(f.name for f in InferTensorContents.DESCRIPTOR.fields)
+_FIELD_BY_NUMBER = {f.number: f.name for f in InferTensorContents.DESCRIPTOR.fields}
+
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
@@ -145,16 +199,241 @@ _REQUEST_OUT = _Side("request", "input", "raw_input_contents", InvalidInput)
 # Decoding
 
 
-def decode_inputs(request: ModelInferRequest) -> dict[str, np.ndarray]:
+@dataclass(frozen=True)
+class DecodingCost:
+    """What decoding a parsed request's inputs takes (see :func:`decoding_cost`)."""
+
+    nbytes: int
+    """Bytes decoding holds beyond the request's message: typed contents as parsed and as
+    arrays, BYTES elements as Python objects. Raw numeric inputs are views of the message's
+    buffers and cost nothing more."""
+    elements: int
+    """Elements converted (typed contents and BYTES): the decode's time."""
+
+
+@dataclass(frozen=True)
+class _WireContents:
+    """One input's typed contents split by :func:`prepare_inputs`: numeric fields as blobs."""
+
+    blobs: dict[str, list[memoryview]]
+    """Each numeric field that has records: its packed payloads, in wire order."""
+    counts: dict[str, list[int]]
+    """The elements in each of those payloads."""
+    bytes_elements: int
+    """The elements of ``bytes_contents`` (only counted: a BYTES input is parsed for real)."""
+    fields: list[str]
+    """The fields holding at least one element, in field-number order (as ``ListFields``)."""
+
+    def held(self, name: str) -> int:
+        if name == "bytes_contents":
+            return self.bytes_elements
+        return sum(self.counts.get(name, ()))
+
+
+_Contents = InferTensorContents | _WireContents
+
+
+@dataclass(frozen=True)
+class WireInputs:
+    """A request's inputs as parsed by the wire view (:func:`prepare_inputs`), to decode."""
+
+    tensors: Sequence[Any]
+    """The request's ``inputs`` (wire-view tensors: name, datatype, shape as in the real one)."""
+    raw: Sequence[bytes]
+    """The request's ``raw_input_contents``."""
+    contents: list[_Contents | None]
+    """Each input's typed contents, or ``None`` where the input has no ``contents``."""
+    held: int
+    """Bytes the split contents hold (a copy of each input's contents taken from the request)."""
+
+
+def prepare_inputs(request: Any) -> WireInputs:
+    """Split a :data:`~trio_infer.protobuf.wire.WireInferRequest`'s typed contents into blobs.
+
+    Each input's ``contents`` is copied out of the request and split into its records: a packed
+    numeric field is a record whose payload is decoded later, with numpy, from a zero-copy
+    slice. Contents that are not all packed (elements sent unpacked, one record each; fields
+    the protocol does not define; more than a few records) are parsed by the real
+    ``InferTensorContents`` if at most :data:`UNPACKED_LIMIT` bytes, so they decode exactly as
+    in the real request, and refused if larger. A BYTES input's contents are parsed by the real
+    type: its elements are one record each however they are declared. Costs a copy of the
+    typed contents and, for varint fields, a vectorised count.
+
+    Raises:
+        InvalidInput: If contents are not a valid ``InferTensorContents`` (a packed
+            fixed-width field is not a whole number of elements, a packed varint field ends in
+            a truncated varint, ...), or contents not all packed exceed :data:`UNPACKED_LIMIT`.
+    """
+    contents: list[_Contents | None] = []
+    held = 0
+    for tensor in request.inputs:
+        records = tensor.contents
+        if not len(records):
+            contents.append(None)
+            continue
+        where = f"input '{tensor.name}'"
+        if len(records) > _MAX_RECORDS and len(records) > UNPACKED_LIMIT // 2:
+            raise InvalidInput(
+                f"{where}: contents appears {len(records)} times in the request; send it once"
+            )
+        # Each occurrence of a message field is a whole message; protobuf merges them in order.
+        occurrences: list[bytes] = list(records)
+        size = sum(len(occurrence) for occurrence in occurrences)
+        if tensor.datatype == "BYTES":
+            contents.append(_parse_contents(where, occurrences))
+            continue
+        split: list[tuple[int, memoryview]] = []
+        try:
+            for occurrence in occurrences:
+                split += wire.split_records(memoryview(occurrence), _MAX_RECORDS - len(split))
+        except wire.Irregular:
+            if size > UNPACKED_LIMIT:
+                raise InvalidInput(
+                    f"{where}: contents has elements sent unpacked (a record per element), "
+                    f"fields the protocol does not define, or more than {_MAX_RECORDS} "
+                    f"records, in {size} bytes; contents over {UNPACKED_LIMIT} bytes are "
+                    "taken only packed (protobuf's default for proto3 numeric fields): send "
+                    "them packed or in raw_input_contents"
+                ) from None
+            contents.append(_parse_contents(where, occurrences))
+            continue
+        held += size
+        blobs: dict[str, list[memoryview]] = {}
+        counts: dict[str, list[int]] = {}
+        bytes_elements = 0
+        for number, payload in split:
+            name = _FIELD_BY_NUMBER.get(number)
+            if name is None:
+                continue  # a field the protocol does not define: the real parse ignores it too
+            if name == "bytes_contents":
+                bytes_elements += 1
+                continue
+            blobs.setdefault(name, []).append(payload)
+            counts.setdefault(name, []).append(_count_elements(where, name, payload))
+        fields = [
+            name
+            for name in _FIELD_ORDER
+            if (bytes_elements if name == "bytes_contents" else sum(counts.get(name, ())))
+        ]
+        contents.append(_WireContents(blobs, counts, bytes_elements, fields))
+    return WireInputs(request.inputs, request.raw_input_contents, contents, held)
+
+
+def _parse_contents(where: str, occurrences: list[bytes]) -> InferTensorContents:
+    contents = InferTensorContents()
+    try:
+        for occurrence in occurrences:
+            contents.MergeFromString(occurrence)
+    except DecodeError as exc:
+        raise InvalidInput(
+            f"the request is not a valid inference.ModelInferRequest: {where}: contents: {exc}"
+        ) from None
+    return contents
+
+
+def _count_elements(where: str, name: str, payload: memoryview) -> int:
+    if name in _FIXED_FIELDS:
+        itemsize = _FIELD_DTYPE[name].itemsize
+        if len(payload) % itemsize:
+            raise InvalidInput(
+                f"the request is not a valid inference.ModelInferRequest: {where}: packed "
+                f"contents.{name} has {len(payload)} bytes, not a whole number of "
+                f"{itemsize}-byte elements"
+            )
+        return len(payload) // itemsize
+    try:
+        return wire.count_varints(payload)
+    except wire.VarintError as exc:
+        raise InvalidInput(
+            f"the request is not a valid inference.ModelInferRequest: {where}: "
+            f"contents.{name}: {exc}"
+        ) from None
+
+
+def decoding_cost(request: ModelInferRequest | WireInputs, message_size: int) -> DecodingCost:
+    """The memory and work :func:`decode_inputs` will take for ``request``, without decoding.
+
+    Typed contents are small on the wire and large in memory. Parsed by the real message, a
+    varint of one byte is an INT64 of 8 bytes, up to 16 in a parsed field that grew by
+    doubling, and 8 more in the array. Prepared by :func:`prepare_inputs`, the packed blobs are
+    already held (:attr:`WireInputs.held`) and decoding adds the array, a narrowed copy for the
+    narrow integer datatypes, and bounded scratch for varints. Each BYTES element becomes a
+    Python object of :data:`BYTES_ELEMENT_OVERHEAD` bytes beyond its payload, and the payloads
+    are copied (together at most the message). Only the fields' counts are read, never an
+    element or a raw buffer, so a server can reserve its answer before it decodes. Malformed
+    requests are costed as sent; decoding then refuses them.
+
+    Args:
+        request: The parsed request, or its inputs prepared by :func:`prepare_inputs`.
+        message_size: The size of its message in bytes.
+    """
+    if isinstance(request, WireInputs):
+        tensors: Sequence[Any] = request.tensors
+        contents = request.contents
+        raw = len(request.raw) > 0
+        nbytes = request.held
+    else:
+        tensors = request.inputs
+        contents = [t.contents if t.HasField("contents") else None for t in request.inputs]
+        raw = len(request.raw_input_contents) > 0
+        nbytes = 0
+    elements = 0
+    payloads = False
+    for tensor, typed in zip(tensors, contents, strict=True):
+        datatype = tensor.datatype
+        if raw:
+            if datatype == "BYTES":
+                shape = tensor.shape
+                declared = math.prod(shape) if all(dim >= 0 for dim in shape) else 0
+                # Each element takes at least its 4-byte prefix: no more fit in the message.
+                count = min(declared, message_size // _LENGTH_PREFIX, MAX_BYTES_ELEMENTS)
+                nbytes += count * BYTES_ELEMENT_OVERHEAD
+                elements += count
+                payloads = True
+            continue
+        if typed is None:
+            continue
+        narrow = DATATYPES[datatype].itemsize if datatype in _NARROW_RANGE else 0
+        if isinstance(typed, _WireContents):
+            for name in typed.fields:
+                count = typed.held(name)
+                elements += count
+                if name == "bytes_contents":
+                    nbytes += count * BYTES_ELEMENT_OVERHEAD
+                    payloads = True
+                else:
+                    # The array decoded from the blobs, and a narrowed copy of that.
+                    nbytes += count * (_FIELD_DTYPE[name].itemsize + narrow)
+                    if name not in _FIXED_FIELDS:
+                        nbytes += wire.varint_scratch(count)
+            continue
+        for descriptor, values in typed.ListFields():
+            count = len(values)
+            elements += count
+            if descriptor.name == "bytes_contents":
+                nbytes += count * BYTES_ELEMENT_OVERHEAD
+                payloads = True
+            else:
+                wide = _FIELD_DTYPE[descriptor.name].itemsize
+                # The parsed field, the array decoded from it, and a narrowed copy of that.
+                nbytes += count * (_FIELD_ITEMSIZE[descriptor.name] + wide + narrow)
+    if payloads:
+        nbytes += message_size
+    return DecodingCost(nbytes, elements)
+
+
+def decode_inputs(request: ModelInferRequest | WireInputs) -> dict[str, np.ndarray]:
     """Decode every input tensor of a request into a numpy array.
 
     Raw numeric inputs are zero-copy, read-only views of the request's buffers, so a model that
     wants to modify an input in place must copy it first. BYTES inputs are object arrays of
-    ``bytes``.
+    ``bytes``. A request prepared by :func:`prepare_inputs` decodes to the same arrays as the
+    same bytes parsed as a ``ModelInferRequest``, or both are refused.
 
     Args:
-        request: The request; its inputs carry data either all in ``raw_input_contents`` (one
-            entry per input, in order) or all in their typed ``contents``.
+        request: The request, or its inputs prepared by :func:`prepare_inputs`; its inputs
+            carry data either all in ``raw_input_contents`` (one entry per input, in order) or
+            all in their typed ``contents``.
 
     Returns:
         The arrays by input name, in the request's order, each with the datatype's dtype
@@ -163,10 +442,13 @@ def decode_inputs(request: ModelInferRequest) -> dict[str, np.ndarray]:
     Raises:
         InvalidInput: If a name repeats, a datatype is unknown, a shape is negative or too large,
             raw and typed data are mixed, the number of raw buffers is not the number of inputs,
-            data sits in the wrong typed field, or the data does not hold exactly the elements
-            the shape declares.
+            data sits in the wrong typed field, the data does not hold exactly the elements
+            the shape declares, or (prepared) a packed varint is malformed.
     """
-    return _decode_tensors(request.inputs, request.raw_input_contents, _REQUEST_IN)
+    if isinstance(request, WireInputs):
+        return _decode_tensors(request.tensors, request.raw, request.contents, _REQUEST_IN)
+    contents = [t.contents if t.HasField("contents") else None for t in request.inputs]
+    return _decode_tensors(request.inputs, request.raw_input_contents, contents, _REQUEST_IN)
 
 
 def decode_outputs(response: ModelInferResponse) -> dict[str, np.ndarray]:
@@ -189,11 +471,15 @@ def decode_outputs(response: ModelInferResponse) -> dict[str, np.ndarray]:
             :func:`decode_inputs` checks for: a malformed response is the server's fault, not
             the caller's.
     """
-    return _decode_tensors(response.outputs, response.raw_output_contents, _RESPONSE_IN)
+    contents = [t.contents if t.HasField("contents") else None for t in response.outputs]
+    return _decode_tensors(response.outputs, response.raw_output_contents, contents, _RESPONSE_IN)
 
 
 def _decode_tensors(
-    tensors: Sequence[_Tensor], raw: Sequence[bytes], side: _Side
+    tensors: Sequence[Any],
+    raw: Sequence[bytes],
+    contents: Sequence[_Contents | None],
+    side: _Side,
 ) -> dict[str, np.ndarray]:
     if raw and len(raw) != len(tensors):
         raise side.error(
@@ -202,7 +488,7 @@ def _decode_tensors(
             f"{side.role} order"
         )
     decoded: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(tensors):
+    for index, (tensor, typed) in enumerate(zip(tensors, contents, strict=True)):
         name = tensor.name
         where = f"{side.role} '{name}'"
         if name in decoded:
@@ -214,7 +500,7 @@ def _decode_tensors(
                 f"{where}: shape {shape_text(shape)} has {math.prod(shape)} BYTES elements; "
                 f"at most {MAX_BYTES_ELEMENTS} are taken"
             )
-        typed_fields = _set_fields(tensor.contents) if tensor.HasField("contents") else []
+        typed_fields = [] if typed is None else _set_fields(typed)
         if raw:
             if typed_fields:
                 raise side.error(
@@ -225,7 +511,7 @@ def _decode_tensors(
             decoded[name] = _decode_raw(where, datatype, shape, raw[index], index, side)
         else:
             decoded[name] = _decode_typed(
-                where, datatype, shape, tensor.contents, typed_fields, side
+                where, datatype, shape, InferTensorContents() if typed is None else typed, side
             )
     return decoded
 
@@ -257,7 +543,9 @@ def _checked_shape(where: str, dims: Sequence[int], datatype: str, side: _Side) 
     return shape
 
 
-def _set_fields(contents: InferTensorContents) -> list[str]:
+def _set_fields(contents: _Contents) -> list[str]:
+    if isinstance(contents, _WireContents):
+        return contents.fields
     # ListFields reports exactly the repeated fields that hold at least one value.
     return [field.name for field, _ in contents.ListFields()]
 
@@ -342,10 +630,10 @@ def _decode_typed(
     where: str,
     datatype: str,
     shape: tuple[int, ...],
-    contents: InferTensorContents,
-    typed_fields: list[str],
+    contents: _Contents,
     side: _Side,
 ) -> np.ndarray:
+    typed_fields = _set_fields(contents)
     field = _CONTENTS_FIELD[datatype]
     if field is None:
         raise side.error(
@@ -357,16 +645,55 @@ def _decode_typed(
             f"{where}: datatype {datatype} takes its data in contents.{field}, "
             f"but contents.{wrong[0]} is set"
         )
-    values = getattr(contents, field)
     count = math.prod(shape)
-    if len(values) != count:
+    held = contents.held(field) if isinstance(contents, _WireContents) else None
+    values = getattr(contents, field) if held is None else ()
+    if held is None:
+        held = len(values)
+    if held != count:
         raise side.error(
             f"{where}: shape {shape_text(shape)} has {count} elements but "
-            f"contents.{field} holds {len(values)} values"
+            f"contents.{field} holds {held} values"
         )
+    if isinstance(contents, _WireContents):
+        # prepare_inputs parses a BYTES input's contents with the real type.
+        assert datatype != "BYTES"
+        wide = _decode_blobs(where, field, contents, count, side)
+        return _narrowed(where, datatype, wide, side).reshape(shape)
     if datatype == "BYTES":
-        return _object_array(list(values), shape)
-    wide = np.fromiter(values, dtype=_FIELD_DTYPE[field], count=count)
+        elements: list[bytes] = []
+        for start in range(0, count, _DECODE_CHUNK):
+            elements.extend(values[start : start + _DECODE_CHUNK])
+        return _object_array(elements, shape)
+    wide = np.empty(count, dtype=_FIELD_DTYPE[field])
+    items = iter(values)
+    for start in range(0, count, _DECODE_CHUNK):
+        # fromiter with a count takes that many from the shared iterator and no more.
+        end = min(start + _DECODE_CHUNK, count)
+        wide[start:end] = np.fromiter(items, dtype=wide.dtype, count=end - start)
+    return _narrowed(where, datatype, wide, side).reshape(shape)
+
+
+def _decode_blobs(
+    where: str, field: str, contents: _WireContents, count: int, side: _Side
+) -> np.ndarray:
+    wide = np.empty(count, dtype=_FIELD_DTYPE[field])
+    done = 0
+    records = zip(contents.blobs.get(field, ()), contents.counts.get(field, ()), strict=True)
+    for payload, held in records:
+        part = wide[done : done + held]
+        if field in _FIXED_FIELDS:
+            part[:] = np.frombuffer(payload, dtype=wide.dtype.newbyteorder("<"))
+        else:
+            try:
+                wire.decode_varints(payload, part)
+            except wire.VarintError as exc:
+                raise side.error(f"{where}: contents.{field}: {exc}") from None
+        done += held
+    return wide
+
+
+def _narrowed(where: str, datatype: str, wide: np.ndarray, side: _Side) -> np.ndarray:
     bounds = _NARROW_RANGE.get(datatype)
     if bounds is not None:
         # INT8/INT16/UINT8/UINT16 share a 32-bit field; narrowing must not wrap silently.
@@ -379,7 +706,7 @@ def _decode_typed(
                 f"outside [{low}, {high}]"
             )
         wide = wide.astype(DATATYPES[datatype])
-    return wide.reshape(shape)
+    return wide
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,6 +746,373 @@ def encode_outputs(
     contents: list[memoryview] = []
     _encode_tensors(response.outputs.add, contents.append, outputs, raw, _RESPONSE_OUT)
     return contents
+
+
+@dataclass(frozen=True)
+class EncodingCost:
+    """What encoding a model's outputs takes (see :func:`encoding_cost`)."""
+
+    nbytes: int
+    """Bytes :func:`encode_response` allocates: typed contents' packed blobs, framed BYTES
+    outputs, copies of arrays not already little-endian C-order, and its temporaries. An
+    output sent from its array's own memory costs nothing here."""
+    outputs: int
+    """Bytes the output arrays themselves hold: numeric ones their ``nbytes``, BYTES ones
+    their elements as Python objects (:data:`BYTES_ELEMENT_OVERHEAD` each) and payloads. The
+    encoded buffers of an output sent from its own memory are these bytes."""
+    elements: int
+    """Elements converted or copied (typed contents, BYTES, copied raw arrays): the encode's
+    time."""
+
+
+def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> EncodingCost:
+    """The memory and work :func:`encode_response` will take for ``outputs``, without encoding.
+
+    Decides each output's encoding exactly as :func:`encode_response` does (every output raw
+    when one is FP16). Typed varint contents are bounded by their widest element (one pass
+    for the array's minimum and maximum), so the bound is exact for elements of one size.
+    BYTES outputs take a pass over their elements for their lengths, without keeping an
+    object per element.
+
+    Raises:
+        ModelFailed: As :func:`encode_response` would: an array's dtype has no datatype, a
+            BYTES element is neither ``bytes`` nor ``str``, a raw one exceeds 4 GiB.
+    """
+    arrays, datatypes, raw = _outputs_to_encode(outputs, raw, _RESPONSE_OUT)
+    nbytes = 0
+    held = 0
+    elements = 0
+    for (name, array), datatype in zip(arrays, datatypes, strict=True):
+        count = array.size
+        # The tensor's metadata and the records' keys and lengths, serialised.
+        nbytes += _METADATA_ALLOWANCE + 4 * len(name) + wire.MAX_VARINT_BYTES * array.ndim
+        if datatype == "BYTES":
+            where = f"output '{name}'"
+            _, lengths, converted = _bytes_lengths(where, array, _RESPONSE_OUT)
+            if raw:
+                _check_raw_lengths(where, lengths, _RESPONSE_OUT)
+            payload = int(lengths.sum())
+            held += array.nbytes + count * BYTES_ELEMENT_OVERHEAD + payload
+            if converted:
+                # A list of the elements, and a bytes object for each str converted.
+                nbytes += count * (8 + BYTES_ELEMENT_OVERHEAD) + payload
+            framed = int(_header_sizes(lengths, raw).sum()) + payload
+            # The framed output, and one step's joined payloads and mask.
+            nbytes += framed + count * _FRAMING_SCRATCH_PER_ELEMENT
+            nbytes += 2 * min(framed, _FRAMING_STEP_BYTES)
+            nbytes += _FRAMING_STEP_SCRATCH_PER_ELEMENT * min(count, _FRAMING_STEP)
+            elements += count
+            continue
+        held += array.nbytes
+        if raw:
+            if not _is_little_c_order(array, DATATYPES[datatype]):
+                nbytes += array.nbytes
+                elements += count
+            continue
+        field = _CONTENTS_FIELD[datatype]
+        assert field is not None  # FP16, the only datatype without one, forces raw above
+        elements += count
+        if field in _FIXED_FIELDS:
+            if not _is_little_c_order(array, _FIELD_DTYPE[field]):
+                nbytes += count * _FIELD_DTYPE[field].itemsize
+        elif datatype == "BOOL":
+            if _bool_copy_needed(array):
+                nbytes += count
+        elif count:
+            nbytes += count * _widest_varint(array) + wire.varint_encode_scratch(count)
+            nbytes += _JOINED_BYTES + _SEPARATE_BLOB  # one buffer of parts being joined
+    return EncodingCost(nbytes, held, elements)
+
+
+def encode_response(
+    response: ModelInferResponse,
+    outputs: Sequence[tuple[str, np.ndarray]],
+    *,
+    raw: bool,
+) -> list[Buffer]:
+    """``response`` with one output tensor per ``(name, array)`` appended, serialised.
+
+    Encodes as :func:`encode_outputs` then :func:`serialize_response` do (the same datatypes,
+    every output raw when one is FP16, ``str`` elements as UTF-8), and the buffers joined are
+    byte for byte what protobuf serialises for the response holding those outputs; but no
+    element becomes a Python object. Each output's metadata is serialised by protobuf, and its
+    contents are written after it as the length-delimited records protobuf would write: typed
+    numeric contents as one packed blob made with numpy (fixed-width elements as their
+    little-endian bytes, varint fields with :func:`~trio_infer.protobuf.wire.encode_varint_parts`),
+    BYTES as one buffer of length-prefixed (raw) or keyed (typed) elements. Blobs of more than
+    a few KiB stay separate buffers, as raw outputs do, so they reach the socket without a
+    join; a typed FP32 or FP64 output, like a raw one, is sent from its array's own memory when
+    that is already little-endian C-order.
+
+    ``response`` should hold no outputs or raw contents; it is not changed.
+
+    Raises:
+        ModelFailed: If an array's dtype has no datatype, a BYTES output holds an element that
+            is neither ``bytes`` nor ``str``, or a raw BYTES element exceeds 4 GiB.
+    """
+    arrays, datatypes, raw = _outputs_to_encode(outputs, raw, _RESPONSE_OUT)
+    writer = _Writer(response.SerializeToString())
+    raw_contents: list[memoryview] = []
+    for (name, array), datatype in zip(arrays, datatypes, strict=True):
+        where = f"output '{name}'"
+        meta = ModelInferResponse.InferOutputTensor(
+            name=name, datatype=datatype, shape=array.shape
+        ).SerializeToString()
+        if raw:
+            if datatype == "BYTES":
+                elements, lengths, _ = _bytes_lengths(where, array, _RESPONSE_OUT)
+                _check_raw_lengths(where, lengths, _RESPONSE_OUT)
+                raw_contents.append(_frame_elements(elements, lengths, raw=True).data)
+            else:
+                raw_contents.append(_raw_view(array, datatype))
+            writer.small(_OUTPUT_KEY + _varint(len(meta)) + meta)
+            continue
+        if datatype == "BYTES":
+            elements, lengths, _ = _bytes_lengths(where, array, _RESPONSE_OUT)
+            # bytes_contents is not packed: its records are the contents message itself.
+            blobs = [_frame_elements(elements, lengths, raw=False)]
+            field_header = b""
+            blob_size = blobs[0].nbytes
+        else:
+            field, blobs = _typed_blobs(datatype, array)
+            blob_size = sum(blob.nbytes for blob in blobs)
+            # An empty packed field is not written, as protobuf omits an empty repeated field.
+            field_header = _FIELD_KEY[field] + _varint(blob_size) if blob_size else b""
+        contents_size = len(field_header) + blob_size
+        contents_header = _CONTENTS_KEY + _varint(contents_size)
+        tensor_size = len(meta) + len(contents_header) + contents_size
+        writer.small(_OUTPUT_KEY + _varint(tensor_size) + meta + contents_header + field_header)
+        # Each part is let go once written: joined small parts then replace, not add to, them.
+        queue = collections.deque(blobs)
+        del blobs
+        while queue:
+            writer.blob(queue.popleft())
+    parts = writer.finish()
+    for view in raw_contents:
+        parts.append(_RAW_OUTPUT_KEY + _varint(view.nbytes))
+        parts.append(view)
+    return parts
+
+
+#: Bytes allowed for one output beyond its name and shape: its serialised metadata (datatype,
+#: keys, lengths) and the few small Python objects its encoding makes.
+_METADATA_ALLOWANCE = 4096
+#: The record keys written around typed contents: an output in the response, the contents in
+#: an output, and each field in the contents (all length-delimited, wire type 2).
+_OUTPUT_KEY = bytes([ModelInferResponse.DESCRIPTOR.fields_by_name["outputs"].number << 3 | 2])
+_CONTENTS_KEY = bytes(
+    [ModelInferResponse.InferOutputTensor.DESCRIPTOR.fields_by_name["contents"].number << 3 | 2]
+)
+_FIELD_KEY = {f.name: bytes([f.number << 3 | 2]) for f in InferTensorContents.DESCRIPTOR.fields}
+
+#: Blobs at least this large are sent as buffers of their own. Smaller ones, and the pieces
+#: of serialised metadata between them, are joined into buffers of up to about
+#: :data:`_JOINED_BYTES`: small outputs do not make many small writes, and a large varint field
+#: (encoded in many small parts) is copied a bounded piece at a time.
+_SEPARATE_BLOB = 1 << 16
+_JOINED_BYTES = 1 << 20
+
+
+class _Writer:
+    """Buffers in order: small pieces joined, large blobs kept as they are."""
+
+    def __init__(self, first: bytes) -> None:
+        self._parts: list[Buffer] = []
+        self._pending: list[Buffer] = [first]
+        self._pending_size = len(first)
+
+    def small(self, data: Buffer) -> None:
+        self._pending.append(data)
+        self._pending_size += memoryview(data).nbytes
+        if self._pending_size >= _JOINED_BYTES:
+            self._flush()
+
+    def blob(self, blob: np.ndarray) -> None:
+        if blob.nbytes < _SEPARATE_BLOB:
+            self.small(blob.data)
+            return
+        self._flush()
+        self._parts.append(blob.data)
+
+    def _flush(self) -> None:
+        if self._pending_size:
+            self._parts.append(b"".join(self._pending))
+        self._pending = []
+        self._pending_size = 0
+
+    def finish(self) -> list[Buffer]:
+        self._flush()
+        return self._parts
+
+
+def _outputs_to_encode(
+    outputs: Sequence[tuple[str, np.ndarray]], raw: bool, side: _Side
+) -> tuple[list[tuple[str, np.ndarray]], list[str], bool]:
+    # asarray is free for arrays and lets a model return a numpy scalar.
+    arrays = [(name, np.asarray(array)) for name, array in outputs]
+    datatypes: list[str] = []
+    for name, array in arrays:
+        try:
+            datatypes.append(datatype_of(array))
+        except ModelFailed as error:
+            raise side.error(f"{side.role} '{name}': {error.message}") from None
+    # FP16 has no typed field, and one message cannot mix raw and typed tensors.
+    return arrays, datatypes, raw or "FP16" in datatypes
+
+
+def _is_little_c_order(array: np.ndarray, dtype: np.dtype[Any]) -> bool:
+    little = dtype.newbyteorder("<")
+    return bool(array.flags.c_contiguous) and array.dtype == little
+
+
+def _raw_view(array: np.ndarray, datatype: str) -> memoryview:
+    # A no-op for a little-endian C-order array; a copy in that order for any other.
+    little = np.ascontiguousarray(array, DATATYPES[datatype].newbyteorder("<"))
+    return little.reshape(-1).view(np.uint8).data
+
+
+def _bool_copy_needed(array: np.ndarray) -> bool:
+    # A bool array's bytes are its varints (0 and 1) unless a view made other bytes of it.
+    if not array.flags.c_contiguous:
+        return True
+    octets = array.reshape(-1).view(np.uint8)
+    return bool(octets.size) and int(octets.max()) > 1
+
+
+def _typed_blobs(datatype: str, array: np.ndarray) -> tuple[str, list[np.ndarray]]:
+    """The payload of an output's packed typed field (uint8 arrays, in order), and the field."""
+    field = _CONTENTS_FIELD[datatype]
+    assert field is not None  # FP16 is encoded raw
+    assert field != "bytes_contents"  # BYTES outputs are framed by _frame_elements
+    if field in _FIXED_FIELDS:
+        little = np.ascontiguousarray(array, _FIELD_DTYPE[field].newbyteorder("<"))
+        return field, [little.reshape(-1).view(np.uint8)]
+    if datatype == "BOOL":
+        if _bool_copy_needed(array):
+            return field, [np.not_equal(array.reshape(-1), False).view(np.uint8)]
+        return field, [array.reshape(-1).view(np.uint8)]
+    return field, wire.encode_varint_parts(array)
+
+
+def _widest_varint(array: np.ndarray) -> int:
+    """The bytes of the widest varint of a non-empty integer array, as protobuf widens it."""
+    if array.dtype.kind == "i" and int(array.min()) < 0:
+        return wire.MAX_VARINT_BYTES  # sign-extended to 64 bits
+    return int(wire.varint_sizes(np.array([int(array.max())], np.uint64))[0])
+
+
+#: Elements framed in one step of :func:`_frame_elements`, and the bytes one step frames
+#: (unless one element alone is larger): the step's payloads are joined and masked, so these
+#: bound the temporaries.
+_FRAMING_STEP = 1 << 16
+_FRAMING_STEP_BYTES = 1 << 20
+#: Bytes :func:`_frame_elements` holds per element of the whole output (its lengths, header
+#: sizes, sizes and ends, eight bytes each), and per element of one step (offsets, indices,
+#: header bytes and their int64 temporaries, the list ``bytes.join`` makes), with room to spare.
+_FRAMING_SCRATCH_PER_ELEMENT = 32
+_FRAMING_STEP_SCRATCH_PER_ELEMENT = 128
+#: The key of a ``bytes_contents`` record, which starts every typed BYTES element.
+_BYTES_KEY = _FIELD_KEY["bytes_contents"][0]
+
+
+def _bytes_lengths(
+    where: str, array: np.ndarray, side: _Side
+) -> tuple[Sequence[bytes], np.ndarray, bool]:
+    """A BYTES array's elements as bytes, their lengths (int64), and whether any was converted.
+
+    An object array of ``bytes`` is used as it is (a view when C-order); only arrays holding
+    ``str`` or numpy strings are converted, one element at a time.
+    """
+    flat = array.reshape(-1)
+    count = flat.size
+    # Passes over the elements go a step at a time: one C call over all of them would hold the
+    # GIL throughout, and an encode in a thread would stall the event loop as long.
+    kinds: set[type] = set()
+    if flat.dtype == np.object_:
+        for start in range(0, count, _FRAMING_STEP):
+            kinds.update(map(type, flat[start : start + _FRAMING_STEP]))
+    if flat.dtype == np.object_ and all(issubclass(kind, bytes) for kind in kinds):
+        # An object array is a sequence of its elements; numpy's stubs do not say so.
+        elements: Sequence[bytes] = cast(Sequence[bytes], flat)
+        converted = False
+    else:
+        elements = _bytes_elements(where, array, side)
+        converted = True
+    lengths = np.empty(count, np.int64)
+    for start in range(0, count, _FRAMING_STEP):
+        step = elements[start : start + _FRAMING_STEP]
+        lengths[start : start + len(step)] = np.fromiter(map(len, step), np.int64, len(step))
+    return elements, lengths, converted
+
+
+def _check_raw_lengths(where: str, lengths: np.ndarray, side: _Side) -> None:
+    too_long = lengths > _MAX_ELEMENT_BYTES
+    if too_long.any():
+        position = int(np.argmax(too_long))
+        raise side.error(
+            f"{where}: BYTES element {position} has {int(lengths[position])} bytes; a raw "
+            f"element holds at most {_MAX_ELEMENT_BYTES}"
+        )
+
+
+def _header_sizes(lengths: np.ndarray, raw: bool) -> np.ndarray:
+    """The bytes before each element: its 4-byte length (raw), or its key and varint length."""
+    if raw:
+        return np.full(lengths.shape, _LENGTH_PREFIX, np.int64)
+    return wire.varint_sizes(lengths.view(np.uint64)).astype(np.int64) + 1
+
+
+def _header_byte(index: int, lengths: np.ndarray, raw: bool) -> np.ndarray:
+    """Byte ``index`` of the headers of elements of these lengths (each at least that long)."""
+    if raw:
+        return ((lengths >> (8 * index)) & 0xFF).astype(np.uint8)
+    if index == 0:
+        return np.full(lengths.shape, _BYTES_KEY, np.uint8)
+    shift = 7 * (index - 1)
+    octets = ((lengths >> shift) & 0x7F).astype(np.uint8)
+    octets[(lengths >> (shift + 7)) > 0] |= 0x80
+    return octets
+
+
+def _frame_elements(elements: Sequence[bytes], lengths: np.ndarray, *, raw: bool) -> np.ndarray:
+    """BYTES elements each after its header, as one uint8 array.
+
+    Raw, a header is the element's length as a little-endian uint32 (``raw_output_contents``);
+    typed, it is the key and varint length of a ``bytes_contents`` record, so the result is a
+    serialised ``InferTensorContents``. Works a step of elements at a time: each step's headers
+    are written with numpy and its payloads joined once and copied around them through a
+    mask, so no object is made per element.
+    """
+    count = lengths.size
+    headers = _header_sizes(lengths, raw)
+    sizes = headers + lengths
+    ends = np.cumsum(sizes)
+    out = np.empty(int(ends[-1]) if count else 0, np.uint8)
+    start = 0
+    while start < count:
+        base = int(ends[start - 1]) if start else 0
+        fits = int(np.searchsorted(ends, base + _FRAMING_STEP_BYTES, "right"))
+        stop = max(start + 1, min(start + _FRAMING_STEP, fits))
+        step = out[base : int(ends[stop - 1])]
+        if stop == start + 1:
+            # One element alone (it may be large): its header, then its payload copied once.
+            header = int(headers[start])
+            for index in range(header):
+                step[index] = _header_byte(index, lengths[start : start + 1], raw)[0]
+            step[header:] = np.frombuffer(elements[start], np.uint8)
+        else:
+            firsts = ends[start:stop] - sizes[start:stop] - base
+            step_lengths = lengths[start:stop]
+            step_headers = headers[start:stop]
+            payload = np.ones(step.size, np.bool_)
+            for index in range(int(step_headers.max())):
+                longer = np.flatnonzero(step_headers > index)
+                positions = firsts[longer] + index
+                step[positions] = _header_byte(index, step_lengths[longer], raw)
+                payload[positions] = False
+            step[payload] = np.frombuffer(b"".join(elements[start:stop]), np.uint8)
+        start = stop
+    return out
 
 
 def serialize_response(response: ModelInferResponse, raw: Sequence[memoryview]) -> list[Buffer]:

@@ -23,6 +23,15 @@ Two bounds, checked in order as a request's data becomes known:
    finds room at once an interval after the last one refused for want of room (light load
    brings no probes). A waiting room that sustained overload keeps full adds its whole wait to
    every admitted request; shedding keeps their latency near that of a full budget.
+
+   One **owner** (a front-end passes the client connection) may hold at most ``max_owner_bytes``
+   of the budget at once (``--max-connection-bytes``, half the budget by default). A request
+   that would take its owner past the share is refused at once, whatever room the budget has,
+   and so is a waiter whose owner's share has filled by the time room comes: one client cannot
+   take the whole budget, however many calls it opens, and a client waiting on its own calls
+   gains nothing from waiting. A share as large as the budget turns the bound off. Half leaves as
+   much again to every other client while a single client with many calls still gets most of an
+   idle server.
 2. The **per-model queue** (``max_queue_size`` in model settings): once the request is parsed and
    its model known, it takes one of the model's slots, or is refused at once when all are taken.
    A slot is held while the request waits for and runs on a worker. Refusing at once rather
@@ -37,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
@@ -79,17 +88,41 @@ class AdmissionStatistics:
 class Reservation:
     """Bytes of the memory budget held by one request; see :meth:`Admission.reserve`."""
 
-    def __init__(self, admission: Admission, nbytes: int) -> None:
+    def __init__(self, admission: Admission, nbytes: int, owner: Hashable | None = None) -> None:
         self._admission = admission
+        self.granted = nbytes
+        """The bytes reserved before the request's body was read, before any growth."""
         self.nbytes = nbytes
+        """The bytes held now, growth included."""
+        self._owner = owner
+        self._kept = False
+        self._released = False
+
+    def release_later(self) -> Callable[[], None]:
+        """Keep the bytes past the end of the ``async with`` block that reserved them; return
+        the function that gives them back (once: later calls do nothing). For memory that
+        outlives the request's handler, such as an answer still being written."""
+        self._kept = True
+        return self._release
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        admission = self._admission
+        if self._owner is not None:
+            admission._give_share(self._owner, self.nbytes)
+        admission._release(self.nbytes)
 
     def grow_nowait(self, nbytes: int, what: str) -> None:
         """Reserve ``nbytes`` more, if there is room now.
 
         Holding bytes while waiting for more could deadlock the budget, so this never waits.
+        The bytes count towards the owner's share as well.
 
         Raises:
-            Overloaded: the budget has no room for ``nbytes`` more now.
+            Overloaded: the budget has no room for ``nbytes`` more now, or the owner's share
+                has not.
         """
         admission = self._admission
         if admission._waiters or admission._reserved + nbytes > admission.budget_bytes:
@@ -99,6 +132,9 @@ class Reservation:
                 f"{admission.budget_bytes - admission._reserved} of "
                 f"{admission.budget_bytes} are free (--memory-budget)",
             )
+        owner = self._owner
+        if owner is not None:
+            admission._take_share(owner, nbytes, what)
         admission._reserved += nbytes
         self.nbytes += nbytes
 
@@ -108,6 +144,9 @@ class _Waiter:
     nbytes: int
     granted: trio.Event
     since: float
+    owner: Hashable | None = None
+    #: Set with ``granted`` when room came but the owner's share had none.
+    refused: bool = False
 
 
 class Admission:
@@ -121,6 +160,8 @@ class Admission:
         target_wait: A wait for room longer than this, in seconds, is a sign of overload.
         interval: Seconds of waits above ``target_wait`` that make a standing queue, and
             between two probes of whether it still stands.
+        max_owner_bytes: The most bytes one owner (a client connection) may hold reserved
+            (default: half of ``budget_bytes``).
     """
 
     def __init__(
@@ -131,8 +172,14 @@ class Admission:
         *,
         target_wait: float = 0.005,
         interval: float = 0.1,
+        max_owner_bytes: int | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        self.max_owner_bytes = budget_bytes // 2 if max_owner_bytes is None else max_owner_bytes
+        if self.max_owner_bytes < 1:
+            raise ValueError(f"max_owner_bytes must be at least 1, got {max_owner_bytes}")
+        #: A share as large as the budget bounds nothing the budget does not: none is kept.
+        self._shared = self.max_owner_bytes < budget_bytes
         self.max_wait = max_wait
         self.max_waiting_bytes = (
             budget_bytes // 4 if max_waiting_bytes is None else max_waiting_bytes
@@ -155,6 +202,9 @@ class Admission:
         self._waiters: deque[_Waiter] = deque()
         self._in_flight: Counter[str] = Counter()
         self._rejected: Counter[str] = Counter()
+        # Invariant: an owner is a key exactly while it holds reserved bytes, and its value is
+        # their sum, at most max_owner_bytes.
+        self._held: dict[Hashable, int] = {}
 
     def statistics(self) -> AdmissionStatistics:
         """Return a snapshot of reservations, waiters, slots and refusals."""
@@ -168,15 +218,23 @@ class Admission:
         )
 
     @asynccontextmanager
-    async def reserve(self, nbytes: int, deadline: float) -> AsyncIterator[Reservation]:
+    async def reserve(
+        self, nbytes: int, deadline: float, owner: Hashable | None = None
+    ) -> AsyncIterator[Reservation]:
         """Hold ``nbytes`` of the budget for the duration of the ``async with`` block.
 
         Waits first come, first served for room until ``deadline`` (the caller's cancel scope
         enforces it) or, with no deadline, for at most ``max_wait`` seconds.
 
+        Args:
+            nbytes: The bytes to hold.
+            deadline: The caller's deadline, on the Trio clock (``math.inf``: none).
+            owner: Who asks (a front-end passes its client connection's key): an owner holds
+                at most ``max_owner_bytes``. ``None`` is bound by the budget only.
+
         Raises:
-            Overloaded: ``nbytes`` exceeds the whole budget, or no room came within
-                ``max_wait``.
+            Overloaded: ``nbytes`` exceeds the whole budget, no room came within
+                ``max_wait``, or the owner's share has no room for ``nbytes`` more.
         """
         if nbytes > self.budget_bytes:
             raise self._refuse(
@@ -184,11 +242,17 @@ class Admission:
                 f"request needs {nbytes} bytes, more than the whole memory budget of "
                 f"{self.budget_bytes} bytes (--memory-budget)",
             )
+        if not self._shared:
+            owner = None
+        elif owner is not None:
+            self._check_share(owner, nbytes, "the request")
         reservation: Reservation | None = None
         if not self._waiters and self._reserved + nbytes <= self.budget_bytes:
             # The common case, on every call's path: no scope, no waiting.
+            if owner is not None:
+                self._held[owner] = self._held.get(owner, 0) + nbytes
             self._reserved += nbytes
-            reservation = Reservation(self, nbytes)
+            reservation = Reservation(self, nbytes, owner)
             # Room without waiting: whatever queue there was has drained.
             self._slow_since = None
             if self._shedding and trio.current_time() - self._last_turned_away >= self.interval:
@@ -197,7 +261,7 @@ class Admission:
                 self._shedding = False
         else:
             with trio.move_on_after(self.max_wait if math.isinf(deadline) else math.inf):
-                reservation = await self._wait_for_room(nbytes)
+                reservation = await self._wait_for_room(nbytes, owner)
             if reservation is None:
                 raise self._refuse(
                     "memory_budget",
@@ -207,7 +271,8 @@ class Admission:
         try:
             yield reservation
         finally:
-            self._release(reservation.nbytes)
+            if not reservation._kept:
+                reservation._release()
 
     @contextmanager
     def model_slot(self, settings: ModelSettings) -> Iterator[None]:
@@ -229,7 +294,7 @@ class Admission:
         finally:
             self._in_flight[name] -= 1
 
-    async def _wait_for_room(self, nbytes: int) -> Reservation:
+    async def _wait_for_room(self, nbytes: int, owner: Hashable | None) -> Reservation:
         now = trio.current_time()
         if self._waiting_bytes + nbytes > self.max_waiting_bytes:
             self._last_turned_away = now
@@ -246,7 +311,7 @@ class Admission:
             # A probe: whether it gets room within target_wait tells if the queue still stands.
             self._last_probe = now
             patience = self.target_wait
-        waiter = _Waiter(nbytes, trio.Event(), now)
+        waiter = _Waiter(nbytes, trio.Event(), now, owner)
         self._waiters.append(waiter)
         self._waiting_bytes += nbytes
         try:
@@ -254,8 +319,11 @@ class Admission:
                 await waiter.granted.wait()
         except BaseException:
             if waiter.granted.is_set():
-                # Granted in the same tick as cancelled: give the bytes back.
-                self._release(nbytes)
+                if not waiter.refused:
+                    # Granted in the same tick as cancelled: give the bytes back.
+                    if owner is not None:
+                        self._give_share(owner, nbytes)
+                    self._release(nbytes)
             else:
                 self._waiters.remove(waiter)
                 self._waiting_bytes -= nbytes
@@ -273,7 +341,33 @@ class Admission:
             self._observe_wait(math.inf)
             self._grant_waiters()
             raise self._shed()
-        return Reservation(self, nbytes)
+        if waiter.refused:
+            assert owner is not None, "only an owner's share refuses a waiter"
+            raise self._share_full(owner, nbytes, "the request")
+        return Reservation(self, nbytes, owner)
+
+    def _check_share(self, owner: Hashable, nbytes: int, what: str) -> None:
+        if self._held.get(owner, 0) + nbytes > self.max_owner_bytes:
+            raise self._share_full(owner, nbytes, what)
+
+    def _share_full(self, owner: Hashable, nbytes: int, what: str) -> Overloaded:
+        return self._refuse(
+            "max_connection_bytes",
+            f"connection's share of the memory budget full: {what} needs {nbytes} more bytes, "
+            f"the connection holds {self._held.get(owner, 0)} of its {self.max_owner_bytes} "
+            "(--max-connection-bytes)",
+        )
+
+    def _take_share(self, owner: Hashable, nbytes: int, what: str) -> None:
+        self._check_share(owner, nbytes, what)
+        self._held[owner] = self._held.get(owner, 0) + nbytes
+
+    def _give_share(self, owner: Hashable, nbytes: int) -> None:
+        held = self._held[owner] - nbytes
+        if held:
+            self._held[owner] = held
+        else:
+            del self._held[owner]
 
     def _release(self, nbytes: int) -> None:
         self._reserved -= nbytes
@@ -283,6 +377,15 @@ class Admission:
         while self._waiters and self._reserved + self._waiters[0].nbytes <= self.budget_bytes:
             waiter = self._waiters.popleft()
             self._waiting_bytes -= waiter.nbytes
+            owner = waiter.owner
+            if owner is not None:
+                held = self._held.get(owner, 0) + waiter.nbytes
+                if held > self.max_owner_bytes:
+                    # Its connection's other requests took the share while it waited.
+                    waiter.refused = True
+                    waiter.granted.set()
+                    continue
+                self._held[owner] = held
             self._reserved += waiter.nbytes
             waiter.granted.set()
             self._observe_wait(trio.current_time() - waiter.since)

@@ -31,6 +31,7 @@ What purerpc 0.8.0 gets wrong for a server, and what this module changes:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 import time
@@ -53,7 +54,7 @@ from h2.stream import StreamClosedBy, StreamInputs
 from h2.stream import _decode_headers as _headers_to_str
 from h2.utilities import HeaderValidationFlags, normalize_inbound_headers, validate_headers
 from hpack import HeaderTuple, NeverIndexedHeaderTuple
-from hyperframe.exceptions import InvalidFrameError
+from hyperframe.exceptions import InvalidFrameError, InvalidPaddingError
 from hyperframe.frame import GoAwayFrame, RstStreamFrame
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
@@ -76,6 +77,7 @@ __all__ = [
     "MessageAnnounced",
     "MessageReceived",
     "MessageRefused",
+    "PingPolicy",
     "ProtocolLimits",
     "ProtocolViolation",
     "RateLimit",
@@ -149,6 +151,13 @@ _GRPC_TIMEOUT = re.compile(r"[0-9]{1,8}[HMSmun]")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
+def shown(value: str, limit: int = 64) -> str:
+    """``value`` as an error message may repeat it: its first ``limit`` characters. One byte of
+    HPACK can stand for a header value of kilobytes, so a message that echoed it whole would
+    answer a few bytes with kilobytes."""
+    return value if len(value) <= limit else value[:limit] + "..."
+
+
 def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
     """What makes a request's (HTTP/2-valid) headers not a gRPC call, or None if nothing.
 
@@ -161,7 +170,7 @@ def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
         values.setdefault(name, []).append(value)
     method = values.get(":method", [""])[0]
     if method != "POST":
-        return f"the request's :method is {method!r}; gRPC calls are POST"
+        return f"the request's :method is {shown(method)!r}; gRPC calls are POST"
     content_types = values.get("content-type", [])
     if len(content_types) != 1:
         return f"content-type appears {len(content_types)} times; a gRPC call sends it once"
@@ -169,7 +178,7 @@ def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
     if content_type != "application/grpc" and not content_type.startswith(
         ("application/grpc+", "application/grpc;")
     ):
-        return f"content-type {content_type!r} is not application/grpc"
+        return f"content-type {shown(content_type)!r} is not application/grpc"
     return timeout_problem(values.get("grpc-timeout", []))
 
 
@@ -178,10 +187,9 @@ def timeout_problem(values: Sequence[str]) -> str | None:
     if len(values) > 1:
         return f"grpc-timeout appears {len(values)} times"
     if values and not _GRPC_TIMEOUT.fullmatch(values[0]):
-        shown = values[0] if len(values[0]) <= 20 else values[0][:20] + "..."
         return (
-            f"grpc-timeout {shown!r} is not a gRPC timeout (1 to 8 digits and a unit: "
-            "H, M, S, m, u or n)"
+            f"grpc-timeout {shown(values[0], 20)!r} is not a gRPC timeout (1 to 8 digits and "
+            "a unit: H, M, S, m, u or n)"
         )
     return None
 
@@ -210,6 +218,47 @@ class RateLimit:
         self._tokens -= 1
         return True
 
+
+class PingPolicy:
+    """gRPC's keepalive enforcement as a pure decision: a PING that comes sooner than
+    ``min_interval`` after the one before is a strike, the response data sent between two PINGs
+    forgives the strikes (a client's flow-control probes ride on its calls), and more than
+    ``max_strikes`` strikes end the connection.
+
+    Args:
+        min_interval: The shortest interval between two PINGs that is not a strike, in seconds.
+        max_strikes: Strikes forgiven.
+    """
+
+    def __init__(self, min_interval: float, max_strikes: int) -> None:
+        self.min_interval = min_interval
+        self.max_strikes = max_strikes
+        self._last: float | None = None
+        self._strikes = 0
+
+    def received(self, now: float) -> bool:
+        """Whether a PING at ``now`` (seconds, any monotonic clock) is still tolerated."""
+        if self._last is not None and now - self._last < self.min_interval:
+            self._strikes += 1
+        self._last = now
+        return self._strikes <= self.max_strikes
+
+    def data_sent(self) -> None:
+        """The server sent response headers or data: earlier PINGs are forgiven."""
+        self._strikes = 0
+
+
+class _TooManyPings(h2.exceptions.ProtocolError):  # type: ignore[misc]
+    """A client pinged more often than :class:`PingPolicy` allows."""
+
+    error_code = ErrorCodes.ENHANCE_YOUR_CALM
+
+
+#: The GOAWAY debug data gRPC clients read as "ping less often" (they double their interval).
+_TOO_MANY_PINGS = b"too_many_pings"
+#: Frames handled in one :meth:`ServerProtocol.receive_data`: a read full of tiny frames is
+#: handled in slices, with other connections' work between them.
+_FRAMES_PER_PASS = 512
 
 #: Streams a client may reset, per connection: a grpc client cancels one for every deadline
 #: that passes (hundreds a second in a deadline storm), while a rapid-reset attack (CVE-2023-44487)
@@ -242,8 +291,17 @@ class ProtocolLimits:
             it holds what was reserved for it no longer than this.
         handshake_timeout: How long a new connection may take to send its preface and first
             SETTINGS frame before it is closed.
-        idle_timeout: How long a connection may carry no call and send nothing before it is
-            closed (with GOAWAY): an idle client cannot hold a file descriptor for ever.
+        idle_timeout: How long a connection may carry no call before it is closed (with
+            GOAWAY): an idle client cannot hold a file descriptor for ever.
+        max_unsent_bytes: Bytes queued for a connection's socket but not yet written past which
+            its calls wait to queue more and its requests are not read: a client that stops
+            reading makes the server hold no more than this for it (and what its calls
+            reserved).
+        min_ping_interval: A client's PINGs closer together than this, more than
+            ``max_ping_strikes`` times in a row with no response data sent between them, end
+            the connection with GOAWAY ENHANCE_YOUR_CALM "too_many_pings" (gRPC's keepalive
+            enforcement, with its defaults).
+        max_ping_strikes: PINGs too early that are forgiven.
     """
 
     max_message_size: int = 64 * 1024 * 1024
@@ -253,6 +311,9 @@ class ProtocolLimits:
     receive_timeout: float = 30.0
     handshake_timeout: float = 10.0
     idle_timeout: float = 300.0
+    max_unsent_bytes: int = 4 * 1024 * 1024
+    min_ping_interval: float = 300.0
+    max_ping_strikes: int = 2
 
 
 @dataclass(frozen=True)
@@ -456,8 +517,13 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     encoder: Any
     decoder: Any
 
-    def __init__(self, config: h2.config.H2Configuration) -> None:
+    def __init__(self, config: h2.config.H2Configuration, pings: PingPolicy) -> None:
         super().__init__(config)
+        self.pings = pings
+        #: The frames of the last read are not all handled yet (see :meth:`receive_data`).
+        self.input_pending = False
+        #: Debug data for the GOAWAY that ends the connection, when h2 sends one.
+        self._goodbye_reason = b""
         self.encoder = CachingEncoder()
         self.decoder = CachingDecoder()
         # What is advertised is enforced, from the first block on: a client need not wait for
@@ -473,6 +539,45 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         #: What is queued to send ahead of ``_data_to_send``, in order: earlier contents of that
         #: buffer, and large DATA frames as a header and the payload itself.
         self.queued: list[Buffer] = []
+
+    def receive_data(self, data: bytes | bytearray) -> list[Any]:
+        """h2's ``receive_data``, handling at most :data:`_FRAMES_PER_PASS` frames; the rest of
+        the read stays buffered and ``input_pending`` says so (call again with ``b""``)."""
+        buffer = self.incoming_buffer
+        buffer.add_data(data)
+        buffer.max_frame_size = self.max_inbound_frame_size
+        events: list[Any] = []
+        self.input_pending = False
+        try:
+            for _ in range(_FRAMES_PER_PASS):
+                try:
+                    frame = buffer.next()
+                except StopIteration:
+                    return events
+                events.extend(self._receive_frame(frame))
+        except InvalidPaddingError:
+            self._terminate_connection(ErrorCodes.PROTOCOL_ERROR)
+            raise h2.exceptions.ProtocolError("a frame with invalid padding") from None
+        except h2.exceptions.ProtocolError as exc:
+            # As h2 does: a GOAWAY before the error goes up.
+            self._terminate_connection(exc.error_code)
+            raise
+        self.input_pending = True
+        return events
+
+    def _terminate_connection(self, error_code: Any) -> None:
+        frame = GoAwayFrame(
+            stream_id=0,
+            last_stream_id=self.highest_inbound_stream_id,
+            error_code=error_code,
+            additional_data=self._goodbye_reason,
+        )
+        self.state_machine.process_input(ConnectionInputs.SEND_GOAWAY)
+        self._prepare_for_sending([frame])
+
+    def pending_bytes(self) -> int:
+        """Bytes queued to send and not yet taken."""
+        return len(self._data_to_send) + sum(memoryview(part).nbytes for part in self.queued)
 
     def queue_data_frame(self, stream_id: int, payload: Buffer) -> None:
         """Queue a DATA frame (no flags) carrying ``payload``, after everything queued so far.
@@ -525,9 +630,10 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                     event.headers = self._checked(event.headers, _REQUEST_HEADERS)
                 elif isinstance(event, h2.events.TrailersReceived):
                     event.headers = self._checked(event.headers, _REQUEST_TRAILERS)
-        except (h2.exceptions.ProtocolError, UnicodeDecodeError):
+        except (h2.exceptions.ProtocolError, UnicodeDecodeError, IndexError):
             # RFC 9113 §8.1.1: a malformed request is a stream error. The header block was
             # decoded, so the connection's HPACK state is intact and other streams go on.
+            # (h2's checks index a name's first character: an empty name is an IndexError.)
             return frames, [self._stream_error(frame.stream_id)]
         return frames, events
 
@@ -586,6 +692,12 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         if not self._resets.take(time.monotonic()):
             raise h2.exceptions.DenialOfServiceError("too many streams reset by the client")
         return super()._receive_rst_stream_frame(frame)
+
+    def _receive_ping_frame(self, frame: Any) -> Any:
+        if "ACK" not in frame.flags and not self.pings.received(time.monotonic()):
+            self._goodbye_reason = _TOO_MANY_PINGS
+            raise _TooManyPings("the client sent PINGs too often (gRPC's too_many_pings)")
+        return super()._receive_ping_frame(frame)
 
     def _receive_settings_frame(self, frame: Any) -> Any:
         if "ACK" not in frame.flags and not self._settings_frames.take(time.monotonic()):
@@ -685,7 +797,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                 # normalising them again would cost every call for nothing.
                 validate_outbound_headers=False,
                 normalize_outbound_headers=False,
-            )
+            ),
+            PingPolicy(limits.min_ping_interval, limits.max_ping_strikes),
         )
         self.h2_connection.clear_outbound_data_buffer()
         self._set_h2_connection_local_settings()
@@ -831,8 +944,27 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
 
     # -- the interface the transport uses ------------------------------------------------------
 
+    @property
+    def input_pending(self) -> bool:
+        """Whether frames of earlier reads are still to be handled: call :meth:`receive_data`
+        with ``b""`` (after letting other work run) before reading more."""
+        pending: bool = self.h2_connection.input_pending
+        return pending
+
+    def pending_bytes(self) -> int:
+        """Bytes queued to send that :meth:`data_to_send` has not handed out yet."""
+        pending: int = self.h2_connection.pending_bytes()
+        return pending
+
+    def ping(self) -> None:
+        """Queue a PING (its ACK is not waited for): a probe whose only use is to be sent.
+        Nothing is queued on a connection h2 has closed."""
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2_connection.ping(b"\x00" * 8)
+
     def receive_data(self, data: bytes | bytearray) -> list[Event]:
-        """Feed bytes read from the socket; return the events they complete.
+        """Feed bytes read from the socket; return the events they complete. A read holding
+        many frames is handled in slices: see :attr:`input_pending`.
 
         Raises:
             ProtocolViolation: the peer broke HTTP/2; a GOAWAY is queued and the connection
@@ -904,6 +1036,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             return
         h2_connection.state_machine.process_input(ConnectionInputs.SEND_DATA)
         stream.state_machine.process_input(StreamInputs.SEND_DATA)
+        h2_connection.pings.data_sent()
         stream.outbound_flow_control_window -= size
         h2_connection.outbound_flow_control_window -= size
         h2_connection.queue_data_frame(stream_id, data)
@@ -924,6 +1057,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             h2_connection.send_headers(stream_id, headers, end_stream=end_stream)
             return
         h2_connection.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
+        h2_connection.pings.data_sent()
         stream_states = stream.state_machine
         stream_states.process_input(StreamInputs.SEND_HEADERS)
         flags = 0

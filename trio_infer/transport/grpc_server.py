@@ -25,11 +25,15 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import itertools
 import logging
 import math
 import os
+import socket
+import ssl
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +67,7 @@ __all__ = [
     "Handler",
     "Metadata",
     "ProtocolLimits",
+    "TransportStatistics",
 ]
 
 logger = logging.getLogger(__name__)
@@ -70,9 +75,13 @@ logger = logging.getLogger(__name__)
 Handler = Callable[["Call"], Awaitable[None]]
 
 _READ_SIZE = 256 * 1024
+#: The most one TLS write encrypts and sends, so the send timeout measures a client's progress.
+_TLS_WRITE_SIZE = 256 * 1024
 _Inbound = int | bytes | bytearray | InferError
 # Subscripted once: a generic alias built per call costs a few microseconds on the hot path.
 _open_inbound_channel = trio.open_memory_channel[_Inbound]
+#: Numbers the process's connections, never reusing a number.
+_connection_ids = itertools.count()
 _MESSAGE_PREFIX = struct.Struct(">?I")
 
 
@@ -97,6 +106,8 @@ class Call:
         """Request metadata: ``(name, value)`` pairs, lower-case names, ``bytes`` for ``-bin``."""
         self.deadline = deadline
         """The client's deadline on the Trio clock (``math.inf`` when it set none)."""
+        self.connection_id: int = connection.connection_id
+        """The connection the call came on: unique among the process's connections."""
         self.initial_metadata: Metadata = ()
         """Sent with the response headers; set it before the first :meth:`send_message`."""
         self.trailing_metadata: Metadata = ()
@@ -112,6 +123,8 @@ class Call:
         self._announced: int | None = None
         self._headers_sent = False
         self._message_half_sent = False
+        #: Called once what the call queued has been written (see :meth:`release_when_sent`).
+        self._on_sent: Callable[[], None] | None = None
         #: The client reset the stream (or the connection is gone): it wants no answer.
         self._reset = False
 
@@ -208,6 +221,15 @@ class Call:
             raise item
         return item
 
+    def release_when_sent(self, release: Callable[[], None]) -> None:
+        """Have ``release`` called once everything this call queued to send, its status
+        included, has been written to the socket, or the connection is gone; not when the
+        handler returns. Large response parts are written from the handler's memory, so what
+        holds that memory is given back only when the bytes have left. One per call.
+        """
+        assert self._on_sent is None, "one release per call"
+        self._on_sent = release
+
     async def send_message(self, message: Buffer | Sequence[Buffer], *, last: bool = False) -> None:
         """Send one response message, waiting for the client's flow-control window as needed.
 
@@ -233,18 +255,24 @@ class Call:
         progress = trio.current_time()
         self._message_half_sent = True
         while pending:
-            window = protocol.send_window(self._stream_id)
-            if not window:
+            room = connection.unsent_room()
+            window = min(protocol.send_window(self._stream_id), room)
+            if window <= 0:
                 connection.flush()
                 # A client that stops reading must not hold its call (and what the call has
                 # reserved) for ever, deadline or not.
                 with trio.move_on_at(progress + send_timeout) as waiting:
-                    await connection.wait_window_update()
+                    if room <= 0:
+                        await connection.wait_written()
+                    else:
+                        await connection.wait_window_update()
                 if waiting.cancelled_caught:
                     raise InferError(
                         f"the client read none of its response for {send_timeout:g} s",
                         StatusCode.CANCELLED,
                     )
+                if room <= 0:
+                    progress = trio.current_time()  # the client read some of what was queued
                 continue
             chunk = pending.pop()
             if len(chunk) > window:
@@ -283,6 +311,21 @@ def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
     return frames
 
 
+def _size(buffers: Sequence[Buffer]) -> int:
+    return sum(memoryview(part).nbytes for part in buffers)
+
+
+def _first_bytes(buffers: Sequence[Buffer], limit: int) -> bytearray:
+    """The first ``limit`` bytes of ``buffers`` (all of them, if fewer), joined."""
+    joined = bytearray()
+    for part in buffers:
+        with memoryview(part) as view, view.cast("B") as raw:
+            joined += raw[: limit - len(joined)]
+        if len(joined) >= limit:
+            break
+    return joined
+
+
 @dataclass
 class _CallState:
     """The transport's private record of a call in flight."""
@@ -300,17 +343,30 @@ class _CallState:
 
 
 class Connection:
-    """One client connection: its protocol state, its socket, and the calls it carries."""
+    """One client connection: its protocol state, its socket, and the calls it carries.
+
+    The stream is a plain socket, read and written on its descriptor (no copy, no pass of the
+    scheduler more than needed), or TLS over one, read and written through Trio's SSLStream.
+    """
 
     def __init__(
         self,
-        stream: trio.SocketStream,
+        stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
         handler: Handler,
         limits: ProtocolLimits,
         calls_in_flight: CallCounter,
     ) -> None:
+        self.connection_id = next(_connection_ids)
+        """Unique among the process's connections, never reused."""
         self.protocol = ServerProtocol(limits)
         self._stream = stream
+        #: The stream's socket; None for TLS, whose bytes go through the SSLStream.
+        self._plain: trio.socket.SocketType | None = None
+        if isinstance(stream, trio.SocketStream):
+            self._plain = stream.socket
+            self._socket = stream.socket
+        else:
+            self._socket = stream.transport_stream.socket
         #: The writer is in a write: nothing else may write until it is done.
         self._writing = False
         self._handler = handler
@@ -318,20 +374,31 @@ class Connection:
         self._calls_in_flight = calls_in_flight
         self._flush_needed = trio.Event()
         self._window_updated = trio.Event()
+        #: Set when the writer has written something; made anew by whoever waits.
+        self._written_some = trio.Event()
+        #: Bytes written to the socket since the connection opened.
+        self._written = 0
+        #: Bytes the writer has taken from the protocol and not written yet.
+        self._taken = 0
+        # Invariant: marks are non-decreasing, and a release is called once the connection has
+        # written as many bytes as its mark, or when the connection ends.
+        self._releases: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
         #: Why new calls are refused (None while they are accepted).
         self._refusing: str | None = None
         self._goaway_sent = False
         self._closing = False
-        #: Streams the client reset in the read being dispatched: refused calls among them are
-        #: already closed, and get no status.
+        #: Streams the client reset in the frames being dispatched: calls among them are not
+        #: started, refused ones are already closed and get no status.
         self._reset_in_read: set[int] = set()
         #: The peer broke HTTP/2: a GOAWAY is queued to send before the socket closes.
         self._goodbye_pending = False
         self._nursery: trio.Nursery | None = None
-        #: When the last bytes came from the client (Trio clock): what the watchdog reads.
-        self._last_read = trio.current_time()
+        #: Since when the connection has carried no call (Trio clock): what the watchdog reads.
+        self._idle_since = trio.current_time()
         #: Set once the client's preface and first SETTINGS have arrived.
         self._handshake = trio.Event()
+        #: Set when the last call in flight ends, for a reader waiting on a half-closed socket.
+        self._no_calls: trio.Event | None = None
 
     def flush(self) -> None:
         """Ask the writer to send whatever the protocol has queued."""
@@ -344,6 +411,28 @@ class Connection:
             # (a gRPC client sends one with nearly every call, and few calls ever wait).
             self._window_updated = trio.Event()
         await self._window_updated.wait()
+
+    def unsent_bytes(self) -> int:
+        """Bytes queued for the client and not yet written to the socket."""
+        return self._taken + self.protocol.pending_bytes()
+
+    def unsent_room(self) -> int:
+        """Bytes that may be queued for the client before ``max_unsent_bytes`` is reached
+        (negative past it): a call queues no more response data than this, and waits for the
+        socket to take some when there is none."""
+        return self.protocol.limits.max_unsent_bytes - self.unsent_bytes()
+
+    def backlogged(self) -> bool:
+        """Whether more is queued for the client than ``max_unsent_bytes``: its requests are
+        not read until the socket takes some."""
+        return self.unsent_room() < 0
+
+    async def wait_written(self) -> None:
+        """Wait until the writer has written something to the socket."""
+        if self._written_some.is_set():
+            self._written_some = trio.Event()
+        self.flush()
+        await self._written_some.wait()
 
     async def run(self) -> None:
         """Serve the connection until the client closes it or the caller cancels."""
@@ -363,9 +452,14 @@ class Connection:
                         state.call._inbound_send.close()
                     nursery.cancel_scope.cancel()
         finally:
-            if self._goodbye_pending:
-                await self._send_goodbye()
-            await trio.aclose_forcefully(self._stream)
+            try:
+                if self._goodbye_pending:
+                    await self._send_goodbye()
+                await trio.aclose_forcefully(self._stream)
+            finally:
+                # Nothing more will be written: what waited for its bytes to leave is free.
+                while self._releases:
+                    self._releases.popleft()[1]()
 
     async def _send_goodbye(self) -> None:
         # The writer is gone (it may have been cut off mid-write), so this is best effort: the
@@ -385,8 +479,8 @@ class Connection:
 
     async def _watchdog(self) -> None:
         """Close a connection its client leaves idle: no preface and first SETTINGS within the
-        handshake timeout (cut off), or no call in flight and nothing read for the idle
-        timeout (GOAWAY, then closed)."""
+        handshake timeout (cut off), or no call in flight for the idle timeout (GOAWAY, then
+        closed). Frames that start no call (PINGs, SETTINGS...) do not keep it open."""
         limits = self.protocol.limits
         with trio.move_on_after(limits.handshake_timeout):
             await self._handshake.wait()
@@ -396,11 +490,10 @@ class Connection:
             self._nursery.cancel_scope.cancel()
             return
         while True:
-            quiet_until = self._last_read + limits.idle_timeout
+            quiet_until = self._idle_since + limits.idle_timeout
             if trio.current_time() >= quiet_until and not self._calls:
                 break
-            # Busy, or read from since: look again when the client could next be idle long
-            # enough.
+            # Busy, or busy since: look again when it could next be idle long enough.
             await trio.sleep_until(max(quiet_until, trio.current_time() + limits.idle_timeout / 4))
         logger.debug("closing a connection idle for %g s", limits.idle_timeout)
         self.drain("connection idle")
@@ -429,7 +522,8 @@ class Connection:
                 try:
                     await self._send(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    # The client is gone: its calls have nobody to answer to.
+                    # The client is gone, or read nothing for the send timeout: its calls have
+                    # nobody to answer to.
                     self._nursery.cancel_scope.cancel()
                     return
                 finally:
@@ -440,44 +534,86 @@ class Connection:
                 self._nursery.cancel_scope.cancel()
 
     async def _send(self, data: list[Buffer]) -> None:
-        """Write buffers in order with as few ``sendmsg`` calls as the socket takes them in."""
-        sock = self._stream.socket
+        """Write buffers in order; give up (BrokenResourceError) when the socket takes none of
+        them for the send timeout: a client that reads nothing holds no connection for ever."""
+        self._taken = _size(data)
+        limit = self.protocol.limits.send_timeout
         try:
+            if self._plain is not None:
+                # What the socket takes at once needs no timeout: one vectored write first.
+                try:
+                    rest = write_some(self._plain.fileno(), data)
+                except BlockingIOError:
+                    rest = data
+                self._wrote(self._taken - _size(rest))
+                data = rest
             while data:
-                data = unsent(data, await sock.sendmsg(data[:MAX_BUFFERS]))
+                with trio.move_on_after(limit):
+                    if self._plain is not None:
+                        # As few sendmsg calls as the socket takes the buffers in.
+                        sent = await self._plain.sendmsg(data[:MAX_BUFFERS])
+                        data = unsent(data, sent)
+                    else:
+                        # Encrypted, every byte is copied anyway: one piece at a time, so that
+                        # the timeout measures the client's progress.
+                        piece = _first_bytes(data, _TLS_WRITE_SIZE)
+                        await self._stream.send_all(piece)
+                        sent = len(piece)
+                        data = unsent(data, sent)
+                    self._wrote(sent)
+                    continue
+                raise trio.BrokenResourceError(f"the client read nothing for {limit:g} s")
         except OSError as exc:
             # As SocketStream.send_all reports them.
             if exc.errno in (errno.EBADF, errno.ENOTSOCK):
                 raise trio.ClosedResourceError("this socket was already closed") from None
             raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+        finally:
+            self._taken = 0
+
+    def _wrote(self, nbytes: int) -> None:
+        """Account for ``nbytes`` written: wake who waits for room, release what has left."""
+        if not nbytes:
+            return
+        self._written += nbytes
+        self._taken = max(self._taken - nbytes, 0)
+        self._written_some.set()
+        releases = self._releases
+        while releases and releases[0][0] <= self._written:
+            releases.popleft()[1]()
+
+    def _release_when_written(self, release: Callable[[], None]) -> None:
+        """Call ``release`` once what is queued now has been written."""
+        unsent = self.unsent_bytes()
+        if not unsent:
+            release()
+        else:
+            self._releases.append((self._written + unsent, release))
 
     async def _reader(self) -> None:
-        sock = self._stream.socket
         drained = False
         while True:
-            try:
-                if drained:
-                    # The last read emptied the socket: a read now would fail (an exception and
-                    # a system call, on every request's path), so wait for more first.
-                    await trio.lowlevel.wait_readable(sock)
-                if not drained or self._calls:
-                    # Reading in a loop must let other tasks run; and while calls are in flight,
-                    # a pass of the scheduler lets them run and more requests gather, to be read
-                    # and answered together.
-                    await trio.lowlevel.checkpoint()
-                # Read on the descriptor (Trio keeps it non-blocking) rather than with Trio's
-                # recv, which always yields after reading: on an idle connection that would put
-                # a pass of the scheduler between the wait that said data was there and the read.
-                data = os.read(sock.fileno(), _READ_SIZE)
-            except BlockingIOError:
-                drained = True  # woken without data after all
+            if self.backlogged():
+                # The client is not reading what it asked for: handle no more of its requests
+                # (or PINGs to answer) until it does. The writer's send timeout ends the wait.
+                await self.wait_written()
                 continue
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                return  # the connection is broken, or closed under us
-            if not data:
-                return
-            self._last_read = trio.current_time()
-            drained = len(data) < _READ_SIZE
+            if self.protocol.input_pending:
+                # The last read's frames are handled in slices, other work between them.
+                await trio.lowlevel.checkpoint()
+                data: bytes | bytearray = b""
+            else:
+                try:
+                    data = await self._read(drained)
+                except BlockingIOError:
+                    drained = True  # woken without data after all
+                    continue
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the connection is broken, or closed under us
+                if not data:
+                    await self._wait_after_end_of_input()
+                    return
+                drained = len(data) < _READ_SIZE
             try:
                 events = self.protocol.receive_data(data)
             except ProtocolViolation as exc:
@@ -491,6 +627,56 @@ class Connection:
                 self._dispatch(event)
             if self.protocol.has_data_to_send():
                 self.flush()
+
+    async def _read(self, drained: bool) -> bytes | bytearray:
+        """The next bytes from the client; ``b""`` at the end of its input.
+
+        Raises:
+            BlockingIOError: woken without data after all (plain sockets).
+        """
+        if self._plain is None:
+            return await self._stream.receive_some(_READ_SIZE)
+        sock = self._plain
+        if drained:
+            # The last read emptied the socket: a read now would fail (an exception and a
+            # system call, on every request's path), so wait for more first.
+            await trio.lowlevel.wait_readable(sock)
+        if not drained or self._calls:
+            # Reading in a loop must let other tasks run; and while calls are in flight, a
+            # pass of the scheduler lets them run and more requests gather, to be read and
+            # answered together.
+            await trio.lowlevel.checkpoint()
+        # Read on the descriptor (Trio keeps it non-blocking) rather than with Trio's recv,
+        # which always yields after reading: on an idle connection that would put a pass of
+        # the scheduler between the wait that said data was there and the read.
+        return os.read(sock.fileno(), _READ_SIZE)
+
+    async def _wait_after_end_of_input(self) -> None:
+        """The client sent its last byte: answer the calls in flight and write what is queued,
+        unless the client is gone.
+
+        A TCP half-close (shutdown of the client's sending side) still reads answers; a closed
+        socket looks the same until something is sent to it, which its host answers with a
+        reset. So PINGs go out, more rarely as time passes, and the socket's error is looked at
+        after each, until the calls have ended and their answers are written, or the reset has
+        come. No request data can come any more: calls still waiting for some end at once.
+        """
+        for state in self._calls.values():
+            state.call._inbound_send.close()
+        pause = 0.005
+        while self._calls or self.unsent_bytes():
+            with trio.move_on_after(pause):
+                if self._calls:
+                    self.protocol.ping()
+                    self.flush()
+                    self._no_calls = trio.Event()
+                    await self._no_calls.wait()
+                else:
+                    # A client that reads none of it is dropped by the writer's send timeout.
+                    await self.wait_written()
+            if self._socket.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                return  # reset: the client is gone
+            pause = min(pause * 2, 1.0)
 
     def _dispatch(self, event: object) -> None:
         if isinstance(event, RequestReceived):
@@ -527,6 +713,10 @@ class Connection:
 
     def _start_call(self, event: RequestReceived) -> None:
         stream_id: int = event.stream_id
+        if stream_id in self._reset_in_read:
+            # Opened and reset in the frames handled together (a cancel right after the call,
+            # or a rapid-reset flood): nobody waits for an answer, so no task is started.
+            return
         if self._refusing is not None:
             self._refuse(stream_id, StatusCode.UNAVAILABLE, self._refusing)
             return
@@ -543,6 +733,7 @@ class Connection:
         state = _CallState(call, trio.CancelScope(deadline=deadline))
         self._calls[stream_id] = state
         self._calls_in_flight.increment()
+        self._calls_in_flight.started += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._run_call, state)
 
@@ -572,6 +763,12 @@ class Connection:
             del self._calls[call._stream_id]
             self._calls_in_flight.decrement()
             call._inbound.close()
+            if call._on_sent is not None:
+                self._release_when_written(call._on_sent)
+            if not self._calls:
+                self._idle_since = trio.current_time()
+                if self._no_calls is not None:
+                    self._no_calls.set()
             if self._closing:
                 self.flush()
 
@@ -592,7 +789,7 @@ class Connection:
                 call.trailing_metadata,
                 headers_sent=call._headers_sent,
             )
-        if len(self._calls) > 1 or self._writing or not self._write_now():
+        if len(self._calls) > 1 or self._writing or self._plain is None or not self._write_now():
             self.flush()
 
     def _write_now(self) -> bool:
@@ -603,17 +800,39 @@ class Connection:
         costs less, so they leave it to the writer. Never while the writer is in a write: what
         it is sending must go first.
         """
+        assert self._plain is not None, "TLS is written by the writer only"
         data = self.protocol.data_to_send()
         if not data:
             return True
         try:
             # On the socket's descriptor, which Trio keeps non-blocking: it never waits.
-            rest = write_some(self._stream.socket.fileno(), data)
+            rest = write_some(self._plain.fileno(), data)
         except OSError:
             rest = data  # the buffer is full, or the connection broken: the writer will see
         if rest:
             self.protocol.put_back(rest)
+        self._wrote(_size(data) - _size(rest))
         return not rest
+
+
+@dataclass(frozen=True)
+class TransportStatistics:
+    """A snapshot of the gRPC connections.
+
+    Attributes:
+        connections: Connections open now.
+        calls: Calls in flight on them.
+        calls_started: Calls started since the server started (a stream opened and reset in
+            the same slice of a read starts none).
+        unsent_bytes: Bytes queued for their clients and not yet written, in all.
+        largest_unsent_bytes: The most of those held for one connection.
+    """
+
+    connections: int
+    calls: int
+    calls_started: int
+    unsent_bytes: int
+    largest_unsent_bytes: int
 
 
 class CallCounter:
@@ -621,6 +840,8 @@ class CallCounter:
 
     def __init__(self) -> None:
         self._count = 0
+        self.started = 0
+        """Calls started since the server started."""
         #: Made by the first wait for idle, set and dropped when the count reaches zero: one
         #: call at a time would otherwise make and set an event for every call.
         self._idle: trio.Event | None = None
@@ -650,14 +871,38 @@ class CallCounter:
 
 
 class GrpcServer:
-    """Accepts connections and runs each in its own nursery, for the life of :meth:`serve`."""
+    """Accepts connections and runs each in its own nursery, for the life of :meth:`serve`.
 
-    def __init__(self, handler: Handler, limits: ProtocolLimits | None = None) -> None:
+    Args:
+        handler: Runs each call.
+        limits: The bounds every connection keeps.
+        ssl_context: Serve TLS with this server-side context (see
+            :func:`trio_infer.transport.tls.server_context`); plaintext when None.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        limits: ProtocolLimits | None = None,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._handler = handler
         self._limits = limits or ProtocolLimits()
+        self._ssl_context = ssl_context
         self._connections: set[Connection] = set()
         self._accepting = trio.CancelScope()
         self.calls_in_flight = CallCounter()
+
+    def statistics(self) -> TransportStatistics:
+        """Return a snapshot of the open connections."""
+        return TransportStatistics(
+            connections=len(self._connections),
+            calls=self.calls_in_flight.count,
+            calls_started=self.calls_in_flight.started,
+            unsent_bytes=sum(c.unsent_bytes() for c in self._connections),
+            largest_unsent_bytes=max((c.unsent_bytes() for c in self._connections), default=0),
+        )
 
     async def serve(
         self,
@@ -690,7 +935,16 @@ class GrpcServer:
             nursery.start_soon(self._serve_connection, stream)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        connection = Connection(stream, self._handler, self._limits, self.calls_in_flight)
+        transport: trio.SocketStream | trio.SSLStream[trio.SocketStream] = stream
+        if self._ssl_context is not None:
+            # The handshake is left to the connection's first read and write, so that its
+            # handshake timeout bounds the TLS handshake and the HTTP/2 preface together.
+            # https_compatible: HTTP/2 ends a connection with GOAWAY, and gRPC clients may
+            # close without a close_notify; that is an end of stream, not a broken one.
+            transport = trio.SSLStream(
+                stream, self._ssl_context, server_side=True, https_compatible=True
+            )
+        connection = Connection(transport, self._handler, self._limits, self.calls_in_flight)
         if self._accepting.cancel_called:
             connection.drain()
             connection.close()
@@ -703,6 +957,11 @@ class GrpcServer:
             logger.exception("connection failed; closing it")
         finally:
             self._connections.discard(connection)
+        if isinstance(transport, trio.SSLStream) and not _handshake_completed(transport):
+            # A plaintext client, a client certificate missing or refused, a scanner: the
+            # client is told by the TLS alert or the closed socket; the server has no fault
+            # to report.
+            logger.debug("closed a connection whose TLS handshake did not complete")
 
     def stop_accepting(self) -> None:
         """Close the listeners and send GOAWAY on every connection; calls in flight go on."""
@@ -721,3 +980,11 @@ class GrpcServer:
                 StatusCode.UNAVAILABLE, "server shut down before the call finished"
             )
             connection.close()
+
+
+def _handshake_completed(stream: trio.SSLStream[trio.SocketStream]) -> bool:
+    try:
+        stream.selected_alpn_protocol()
+    except trio.NeedHandshakeError:
+        return False
+    return True

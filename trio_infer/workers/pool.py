@@ -39,10 +39,16 @@ is logged with its traceback and counted (``PoolStatistics.lane_crashes``), and 
 takes its place: a new task in the pool's nursery, never a detached one. The pool and the other
 lanes go on.
 
-Resource handling: leaving ``open`` fails calls still queued, closes every worker's connection
-(its ``serve`` returns and trio-parallel stops the idle process) and kills any worker that has
-not left after ``GRACE_PERIOD`` seconds, so no worker outlives the pool. Leaving it by an
-exception or a cancellation kills the workers at once.
+A worker that cannot be started (out of file descriptors, say) fails only the calls that waited
+for it; its lane is down: it takes no calls and tries again after a pause that doubles with each
+failure in a row, each cause logged as one WARNING. ``warm_up`` counts it as not warm, not as a
+failure of the models. Calls are refused at once only while every lane is down.
+
+Resource handling: leaving ``open`` fails calls still queued, starts no worker from then on,
+closes every worker's connection (its ``serve`` returns and trio-parallel stops the idle
+process) and kills any worker that has not left after ``GRACE_PERIOD`` seconds; then it waits
+for every worker process that ever connected to have exited, killing one still running, so no
+worker outlives the pool. Leaving it by an exception or a cancellation kills the workers at once.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import socket
 import struct
@@ -95,8 +102,12 @@ _MAX_REFUSED_IN_A_ROW = 8
 CALLS_PER_WORKER = 2
 #: Seconds an ended worker's connection is read for its last reports (normally at once).
 _LAST_REPORTS_TIME = 1.0
-#: Seconds a lane waits after its worker failed to start before it starts another.
+#: Seconds a lane waits after its worker failed to start before it starts another; doubled
+#: after each failure in a row, up to ``_RESTART_PAUSE_MAX``.
 _RESTART_PAUSE = 0.1
+#: The longest wait between starts of a lane whose workers keep failing to start: what bounds
+#: both the work spent on a broken environment and how late a lane comes back once it is fixed.
+_RESTART_PAUSE_MAX = 5.0
 
 # Worker type. A replacement worker starts on the request path (after a crash or a cancelled
 # call), so its start-up is latency someone waits for:
@@ -134,6 +145,9 @@ class PoolStatistics:
             than the model's shortest recent call time.
         lane_crashes: Lanes whose task raised (a bug in this process, not a worker's death),
             each replaced by a fresh lane.
+        down: Lanes without a worker because their last start failed (out of file
+            descriptors, say); each takes no call and tries again after a pause.
+        failed_starts: Worker processes that could not be started since the pool opened.
     """
 
     workers: int
@@ -143,6 +157,8 @@ class PoolStatistics:
     crashed: int
     not_started: int
     lane_crashes: int = 0
+    down: int = 0
+    failed_starts: int = 0
 
 
 class WorkerPool:
@@ -171,6 +187,10 @@ class WorkerPool:
         self._timings: dict[str, _CallTimes] = {}
         self._pickled_settings: dict[tuple[str, str], tuple[ModelSettings, bytes]] = {}
         self._not_started = 0
+        self._failed_starts = 0
+        # Every worker process that has connected and may not have exited, by pid: its pidfd,
+        # which names that process and no later one with the same pid.
+        self._processes: dict[int, int] = {}
 
     @classmethod
     @asynccontextmanager
@@ -205,6 +225,7 @@ class WorkerPool:
             worker_type=worker_type,
         )
         context = await manager.__aenter__()
+        pool: WorkerPool | None = None
         try:
             # Only this user may connect to the workers' sockets (mkdtemp makes the folder 0700).
             with tempfile.TemporaryDirectory(prefix="trio-infer-") as folder:
@@ -236,32 +257,56 @@ class WorkerPool:
                 # Stragglers were killed, or an idle worker had died: nothing is left running,
                 # and the shutdown itself (or the error that caused it) matters more.
                 _log.warning("worker pool shut down uncleanly: %s", exc.args[0])
+            if pool is not None:
+                await pool._reap()
 
-    async def warm_up(self, models: Sequence[ModelSettings]) -> None:
+    async def warm_up(self, models: Sequence[ModelSettings]) -> int:
         """Start every worker process and load every model in each.
+
+        A worker that cannot be started (out of file descriptors, say) is not a failure of the
+        models: its lane tries again on its own (``PoolStatistics.down``), and
+        ``wait_workers_changed`` returns once it has a worker, whose models are then to be
+        loaded.
 
         Args:
             models: The models to load.
 
+        Returns:
+            How many workers have every model loaded: at least 1, fewer than ``workers`` while
+            some lanes are down.
+
         Raises:
             InferError: A model failed to load (the first failure; the message names the
                 model). Workers that loaded every model stay warm.
-            Unavailable: A worker died while loading.
+            Unavailable: A worker died while loading, or no worker could be started.
         """
         errors: list[InferError] = []
+        not_started: list[Unavailable] = []
+        loaded = 0
 
         async def warm(lane: _Lane) -> None:
+            nonlocal loaded
+            if lane.down:
+                not_started.append(lane.start_error())
+                return
             call = self._call("loading models", None, child.load_all, tuple(models))
             try:
                 await self._submit(call, lane.private)
+            except _StartFailed as exc:
+                not_started.append(exc)
             except InferError as exc:
                 errors.append(exc)
+            else:
+                loaded += 1
 
         async with trio.open_nursery() as nursery:
             for lane in self._lanes:
                 nursery.start_soon(warm, lane)
         if errors:
             raise errors[0]
+        if not loaded:
+            raise not_started[0]
+        return loaded
 
     async def predict(
         self,
@@ -310,9 +355,10 @@ class WorkerPool:
         outputs: dict[str, np.ndarray] = await self._submit(call, self._queue.level(priority))
         return outputs
 
-    async def wait_worker_crash(self) -> None:
-        """Wait until a worker process dies unasked (kills on cancel are not crashes) or a
-        crashed lane is replaced: either way a fresh worker needs its models loaded."""
+    async def wait_workers_changed(self) -> None:
+        """Wait until a worker process dies unasked (kills on cancel are not crashes), a
+        crashed lane is replaced, or a lane that was down has a worker again: each way a fresh
+        worker needs its models loaded."""
         await self._crash.wait()
 
     def statistics(self) -> PoolStatistics:
@@ -325,6 +371,8 @@ class WorkerPool:
             crashed=self._crashed,
             not_started=self._not_started,
             lane_crashes=self._lane_crashes,
+            down=sum(1 for lane in self._lanes if lane.down),
+            failed_starts=self._failed_starts,
         )
 
     async def _run_lane(self, lane: _Lane, pause: float = 0.0) -> None:
@@ -376,6 +424,9 @@ class WorkerPool:
     async def _submit(self, call: _Call, home: deque[_Call]) -> Any:
         if self._closing:
             raise Unavailable(f"the worker pool is shut down (while {call.what})")
+        if all(lane.down for lane in self._lanes):
+            # No lane could take it before its pause ends: fail now rather than by the deadline.
+            raise self._lanes[0].start_error()
         # A call that could not end in time on a worker free now is refused now, rather than
         # when a worker could take it: its caller learns at once, and it holds no place.
         if self._in_time(call, None):
@@ -456,6 +507,50 @@ class WorkerPool:
             queue.clear()
         self._wake_lanes()
 
+    def _track(self, pid: int | None) -> None:
+        """Remember a connected worker process, to make sure it has exited when the pool has."""
+        if pid is None or pid in self._processes:
+            return
+        with contextlib.suppress(OSError):  # gone already, or no pidfd here: nothing to hold
+            self._processes[pid] = os.pidfd_open(pid)
+
+    def _kill(self, pid: int | None) -> None:
+        """Kill a connected worker process through its pidfd, if it has not exited.
+
+        trio-parallel sends no signal to a process it believes has exited, and it believes so of
+        every worker a fork server started once that fork server is gone: the worker's exit
+        status comes through the fork server, whose end of the pipe then reads as exit code 255.
+        CPython 3.11's fork server dies (EOFError) when a client runs out of file descriptors
+        halfway through asking it for a process, so a worker whose call was abandoned would
+        otherwise go on running it, no longer the pool's.
+        """
+        fd = self._processes.get(pid) if pid is not None else None
+        if fd is not None and not _exited(fd):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+
+    def _forget_exited(self, pid: int | None) -> None:
+        if pid is not None and pid in self._processes and _exited(self._processes[pid]):
+            os.close(self._processes.pop(pid))
+
+    async def _reap(self) -> None:
+        """Return once every worker process that ever connected has exited.
+
+        trio-parallel waits for the workers it knows of; this holds whatever path a worker took
+        (a replacement that started while the pool was closing, say): one still running after
+        ``GRACE_PERIOD`` is killed, so none outlives the pool, nor the server.
+        """
+        with trio.CancelScope(shield=True):
+            for pid, fd in list(self._processes.items()):
+                with trio.move_on_after(GRACE_PERIOD):
+                    await trio.lowlevel.wait_readable(fd)
+                if not _exited(fd):
+                    _log.warning("worker process %d outlived the pool: killed", pid)
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    await trio.lowlevel.wait_readable(fd)
+                del self._processes[pid]
+                os.close(fd)
+
     def _pickled(self, settings: ModelSettings) -> bytes:
         # Keyed by identity (hashing settings would cost more than pickling them); the entry
         # holds the settings, so the identity stays theirs.
@@ -467,6 +562,10 @@ class WorkerPool:
                 child.pickled_settings(settings),
             )
         return entry[1]
+
+
+class _StartFailed(Unavailable):
+    """A worker process could not be started: a failure of the lane, not of a model."""
 
 
 class _Queue:
@@ -542,6 +641,8 @@ class _Lane:
         self.crashed_in_life = False
         """Whether the lane's task raised during a worker's life (which killed the worker)."""
         self._failed_starts = 0
+        # The causes of the failed starts in a row, each logged as a WARNING once.
+        self._start_failures: set[str] = set()
         self.private: deque[_Call] = deque()
         """Calls for this worker only (a warm-up), taken before the pool's queue."""
         self.outstanding: deque[_Call] = deque()
@@ -559,6 +660,15 @@ class _Lane:
         self._moved_on = False
         self._leaving = False
         self._exit_cause = "cause unknown"
+
+    @property
+    def down(self) -> bool:
+        """Whether its last worker failed to start: it takes no calls until one starts."""
+        return self._failed_starts > 0
+
+    def start_error(self) -> Unavailable:
+        """The error for calls that waited for this lane's worker, which could not start."""
+        return _StartFailed(f"a worker process could not start ({self._exit_cause})")
 
     def wake(self) -> None:
         """Have the lane look at the queues again."""
@@ -615,15 +725,24 @@ class _Lane:
         return wait
 
     async def run(self) -> None:
-        """Start a worker when there is work for it, and another when it ends; until closing."""
+        """Start a worker when there is work for it, and another when it ends; until closing.
+
+        A lane whose worker could not start is down: it tries again after a pause that doubles
+        with each failure in a row (up to ``_RESTART_PAUSE_MAX``), work or not, since the pool
+        is a worker short until then.
+        """
         while True:
-            while not self._has_work():
+            while not (self.down or self._has_work()):
                 if self._pool._closing:
                     return
                 await self._sleep()
+            if self._pool._closing:
+                return  # no worker starts once the pool is shutting down
             if not await self._live():
-                # It could not start, and what waited for it has failed: do not spin.
-                await trio.sleep(_RESTART_PAUSE)
+                pause = min(_RESTART_PAUSE * 2 ** (self._failed_starts - 1), _RESTART_PAUSE_MAX)
+                with trio.move_on_after(pause):
+                    while not self._pool._closing:
+                        await self._sleep()
 
     def _has_work(self) -> bool:
         if self.private:
@@ -673,6 +792,7 @@ class _Lane:
             raise
         finally:
             self.live = False
+            self._pool._forget_exited(self.pid)
             # A crash leaves the calls to the pool (see above); otherwise they are settled here.
             if not crashed:
                 if orderly and not connected:
@@ -688,9 +808,22 @@ class _Lane:
                 life.start_soon(self._run_process)
                 with self._connecting:
                     connection = await _accept(listener)
-                    self._failed_starts = 0
                     self.pid = _peer_pid(connection)
-                    _log.debug("worker lane %d: worker process %s started", self.index, self.pid)
+                    self._pool._track(self.pid)
+                    if self.down:
+                        _log.info(
+                            "worker lane %d: worker process %s started after %d failed start(s)",
+                            self.index,
+                            self.pid,
+                            self._failed_starts,
+                        )
+                        self._failed_starts = 0
+                        self._start_failures.clear()
+                        self._pool._wake_crash_waiters()  # its models are to be loaded
+                    else:
+                        _log.debug(
+                            "worker lane %d: worker process %s started", self.index, self.pid
+                        )
                     return connection
         except OSError as exc:
             # No socket for it (out of file descriptors, say): stop the process if it started.
@@ -699,6 +832,7 @@ class _Lane:
         return None
 
     async def _run_process(self) -> None:
+        returned = False
         try:
             with self._process:
                 await self._pool._context.run_sync(
@@ -707,13 +841,19 @@ class _Lane:
                     kill_on_cancel=True,
                     limiter=self._pool._limiter,
                 )
+                returned = True
         except trio_parallel.BrokenWorkerError as exc:
             self._exit_cause = _exit_cause(exc)
             self.pid = getattr(exc.args[-1] if exc.args else None, "pid", None) or self.pid
         except Exception as exc:
             # serve itself failed, before or after connecting: this life is over all the same.
+            # The process, if it started, is alive and idle in trio-parallel's hands.
+            returned = True
             self._exit_cause = f"{type(exc).__name__}: {exc}"
         finally:
+            if not returned:
+                # Killed on cancel, or broken: trio-parallel's kill may not have reached it.
+                self._pool._kill(self.pid)
             self._connecting.cancel()
             # The worker's last reports are read at once, normally; this bounds a connection
             # that outlives its worker (a child process the model started holds it open).
@@ -897,23 +1037,26 @@ class _Lane:
         # Nothing was sent, so nothing was lost; but what waits for this worker would wait for
         # ever if each try failed the same way (a broken environment, say). Calls in the pool's
         # queue fail too when no other worker is there or starting to take them.
-        error = Unavailable(f"a worker process could not start ({self._exit_cause})")
+        self._failed_starts += 1
+        self._pool._failed_starts += 1
+        error = self.start_error()
         waiting = list(self.private)
         self.private.clear()
-        if any(lane.live for lane in self._pool._lanes):
+        if any(lane.live or not lane.down for lane in self._pool._lanes):
             self._pool._wake_lanes()  # a busy worker may take more now that this one is gone
         else:
             waiting += self._pool._queue
             self._pool._queue.clear()
         for call in waiting:
             call.reply.set_error(error)
-        self._failed_starts += 1
-        # The lane tries again while there is work: only the first failure of a run is a
-        # WARNING, so that a broken environment is one line, not ten a second.
+        # The lane tries again with backoff until a worker starts: each cause is a WARNING
+        # once per run of failures, so that a broken environment is a line, not a line a try.
+        new_cause = self._exit_cause not in self._start_failures
+        self._start_failures.add(self._exit_cause)
         _log.log(
-            logging.WARNING if self._failed_starts == 1 else logging.DEBUG,
-            "worker lane %d: a worker process could not start (%s): %d call(s) failed; "
-            "failed starts in a row: %d",
+            logging.WARNING if new_cause else logging.DEBUG,
+            "worker lane %d: a worker process could not start (%s): %d call(s) failed; the "
+            "lane takes no calls and tries again; failed starts in a row: %d",
             self.index,
             self._exit_cause,
             len(waiting),
@@ -1036,6 +1179,13 @@ def _peer_pid(connection: socket.socket) -> int | None:
         return None
     pid: int = struct.unpack("3i", credentials)[0]
     return pid or None
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process a pidfd names has exited (a pidfd is readable from then on)."""
+    poll = select.poll()  # not select.select: it takes no descriptor past FD_SETSIZE
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 def _summary(crash: BaseException) -> str:
