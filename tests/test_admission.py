@@ -259,6 +259,23 @@ async def test_a_request_larger_than_the_share_is_refused_and_one_without_owner_
         assert admission.statistics().reserved_bytes == 100
 
 
+async def test_requests_of_no_bytes_from_one_connection_end_in_any_order() -> None:
+    # ServerLive and friends announce empty messages: several at once on one connection hold
+    # nothing of its share, whichever ends first.
+    admission = Admission(budget_bytes=100)
+    async with admission.reserve(0, math.inf, owner=1), admission.reserve(0, math.inf, owner=1):
+        pass
+    async with admission.reserve(10, math.inf, owner=1):
+        async with admission.reserve(0, math.inf, owner=1):
+            pass
+        async with admission.reserve(40, math.inf, owner=1):  # the 10 still count
+            with pytest.raises(Overloaded, match="the connection holds 50 of its 50"):
+                async with admission.reserve(1, math.inf, owner=1):
+                    pass  # pragma: no cover - never admitted
+    async with admission.reserve(50, math.inf, owner=1):
+        assert admission.statistics().reserved_bytes == 50
+
+
 async def test_grown_bytes_count_against_the_share() -> None:
     admission = Admission(budget_bytes=100)
     async with admission.reserve(40, math.inf, owner="a") as reservation:
@@ -595,3 +612,17 @@ async def test_a_client_that_stops_reading_does_not_block_other_clients(
     # The stuck client went away in the middle of the server's write: only its connection ends.
     response = await grpcio_client.call("ModelInfer", echo_request(1024), timeout=5)
     assert response.model_name == "echo"
+
+
+async def test_concurrent_empty_requests_on_one_connection_are_all_served(
+    nursery: trio.Nursery,
+) -> None:
+    # 200 ServerLive calls at once through one channel: empty messages, one connection's share.
+    server = await start_server(nursery)
+    client = GrpcioClient(server.port)
+    futures = [
+        client.stub.ServerLive.future(pb.ServerLiveRequest(), timeout=10) for _ in range(200)
+    ]
+    answers = await trio.to_thread.run_sync(lambda: [future.result().live for future in futures])
+    assert answers == [True] * 200
+    assert server.statistics().admission.reserved_bytes == 0

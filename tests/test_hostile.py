@@ -330,15 +330,22 @@ async def test_malformed_request_headers_get_a_clean_status_for_their_stream(
     await Bystander(server.port).call()
 
 
-def announce_and_stall(port: int, streams: int, announced: int) -> dict[int, dict[str, str]]:
-    """Open ``streams`` ModelInfer calls without a deadline, each sending only a 5-byte prefix
-    announcing ``announced`` bytes, then nothing; return what the server answers each."""
+def stalled_calls(streams: int, announced: int) -> tuple[h2.connection.H2Connection, list[int]]:
+    """An h2 client with ``streams`` ModelInfer calls queued, each sending only a 5-byte prefix
+    announcing ``announced`` bytes; the client and the streams."""
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     ids = [1 + 2 * i for i in range(streams)]
     for stream in ids:
         client.send_headers(stream, REQUEST_HEADERS)
         client.send_data(stream, b"\x00" + announced.to_bytes(4, "big"))
+    return client, ids
+
+
+def announce_and_stall(port: int, streams: int, announced: int) -> dict[int, dict[str, str]]:
+    """Open ``streams`` ModelInfer calls without a deadline, each sending only a 5-byte prefix
+    announcing ``announced`` bytes, then nothing; return what the server answers each."""
+    client, ids = stalled_calls(streams, announced)
     out: dict[int, dict[str, str]] = {stream: {} for stream in ids}
     ended: set[int] = set()
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -485,12 +492,7 @@ def announce_until_refused(
     """Open ``streams`` ModelInfer calls on one connection, each sending only a 5-byte prefix
     announcing ``announced`` bytes, and read until one of them ends; return the connection,
     still open, and what the server answered each stream so far."""
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    ids = [1 + 2 * i for i in range(streams)]
-    for stream in ids:
-        client.send_headers(stream, REQUEST_HEADERS)
-        client.send_data(stream, b"\x00" + announced.to_bytes(4, "big"))
+    client, ids = stalled_calls(streams, announced)
     out: dict[int, dict[str, str]] = {stream: {} for stream in ids}
     sock = socket.create_connection(("127.0.0.1", port))
     sock.settimeout(30)
@@ -680,6 +682,44 @@ async def test_a_client_that_reads_nothing_makes_the_server_hold_a_bounded_backl
     assert peak < bound + 2 * 1024 * 1024, (peak, sent)
 
 
+def wide_open_call(
+    port: int,
+    body: bytes,
+    headers: list[tuple[str, str]] = REQUEST_HEADERS,
+    *,
+    end_stream: bool = True,
+    receive_buffer: int = 0,
+) -> tuple[h2.connection.H2Connection, socket.socket]:
+    """Open a connection whose client lets in any answer (flow-control windows wide open,
+    frames of up to 16 MiB) and send one ModelInfer call with ``body`` as flow control allows;
+    the client and the socket, still open, before any of the answer is read."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.update_settings(
+        {
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1,
+            h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**24 - 1,
+        }
+    )
+    client.increment_flow_control_window(2**31 - 1 - 65535)
+    client.send_headers(1, headers)
+    sock = socket.socket()
+    if receive_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(10)
+    sock.sendall(client.data_to_send())
+    while body:
+        room = min(client.local_flow_control_window(1), client.max_outbound_frame_size)
+        if room:
+            client.send_data(1, body[:room], end_stream=end_stream and len(body) <= room)
+            body = body[room:]
+        else:
+            client.receive_data(sock.recv(65536))  # window updates: the answer comes after
+        sock.sendall(client.data_to_send())
+    return client, sock
+
+
 def half_closed_call(
     port: int,
     body: bytes,
@@ -688,31 +728,14 @@ def half_closed_call(
     receive_buffer: int = 0,
     after_answer_starts: bool = False,
 ) -> tuple[dict[str, str], int]:
-    """A ModelInfer call sending ``body`` (as flow control allows), then the client's TCP
-    half-close (once the first bytes of the answer are in, with ``after_answer_starts``), then
-    everything read until the server closes the connection; the call's
-    status (its trailers, or its trailers-only response) and how many bytes of DATA came."""
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
-    client.increment_flow_control_window(2**31 - 1 - 65535)
-    client.send_headers(1, REQUEST_HEADERS)
+    """A ModelInfer call sending ``body``, then the client's TCP half-close (once the first
+    bytes of the answer are in, with ``after_answer_starts``), then everything read until the
+    server closes the connection; the call's status (its trailers, or its trailers-only
+    response) and how many bytes of DATA came."""
     trailers: dict[str, str] = {}
     received = 0
-    with socket.socket() as sock:
-        if receive_buffer:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-        sock.connect(("127.0.0.1", port))
-        sock.settimeout(10)
-        sock.sendall(client.data_to_send())
-        while body:
-            room = min(client.local_flow_control_window(1), client.max_outbound_frame_size)
-            if room:
-                client.send_data(1, body[:room], end_stream=end_stream and len(body) <= room)
-                body = body[room:]
-            else:
-                client.receive_data(sock.recv(65536))  # window updates: the answer comes after
-            sock.sendall(client.data_to_send())
+    client, sock = wide_open_call(port, body, end_stream=end_stream, receive_buffer=receive_buffer)
+    with sock:
         first: list[object] = []
         while after_answer_starts and not first:
             first = client.receive_data(sock.recv(16))
@@ -772,32 +795,9 @@ async def test_a_call_still_waiting_for_its_request_ends_at_the_half_close(
 def send_request_then_stop_reading(
     port: int, request: bytes, headers: list[tuple[str, str]] = REQUEST_HEADERS
 ) -> socket.socket:
-    """Send one ModelInfer call whose answer the client lets in (its flow-control windows
-    wide open, frames of up to 16 MiB) but does not read; return the socket, still open."""
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    client.update_settings(
-        {
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1,
-            h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**24 - 1,
-        }
-    )
-    client.increment_flow_control_window(2**31 - 1 - 65535)
-    client.send_headers(1, headers)
-    body = grpc_message(request)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.settimeout(10)
-    sock.sendall(client.data_to_send())
-    while body:
-        room = min(client.local_flow_control_window(1), client.max_outbound_frame_size)
-        if room:
-            client.send_data(1, body[:room], end_stream=len(body) <= room)
-            body = body[room:]
-        else:
-            client.receive_data(sock.recv(65536))  # the server's window updates
-        sock.sendall(client.data_to_send())
+    """Send one ModelInfer call whose answer the client lets in but does not read (its receive
+    buffer small); return the socket, still open."""
+    _, sock = wide_open_call(port, grpc_message(request), headers, receive_buffer=4096)
     return sock
 
 
@@ -876,16 +876,33 @@ def announce_one(port: int, headers: list[tuple[str, str]], announced: int) -> d
     client.initiate_connection()
     client.send_headers(1, headers)
     client.send_data(1, b"\x00" + announced.to_bytes(4, "big"))
+    return status_of(port, client, 1)
+
+
+def status_of(
+    port: int, client: h2.connection.H2Connection, stream: int, body: bytes = b""
+) -> dict[str, str]:
+    """Send what ``client`` has queued on a new connection, then ``body`` on ``stream`` as flow
+    control allows (ending it); read until ``stream``'s status comes. Its response headers and
+    trailers."""
     out: dict[str, str] = {}
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(10)
         sock.sendall(client.data_to_send())
         while "grpc-status" not in out:
-            chunk = sock.recv(65536)
-            assert chunk, "the server closed the connection"
-            for event in client.receive_data(chunk):
-                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                    out.update((name.decode(), value.decode()) for name, value in event.headers)
+            room = min(client.local_flow_control_window(stream), client.max_outbound_frame_size)
+            if body and room:
+                client.send_data(stream, body[:room], end_stream=len(body) <= room)
+                body = body[room:]
+            else:
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the connection"
+                for event in client.receive_data(chunk):
+                    if (
+                        isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
+                        and event.stream_id == stream
+                    ):
+                        out.update((n.decode(), v.decode()) for n, v in event.headers)
             sock.sendall(client.data_to_send())
     return out
 
@@ -896,23 +913,7 @@ def call_with_body(port: int, body: bytes) -> dict[str, str]:
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     client.send_headers(1, REQUEST_HEADERS)
-    out: dict[str, str] = {}
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.settimeout(10)
-        sock.sendall(client.data_to_send())
-        while "grpc-status" not in out:
-            room = min(client.local_flow_control_window(1), client.max_outbound_frame_size)
-            if body and room:
-                client.send_data(1, body[:room], end_stream=len(body) <= room)
-                body = body[room:]
-            else:
-                chunk = sock.recv(65536)
-                assert chunk, "the server closed the connection"
-                for event in client.receive_data(chunk):
-                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                        out.update((n.decode(), v.decode()) for n, v in event.headers)
-            sock.sendall(client.data_to_send())
-    return out
+    return status_of(port, client, 1, body)
 
 
 async def test_bytes_that_are_not_a_request_get_invalid_argument_naming_the_message(
@@ -937,21 +938,7 @@ def reset_flood_then_call(port: int, resets: int) -> dict[str, str]:
     last = 2 * resets + 1
     client.send_headers(last, REQUEST_HEADERS)
     client.send_data(last, grpc_message(echo_request()), end_stream=True)
-    out: dict[str, str] = {}
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.settimeout(10)
-        sock.sendall(client.data_to_send())
-        while "grpc-status" not in out:
-            chunk = sock.recv(65536)
-            assert chunk, "the server closed the connection"
-            for event in client.receive_data(chunk):
-                if (
-                    isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
-                    and event.stream_id == last
-                ):
-                    out.update((n.decode(), v.decode()) for n, v in event.headers)
-            sock.sendall(client.data_to_send())
-    return out
+    return status_of(port, client, last)
 
 
 async def test_calls_opened_and_reset_in_one_read_start_no_work(server: RunningServer) -> None:

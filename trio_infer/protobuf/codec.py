@@ -778,7 +778,7 @@ def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> En
         ModelFailed: As :func:`encode_response` would: an array's dtype has no datatype, a
             BYTES element is neither ``bytes`` nor ``str``, a raw one exceeds 4 GiB.
     """
-    arrays, datatypes, raw = _outputs_to_encode(outputs, raw, _RESPONSE_OUT)
+    arrays, datatypes, raw = _tensors_to_encode(outputs, raw, _RESPONSE_OUT)
     nbytes = 0
     held = 0
     elements = 0
@@ -850,7 +850,7 @@ def encode_response(
         ModelFailed: If an array's dtype has no datatype, a BYTES output holds an element that
             is neither ``bytes`` nor ``str``, or a raw BYTES element exceeds 4 GiB.
     """
-    arrays, datatypes, raw = _outputs_to_encode(outputs, raw, _RESPONSE_OUT)
+    arrays, datatypes, raw = _tensors_to_encode(outputs, raw, _RESPONSE_OUT)
     writer = _Writer(response.SerializeToString())
     raw_contents: list[memoryview] = []
     for (name, array), datatype in zip(arrays, datatypes, strict=True):
@@ -945,7 +945,7 @@ class _Writer:
         return self._parts
 
 
-def _outputs_to_encode(
+def _tensors_to_encode(
     outputs: Sequence[tuple[str, np.ndarray]], raw: bool, side: _Side
 ) -> tuple[list[tuple[str, np.ndarray]], list[str], bool]:
     # asarray is free for arrays and lets a model return a numpy scalar.
@@ -1185,15 +1185,7 @@ def _encode_tensors(
     raw: bool,
     side: _Side,
 ) -> None:
-    # asarray is free for arrays and lets a model return a numpy scalar.
-    arrays = [(name, np.asarray(array)) for name, array in arrays]
-    datatypes: list[str] = []
-    for name, array in arrays:
-        try:
-            datatypes.append(datatype_of(array))
-        except ModelFailed as error:
-            raise side.error(f"{side.role} '{name}': {error.message}") from None
-    raw = raw or "FP16" in datatypes
+    arrays, datatypes, raw = _tensors_to_encode(arrays, raw, side)
     for (name, array), datatype in zip(arrays, datatypes, strict=True):
         where = f"{side.role} '{name}'"
         tensor = add_tensor()

@@ -363,11 +363,13 @@ class Admission:
         self._held[owner] = self._held.get(owner, 0) + nbytes
 
     def _give_share(self, owner: Hashable, nbytes: int) -> None:
-        held = self._held[owner] - nbytes
-        if held:
+        # Requests of no bytes (ServerLive, say) hold nothing: the owner's entry may be gone
+        # when the last of several ends.
+        held = self._held.get(owner, 0) - nbytes
+        if held > 0:
             self._held[owner] = held
         else:
-            del self._held[owner]
+            self._held.pop(owner, None)
 
     def _release(self, nbytes: int) -> None:
         self._reserved -= nbytes
