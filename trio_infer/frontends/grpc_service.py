@@ -9,6 +9,8 @@ bytes are is this module's.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,14 @@ from google.protobuf.message import DecodeError, Message
 from trio_infer.buffers import Buffer
 from trio_infer.core.service import RESERVED_PER_BYTE, InferenceCore
 from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
-from trio_infer.errors import InvalidInput, ModelNotFound, Overloaded, Unimplemented
+from trio_infer.errors import (
+    InferError,
+    InvalidInput,
+    ModelNotFound,
+    Overloaded,
+    StatusCode,
+    Unimplemented,
+)
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import health_pb2
 from trio_infer.protobuf.codec import (
@@ -31,6 +40,7 @@ from trio_infer.protobuf.codec import (
     encode_response,
     encoding_cost,
     prepare_inputs,
+    stream_response,
 )
 from trio_infer.protobuf.field_count import MODEL_INFER_REQUEST, FieldTree, count_fields
 from trio_infer.protobuf.wire import WireInferRequest
@@ -38,6 +48,8 @@ from trio_infer.transport.grpc_protocol import shown
 from trio_infer.transport.grpc_server import Call
 
 __all__ = ["GrpcService"]
+
+logger = logging.getLogger(__name__)
 
 _V2 = "/inference.GRPCInferenceService/"
 _HEALTH = "/grpc.health.v1.Health/"
@@ -52,6 +64,11 @@ _OFF_LOOP_ELEMENTS = 1 << 15
 _OFF_LOOP_PREPARE = 1 << 20
 
 
+_STREAM_INFER = _V2 + "ModelStreamInfer"
+#: Messages of one stream in flight at once (admitted and not yet answered); the next is not
+#: read until one ends.
+_STREAM_IN_FLIGHT = 64
+_TIMED_OUT = "deadline exceeded (the request's timeout parameter)"
 #: The largest request message of a method that is not ModelInfer: names and versions, no
 #: tensors. A larger one is refused from its prefix, never read or parsed.
 _MAX_SMALL_MESSAGE = 64 * 1024
@@ -109,7 +126,10 @@ class GrpcService:
         }
 
     async def handle(self, call: Call) -> None:
-        """Serve one unary call."""
+        """Serve one call: a unary method, or ModelStreamInfer."""
+        if call.method == _STREAM_INFER:
+            await self._stream_infer(call)
+            return
         route = self._routes.get(call.method)
         if route is None:
             raise Unimplemented(f"method {shown(call.method, 200)} is not served here")
@@ -194,8 +214,101 @@ class GrpcService:
     async def _model_infer(
         self, request: Any, call: Call, reservation: Reservation
     ) -> list[Buffer]:
-        # ``request`` is a WireInferRequest: a ModelInferRequest whose inputs' contents are
-        # still serialised (see trio_infer.protobuf.wire).
+        context = RequestContext(
+            deadline=call.deadline,
+            headers={name: value for name, value in call.metadata if isinstance(value, str)},
+            reservation=reservation,
+        )
+        answer = await self._infer_in_time(request, context)
+        call.initial_metadata = tuple(context.response_headers)
+        call.trailing_metadata = tuple(context.response_trailers)
+        return answer
+
+    async def _stream_infer(self, call: Call) -> None:
+        """ModelStreamInfer: each request message is a request of its own, in a task of the
+        stream's nursery, answered as soon as it is done (completion order; the answer carries
+        the request's id). A message that fails is answered with its ``error_message`` and the
+        stream goes on; the stream's own deadline, a reset or a lost connection ends them all.
+
+        The next message is read only once the one before is admitted (its bytes reserved) and
+        while fewer than ``_STREAM_IN_FLIGHT`` are in flight, so a client that sends faster
+        than the models serve is held back by HTTP/2 flow control; one whose message the
+        budget refuses outright ends the stream (RESOURCE_EXHAUSTED): its body cannot be
+        skipped without being read.
+        """
+        sending = trio.Lock()  # one message at a time on the stream, each whole
+        slots = trio.Semaphore(_STREAM_IN_FLIGHT)
+        async with trio.open_nursery() as messages:
+            while (length := await call.receive_message_length()) is not None:
+                await slots.acquire()
+                await messages.start(self._stream_message, call, length, sending, slots)
+
+    async def _stream_message(
+        self,
+        call: Call,
+        length: int,
+        sending: trio.Lock,
+        slots: trio.Semaphore,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """One message of a stream, from its admission to its answer."""
+        try:
+            async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
+                data = await call.receive_message()
+                assert data is not None, "an announced message arrives or the call fails"
+                task_status.started()
+                try:
+                    answer = await self._stream_answer(call, data, reservation)
+                    del data
+                    async with sending:
+                        await call.send_message(answer)
+                finally:
+                    # Sent or not, the answer's buffers may be queued: held until written.
+                    call.release_when_written(reservation.release_later())
+        finally:
+            slots.release()
+
+    async def _stream_answer(
+        self, call: Call, data: bytes | bytearray, reservation: Reservation
+    ) -> list[Buffer]:
+        """One stream message's answer: its ModelInferResponse, or its error."""
+        request = None
+        try:
+            request = _parsed_infer_request(data)
+            context = RequestContext(
+                deadline=call.deadline,
+                headers={name: value for name, value in call.metadata if isinstance(value, str)},
+                reservation=reservation,
+            )
+            return stream_response(await self._infer_in_time(request, context))
+        except InferError as error:
+            message = error.message
+        except Exception:
+            logger.exception("unexpected error in a message of %s", call.method)
+            message = "internal server error"
+        failed = pb.ModelStreamInferResponse(error_message=message)
+        if request is not None:
+            failed.infer_response.model_name = request.model_name
+            failed.infer_response.model_version = request.model_version
+            failed.infer_response.id = request.id
+        return [failed.SerializeToString()]
+
+    async def _infer_in_time(self, request: Any, context: RequestContext) -> list[Buffer]:
+        """:meth:`_infer`, ended with DEADLINE_EXCEEDED at the request's own ``timeout``
+        (its call's deadline is the call's cancel scope)."""
+        own = _own_deadline(request)
+        context.deadline = min(context.deadline, own)
+        with trio.move_on_at(own) as timed:
+            return await self._infer(request, context)
+        assert timed.cancelled_caught
+        raise InferError(_TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
+
+    async def _infer(self, request: Any, context: RequestContext) -> list[Buffer]:
+        """Decode ``request`` (a WireInferRequest: a ModelInferRequest whose inputs' contents
+        are still serialised, see trio_infer.protobuf.wire), run it through the core and
+        encode its answer (a serialised ModelInferResponse, as buffers in order)."""
+        reservation = context.reservation
         raw = len(request.raw_input_contents) > 0
         message_size = reservation.granted // RESERVED_PER_BYTE
         if message_size > _OFF_LOOP_PREPARE:
@@ -220,11 +333,6 @@ class GrpcService:
         # The arrays are views of their own copies of the raw buffers: the request's are not
         # needed any more, and a large request would otherwise be held twice.
         request.ClearField("raw_input_contents")
-        context = RequestContext(
-            deadline=call.deadline,
-            headers={name: value for name, value in call.metadata if isinstance(value, str)},
-            reservation=reservation,
-        )
         answer = await self.core.infer(
             InferenceRequest(
                 model_name=request.model_name,
@@ -239,8 +347,6 @@ class GrpcService:
             ),
             context,
         )
-        call.initial_metadata = tuple(context.response_headers)
-        call.trailing_metadata = tuple(context.response_trailers)
         response = pb.ModelInferResponse(
             model_name=answer.model_name, model_version=answer.model_version, id=answer.id
         )
@@ -290,6 +396,45 @@ class GrpcService:
             except ModelNotFound:
                 raise ModelNotFound(f"unknown service '{request.service}'") from None
         return health_pb2.HealthCheckResponse(status=_SERVING if ready else _NOT_SERVING)
+
+
+def _parsed_infer_request(data: bytes | bytearray) -> Any:
+    """A ModelInferRequest's wire view parsed from ``data``, its fields counted first.
+
+    Raises:
+        InvalidInput: ``data`` is not a ModelInferRequest, or has too many fields.
+    """
+    if (
+        len(data) > _MAX_SMALL_MESSAGE
+        and count_fields(data, MODEL_INFER_REQUEST, MAX_REQUEST_FIELDS) > MAX_REQUEST_FIELDS
+    ):
+        raise InvalidInput(
+            f"the request has more than {MAX_REQUEST_FIELDS} fields outside its tensors' contents"
+        )
+    try:
+        return WireInferRequest.FromString(data)
+    except DecodeError:
+        raise InvalidInput(
+            f"the request is not a valid {pb.ModelInferRequest.DESCRIPTOR.full_name}"
+        ) from None
+
+
+def _own_deadline(request: Any) -> float:
+    """When the request's ``timeout`` parameter (microseconds, Triton's name; tritonclient's
+    ``timeout=`` sends it; 0 is none) says it must end, on the Trio clock (``math.inf``: it
+    sets none). The parameter is taken out of those the model sees.
+
+    Raises:
+        InvalidInput: ``timeout`` is not an int64 of microseconds, at least 0.
+    """
+    if "timeout" not in request.parameters:
+        return math.inf
+    parameter = request.parameters["timeout"]
+    if parameter.WhichOneof("parameter_choice") != "int64_param" or parameter.int64_param < 0:
+        raise InvalidInput("parameter 'timeout' must be an int64 of microseconds, at least 0")
+    microseconds = parameter.int64_param
+    del request.parameters["timeout"]
+    return trio.current_time() + microseconds / 1e6 if microseconds else math.inf
 
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:

@@ -34,6 +34,7 @@ from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
     InferTensorContents,
     ModelInferRequest,
     ModelInferResponse,
+    ModelStreamInferResponse,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "encoding_cost",
     "prepare_inputs",
     "serialize_response",
+    "stream_response",
 ]
 
 #: The ``InferTensorContents`` field that carries each datatype's typed data. FP16 has none: the
@@ -1129,6 +1131,14 @@ def serialize_response(response: ModelInferResponse, raw: Sequence[memoryview]) 
     return parts
 
 
+def stream_response(infer_response: Sequence[Buffer]) -> list[Buffer]:
+    """A ``ModelStreamInferResponse`` whose ``infer_response`` is the serialised
+    ModelInferResponse in ``infer_response`` (buffers in order, as :func:`encode_response`
+    gives them), as buffers in order: a key and a length before them, none of them copied."""
+    size = sum(memoryview(part).nbytes for part in infer_response)
+    return [_INFER_RESPONSE_KEY + _varint(size), *infer_response]
+
+
 def _varint(value: int) -> bytes:
     """``value`` (at least 0) in the protocol buffer varint encoding."""
     out = bytearray()
@@ -1139,6 +1149,10 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+#: The key of a ModelStreamInferResponse's ``infer_response``: length delimited.
+_INFER_RESPONSE_KEY = _varint(
+    ModelStreamInferResponse.DESCRIPTOR.fields_by_name["infer_response"].number << 3 | 2
+)
 #: The key of a ``raw_output_contents`` entry: its field number and wire type 2 (length
 #: delimited).
 _RAW_OUTPUT_KEY = _varint(

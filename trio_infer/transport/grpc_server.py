@@ -230,6 +230,12 @@ class Call:
         assert self._on_sent is None, "one release per call"
         self._on_sent = release
 
+    def release_when_written(self, release: Callable[[], None]) -> None:
+        """Have ``release`` called once everything queued on the connection so far (this
+        call's messages included) has been written to the socket, or the connection is gone:
+        for what one message of a stream holds, while the call goes on."""
+        self._connection._release_when_written(release)
+
     async def send_message(self, message: Buffer | Sequence[Buffer], *, last: bool = False) -> None:
         """Send one response message, waiting for the client's flow-control window as needed.
 
