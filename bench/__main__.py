@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--servers",
-        default=",".join(servers.SERVERS),
+        default=",".join(name for name, kind in servers.SERVERS.items() if kind.by_default),
         help="comma-separated servers (default: %(default)s)",
     )
     parser.add_argument(

@@ -74,6 +74,9 @@ class ServerKind:
         models: Models to wait for before the server counts as started.
         workdir: The server's working directory. A baseline runs in its own source tree, so
             that its worker processes import its own ``trio_infer``, not this checkout's.
+        venv: The venv's folder under ``bench/.venvs`` (kinds with the same requirements may
+            share one); ``name`` when empty.
+        by_default: Whether it runs when ``--servers`` is not given.
     """
 
     name: str
@@ -85,6 +88,8 @@ class ServerKind:
     workers_note: str
     models: tuple[str, ...] = ("dense", "sleep")
     workdir: Path = REPO
+    venv: str = ""
+    by_default: bool = True
 
 
 # ------------------------------------------------------------------------------------------
@@ -168,6 +173,26 @@ def mlserver_workers(server_pid: int) -> list[int]:
         if info.ppid == server_pid
         and "multiprocessing.spawn" in info.cmdline
         and not _is_resource_tracker(info)
+    ]
+
+
+def triton_workers(server_pid: int) -> list[int]:
+    """Triton's Python backend stubs: the server's children running
+    ``triton_python_backend_stub``, one per model instance (``workers`` of ``dense`` and as many
+    of ``sleep``), ``sleep``'s first, so that the ``kill`` scenario (which kills the first
+    worker listed while it loads ``sleep``) kills one that holds calls. A killed stub stays a
+    zombie until Triton reaps it; its command line is empty, so it is not listed.
+    """
+    stubs = [
+        info
+        for info in descendants(server_pid)
+        if info.ppid == server_pid and "triton_python_backend_stub" in info.cmdline
+    ]
+    return [
+        info.pid
+        for info in sorted(
+            stubs, key=lambda info: ("/sleep/1/model.py" not in info.cmdline, info.pid)
+        )
     ]
 
 
@@ -381,6 +406,18 @@ def _kserve_command(python: Path, ports: Ports, workers: int) -> list[str]:
     ]  # fmt: skip
 
 
+def _triton_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    return [str(python), str(PEERS / "triton_server.py"), str(ports.grpc), str(workers)]
+
+
+def _triton_nobatch_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    return [*_triton_command(python, ports, workers), "--no-batching"]
+
+
+def _triton_env(ports: Ports, workers: int) -> dict[str, str]:
+    return _thread_env(workers)
+
+
 def _grpcio_command(python: Path, ports: Ports, workers: int) -> list[str]:
     return [str(python), "-m", "bench.peers.grpcio_server", str(ports.grpc)]
 
@@ -392,6 +429,8 @@ def _no_env(ports: Ports, workers: int) -> dict[str, str]:
 ALL_KINDS = frozenset({"live", "dense", "sleep", "priority", "storm", "kill"})
 #: trio-infer alone also runs the scenarios that start it with its own settings.
 TRIO_INFER_KINDS = ALL_KINDS | {"overload", "batching", "hostile"}
+
+TRITON_REQUIREMENTS = ("nvidia-pytriton==0.7.0", "numpy")
 
 SERVERS: dict[str, ServerKind] = {
     kind.name: kind
@@ -424,6 +463,27 @@ SERVERS: dict[str, ServerKind] = {
             environment=_no_env,
             find_workers=None,
             workers_note="no worker processes: V2 gRPC runs every model in the main process",
+        ),
+        ServerKind(
+            name="triton",
+            # Triton 2.51.0's own tritonserver and Python backend, shipped in PyTriton's wheel.
+            requirements=TRITON_REQUIREMENTS,
+            serves=ALL_KINDS,
+            command=_triton_command,
+            environment=_triton_env,
+            find_workers=triton_workers,
+            workers_note="Python backend stubs, one per model instance (2 x N), sleep's first",
+        ),
+        ServerKind(
+            name="triton-nobatch",
+            requirements=TRITON_REQUIREMENTS,
+            serves=ALL_KINDS,
+            command=_triton_nobatch_command,
+            environment=_triton_env,
+            find_workers=triton_workers,
+            workers_note="Python backend stubs, one per model instance (2 x N), sleep's first",
+            venv="triton",
+            by_default=False,  # only dense differs from triton: run it by name
         ),
         ServerKind(
             name="grpcio",
@@ -462,7 +522,7 @@ def ensure_installed(kind: ServerKind, log: Callable[[str], None]) -> Path:
     """
     if not kind.requirements:
         return Path(sys.executable)
-    return ensure_venv(kind.name, kind.requirements, log)
+    return ensure_venv(kind.venv or kind.name, kind.requirements, log)
 
 
 def ensure_venv(name: str, requirements: Sequence[str], log: Callable[[str], None]) -> Path:
