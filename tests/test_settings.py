@@ -143,9 +143,9 @@ def test_the_unknown_field_message_lists_every_known_field(tmp_path: Path) -> No
     with pytest.raises(SettingsError) as caught:
         load_model_settings(folder)
     assert str(caught.value) == (
-        f"{folder}/model-settings.json: unknown field 'max_batch_sizes' (known: implementation, "
-        "inputs, max_batch_size, max_batch_time, max_queue_size, name, outputs, parameters, "
-        "platform, timeout, versions)"
+        f"{folder}/model-settings.json: unknown field 'max_batch_sizes' (known: decoupled, "
+        "implementation, inputs, max_batch_size, max_batch_time, max_queue_size, name, outputs, "
+        "parameters, platform, timeout, versions)"
     )
 
 
@@ -248,9 +248,12 @@ def test_the_unknown_field_message_lists_every_known_field(tmp_path: Path) -> No
         ),
         ({**MINIMAL, "parameters": []}, "parameters: Input should be an object, got a list"),
         # The model's folder is where the file is, never what it says.
-        ({**MINIMAL, "path": "/elsewhere"}, "unknown field 'path' (known: implementation, "),
+        (
+            {**MINIMAL, "path": "/elsewhere"},
+            "unknown field 'path' (known: decoupled, implementation, ",
+        ),
         # A misspelt required field is reported as the unknown field it is, not as missing.
-        ({"implementaton": "model.M"}, "unknown field 'implementaton' (known: implementation, "),
+        ({"implementaton": "model.M"}, "unknown field 'implementaton' (known: decoupled, "),
         ([MINIMAL], "the file must be a JSON object, got a list"),
         ('{"implementation": "model.M",}', "not valid JSON: "),
         ('{"implementation": "model.M", "implementation": "x.Y"}', "key 'implementation' appe"),

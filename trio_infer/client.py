@@ -7,6 +7,10 @@
             result = await client.infer("add_sub", {"INPUT0": a, "INPUT1": b}, timeout=2.0)
             print(result.outputs["OUTPUT0"])
 
+Streams (ModelStreamInfer): ``async with client.stream() as stream:``, then
+:meth:`InferStream.send` requests, :meth:`InferStream.done_sending`, and ``async for answer in
+stream`` (:class:`StreamAnswer`, matched to its request by ``.id``).
+
 One client is one HTTP/2 connection, shared by every call made through it, from any number of
 tasks at once. It does not reconnect: once the connection is lost, every call raises
 :class:`~trio_infer.errors.Unavailable` and a new client is needed.
@@ -33,6 +37,9 @@ purerpc 0.8.0 gets wrong for a client that must never hang:
   fail only their own call.
 - h2 3.2.0 treats a WINDOW_UPDATE or RST_STREAM for a stream it has already forgotten as a
   connection error; RFC 9113 §5.1 lets both arrive shortly after a stream closes.
+- A send waiting for flow control on a stream the server had ended (or reset, or whose
+  connection was lost) waited forever; here the stream's end wakes it, and it raises the status
+  the stream ended with.
 - More concurrent calls than the server's SETTINGS_MAX_CONCURRENT_STREAMS raised out of h2;
   here the extra calls wait for a free stream, and no call starts before the server's first
   SETTINGS frame has said what the limit is.
@@ -60,8 +67,9 @@ import numpy.typing as npt
 import outcome
 import trio
 from google.protobuf.message import DecodeError, Message
-from purerpc.grpc_proto import GRPCProtoSocket
+from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
 from purerpc.grpc_socket import SocketWrapper
+from purerpc.grpclib.buffers import MessageWriteBuffer
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 from purerpc.grpclib.events import MessageReceived, ResponseEnded, ResponseReceived, WindowUpdated
@@ -87,7 +95,15 @@ from trio_infer.protobuf.codec import (
 )
 from trio_infer.transport.grpc_protocol import Metadata
 
-__all__ = ["ERRORS_BY_STATUS", "InferResult", "InferenceClient", "Metadata", "MetadataLike"]
+__all__ = [
+    "ERRORS_BY_STATUS",
+    "InferResult",
+    "InferStream",
+    "InferenceClient",
+    "Metadata",
+    "MetadataLike",
+    "StreamAnswer",
+]
 
 #: Request metadata: ``(name, value)`` pairs or a mapping. Names are case-insensitive (they are
 #: sent lower-cased); ``bytes`` values need a name ending in ``-bin``, ``str`` values one that
@@ -282,8 +298,28 @@ class _SocketWriter(SocketWrapper):  # type: ignore[misc]
             self._on_failure(f"writing to the server failed: {exc!r}")
 
 
+class _ClientStream(GRPCProtoStream):  # type: ignore[misc]
+    """purerpc's stream of one call, remembering how the server ended it."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.ended: ResponseEnded | _CallFailed | None = None
+        """The first event that ended the call (its status, or a reset), once one has."""
+
+    def end(self, event: ResponseEnded | _CallFailed) -> None:
+        """Record the call's end and wake a sender waiting for flow control: it sends no more."""
+        if self.ended is None:
+            self.ended = event
+        self.wake_sender()
+
+    def wake_sender(self) -> None:
+        self._flow_control_update_event.set()
+
+
 class _ClientSocket(GRPCProtoSocket):  # type: ignore[misc]
     """purerpc's client socket; see the module docstring for what it changes and why."""
+
+    StreamClass = _ClientStream
 
     def __init__(self, stream: anyio.abc.ByteStream, max_message_size: int) -> None:
         super().__init__(GRPCConfiguration(client_side=True), stream)
@@ -306,6 +342,7 @@ class _ClientSocket(GRPCProtoSocket):  # type: ignore[misc]
         for stream in self._streams.values():
             # Wakes the call: its receive raises EndOfStream once queued events are read.
             stream._incoming_events[0].close()
+            stream.wake_sender()
         self._free_stream()
         self.settings_received.set()
 
@@ -405,6 +442,7 @@ class _ClientSocket(GRPCProtoSocket):  # type: ignore[misc]
                 return  # a call already given up on
             _deliver(stream, event)
             if isinstance(event, ResponseEnded | _CallFailed):
+                stream.end(event)
                 stream._close_remote()
 
     def _go_away(self, event: _GoAway) -> None:
@@ -416,7 +454,9 @@ class _ClientSocket(GRPCProtoSocket):  # type: ignore[misc]
         for stream_id, stream in list(self._streams.items()):
             if stream_id > event.last_stream_id:
                 # The server never saw these calls: safe to retry elsewhere.
-                _deliver(stream, _CallFailed(stream_id, StatusCode.UNAVAILABLE, self.refusal))
+                failed = _CallFailed(stream_id, StatusCode.UNAVAILABLE, self.refusal)
+                _deliver(stream, failed)
+                stream.end(failed)
         self._free_stream()
 
 
@@ -460,6 +500,44 @@ class InferResult:
         Raises:
             KeyError: If the response has no such output.
         """
+        return self.outputs[name]
+
+
+@dataclass(frozen=True, eq=False)
+class StreamAnswer:
+    """One answer on a stream (:meth:`InferenceClient.stream`): a request's outputs, or its error.
+
+    ``answer["OUTPUT0"]`` is short for ``answer.outputs["OUTPUT0"]``, and raises
+    :attr:`error` for an answer that has one.
+    """
+
+    id: str
+    """The request's ``request_id``, echoed by the server: answers come in the order requests
+    finish, so this is how an answer is matched to its request."""
+    model_name: str
+    """The model the request was for."""
+    model_version: str
+    """Its version, ``""`` when the model has none (or the server did not say)."""
+    outputs: dict[str, np.ndarray]
+    """The output tensors by name, decoded as :meth:`InferenceClient.infer` decodes them;
+    empty when :attr:`error` is set."""
+    parameters: dict[str, ParameterValue]
+    """The response's parameters."""
+    error: InferError | None
+    """Why the request failed, or None. The protocol carries only the text of a stream
+    message's error (``error_message``), not its status, so its ``.code`` is always UNKNOWN
+    (INTERNAL for an answer this client cannot decode); ``.message`` is the server's text, e.g.
+    ``"deadline exceeded (the request's timeout parameter)"``."""
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        """Return the output tensor called ``name``.
+
+        Raises:
+            InferError: :attr:`error`, if the request failed.
+            KeyError: If the response has no such output.
+        """
+        if self.error is not None:
+            raise self.error
         return self.outputs[name]
 
 
@@ -718,19 +796,7 @@ class InferenceClient:
             InferError: If the call fails otherwise (see the class docstring).
             TypeError: If ``outputs`` is a single string rather than a sequence of names.
         """
-        if isinstance(outputs, str):
-            raise TypeError(f"outputs must be a sequence of output names, not a str: [{outputs!r}]")
-        request = pb.ModelInferRequest(model_name=model_name, model_version=version, id=request_id)
-        encode_inputs(
-            request, [(name, np.asarray(array)) for name, array in inputs.items()], raw=raw
-        )
-        if parameters:
-            try:
-                encode_parameters(request.parameters, parameters)
-            except ModelFailed as exc:  # its error for a model's bad parameter: here it is ours
-                raise InvalidInput(exc.message) from None
-        for name in outputs or ():
-            request.outputs.add(name=name)
+        request = _infer_request(model_name, inputs, version, parameters, outputs, raw, request_id)
         response, reply = await self._call(
             "ModelInfer", request, pb.ModelInferResponse, timeout, metadata
         )
@@ -750,6 +816,66 @@ class InferenceClient:
             initial_metadata=reply.initial_metadata,
             trailing_metadata=reply.trailing_metadata,
         )
+
+    @asynccontextmanager
+    async def stream(
+        self,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (sent to the server as grpc-timeout)
+        metadata: MetadataLike | None = None,
+    ) -> AsyncIterator[InferStream]:
+        """Open a ModelStreamInfer stream: many requests, each answered on its own.
+
+        ::
+
+            async with client.stream(timeout=60) as stream:
+                await stream.send("add_sub", {"INPUT0": a, "INPUT1": b}, request_id="1")
+                await stream.done_sending()
+                async for answer in stream:
+                    print(answer.id, answer.error or answer.outputs)
+
+        Leaving the block cancels the stream (RST_STREAM CANCEL) if the server has not ended
+        it, so the server stops working on every request still in flight. ``timeout`` bounds
+        the whole stream, as does the deadline of an enclosing cancel scope (both are sent as
+        ``grpc-timeout``; see the class docstring); ``metadata`` is sent with the stream and
+        reaches every request's model. See :class:`InferStream` for sending and receiving.
+
+        Returns:
+            An async context manager that yields the open :class:`InferStream`.
+
+        Raises:
+            InferError: If the stream cannot be opened (see the class docstring).
+        """
+        headers = _checked_metadata(metadata)
+        deadline = None
+        if timeout is not None and timeout != math.inf:
+            if not timeout > 0:
+                raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+            deadline = trio.current_time() + timeout
+        socket = self._socket
+        with trio.CancelScope(deadline=_local_deadline(deadline)) as opening:
+            await socket.wait_for_stream()
+        if opening.cancelled_caught:
+            raise InferError("deadline exceeded", StatusCode.DEADLINE_EXCEEDED)
+        self._check_usable()
+        wire_deadline, wire_timeout = _wire_deadline(deadline)
+        raw_stream = await socket.open_stream(
+            "ModelStreamInfer", self._authority, wire_timeout, headers
+        )
+        stream = InferStream(socket, raw_stream, self._authority, deadline, wire_deadline)
+        try:
+            yield stream
+        finally:
+            stream._close()
+            socket.release(raw_stream)
+
+    def _check_usable(self) -> None:
+        """Raises Unavailable: the connection is lost, or the server takes no new calls."""
+        socket = self._socket
+        if socket.failure is not None:
+            raise Unavailable(f"connection to {self._authority} lost: {socket.failure}")
+        if socket.refusal is not None:
+            raise Unavailable(socket.refusal)
 
     # -- one unary call ------------------------------------------------------------------------
 
@@ -786,18 +912,8 @@ class InferenceClient:
     ) -> _Reply:
         socket = self._socket
         await socket.wait_for_stream()
-        if socket.failure is not None:
-            raise Unavailable(f"connection to {self._authority} lost: {socket.failure}")
-        if socket.refusal is not None:
-            raise Unavailable(socket.refusal)
-        # An enclosing cancel scope's deadline (trio.fail_after) binds the server too, so it
-        # stops working on a call nobody will wait for.
-        wire_deadline = trio.current_effective_deadline()
-        if deadline is not None:
-            wire_deadline = min(wire_deadline, deadline)
-        wire_timeout = None
-        if wire_deadline != math.inf:
-            wire_timeout = _wire_timeout(wire_deadline - trio.current_time())
+        self._check_usable()
+        _, wire_timeout = _wire_deadline(deadline)
         stream = await socket.open_stream(method, self._authority, wire_timeout, headers)
         try:
             async with trio.open_nursery() as nursery:
@@ -841,18 +957,327 @@ class InferenceClient:
                     # The server resets a call whose deadline passed mid-message.
                     raise InferError("deadline exceeded", StatusCode.DEADLINE_EXCEEDED)
                 raise _error(event.code, event.message)
-        status = event.status
-        try:
-            code = StatusCode(status.int_value)
-        except ValueError:
-            code = StatusCode.UNKNOWN
-        if code != StatusCode.OK:
-            raise _error(code, status.status_message)
+        error = _status_error(event)
+        if error is not None:
+            raise error
         if message is None:
             raise InferError(
                 "the server ended a unary call without a response", StatusCode.INTERNAL
             )
         return _Reply(message, initial, tuple(event.custom_metadata))
+
+
+class InferStream:
+    """An open ModelStreamInfer stream; made by :meth:`InferenceClient.stream`.
+
+    Each request sent is a request of its own on the server, answered as soon as it is done:
+    answers come in the order requests finish, each carrying its request's id (give every
+    request a distinct ``request_id``). A request that fails gets an answer with
+    :attr:`StreamAnswer.error` and the stream goes on; the stream itself ends when the client
+    is done sending and every request has been answered, or, with an error status, on its
+    deadline, a server that refuses a message outright (RESOURCE_EXHAUSTED), a shutdown past
+    its grace period or a lost connection (UNAVAILABLE).
+
+    Sending and receiving are independent: send from one task and iterate in another (a
+    ``trio`` nursery inside the stream's block) when there are more requests than answers the
+    connection can hold unread. Several tasks may send at once (each request is written
+    whole); :meth:`send` waits for HTTP/2 flow control, so a server that takes requests more
+    slowly than they are sent holds the sender back.
+
+    Every error is an :class:`~trio_infer.errors.InferError`, as for unary calls; a
+    :meth:`send` or :meth:`done_sending` on a stream whose block was left, or a :meth:`send`
+    after :meth:`done_sending`, raises :class:`trio.ClosedResourceError`.
+    """
+
+    def __init__(
+        self,
+        socket: _ClientSocket,
+        stream: _ClientStream,
+        authority: str,
+        deadline: float | None,
+        wire_deadline: float,
+    ) -> None:
+        # Private: made, and closed, by InferenceClient.stream().
+        self._socket = socket
+        self._stream = stream
+        self._authority = authority
+        self._deadline = deadline  # the stream's own timeout, enforced here as a fallback
+        self._wire_deadline = wire_deadline  # the deadline the server enforces
+        self._sending = trio.StrictFIFOLock()
+        self._receiving = trio.StrictFIFOLock()
+        self._done_sending = False
+        self._closed = False
+        self._broken: InferError | None = None  # why this side abandoned the stream
+        self._finished = False
+        self._final: InferError | None = None  # how iteration ended, once it has
+        self.initial_metadata: Metadata = ()
+        """Metadata the server sent with its response headers (once an answer has arrived)."""
+        self.trailing_metadata: Metadata = ()
+        """Metadata the server sent with the stream's status (once iteration has ended)."""
+
+    async def send(
+        self,
+        model_name: str,
+        inputs: Mapping[str, npt.ArrayLike],
+        *,
+        version: str = "",
+        parameters: Mapping[str, ParameterValue] | None = None,
+        outputs: Sequence[str] | None = None,
+        raw: bool = True,
+        request_id: str = "",
+        timeout: float | None = None,  # noqa: ASYNC109 (sent to the server as a parameter)
+    ) -> None:
+        """Send one request on the stream; its answer comes through iteration.
+
+        The arguments are :meth:`InferenceClient.infer`'s, but for ``timeout``.
+
+        Args:
+            timeout: Seconds this request may take on the server, sent as the request's
+                ``timeout`` parameter (microseconds, Triton's name, as tritonclient's
+                ``async_stream_infer(timeout=)``): past it the request is answered with an
+                error ("deadline exceeded ...") and the stream goes on. ``None``: bounded by
+                the stream's deadline only.
+
+        Raises:
+            InvalidInput: If an input has no protocol datatype or a parameter has an unsupported
+                type (raised before anything is sent).
+            Overloaded: If the request is larger than the client's ``max_message_size``
+                (raised before anything is sent).
+            InferError: If the stream has ended or ends while this request is being written:
+                the stream's own final status (the server's, e.g. RESOURCE_EXHAUSTED,
+                DEADLINE_EXCEEDED or UNAVAILABLE, or UNAVAILABLE for a lost connection), not
+                merely that the write failed. A stream the server ended with OK, before this
+                request was sent, raises FAILED_PRECONDITION.
+            trio.ClosedResourceError: After :meth:`done_sending`, or outside the block.
+            ValueError: If ``timeout`` is not positive, or a ``timeout`` parameter is given
+                too.
+            TypeError: If ``outputs`` is a single string rather than a sequence of names.
+
+        A send cancelled (by an enclosing cancel scope) before any of its bytes were written
+        leaves the stream as it was; one cancelled part-way resets the stream, which then
+        fails with CANCELLED.
+        """
+        request = _infer_request(model_name, inputs, version, parameters, outputs, raw, request_id)
+        if timeout is not None and timeout != math.inf:
+            if not timeout > 0:
+                raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+            if parameters and "timeout" in parameters:
+                raise ValueError(
+                    "give the request's timeout as timeout= or as a parameter, not both"
+                )
+            request.parameters["timeout"].int64_param = max(1, math.ceil(timeout * 1_000_000))
+        data = request.SerializeToString()
+        limit = self._socket.protocol.config.max_message_length
+        if len(data) > limit:
+            raise Overloaded(
+                f"the ModelStreamInfer request is {len(data)} bytes, over this client's "
+                f"max_message_size of {limit}"
+            )
+        async with self._sending:
+            if self._done_sending:
+                raise trio.ClosedResourceError("done_sending() was called: no more requests")
+            with trio.CancelScope(deadline=_local_deadline(self._deadline)) as scope:
+                await self._write(data)
+            if scope.cancelled_caught:
+                raise self._break(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+
+    async def done_sending(self) -> None:
+        """Tell the server no more requests are coming (half-close the stream).
+
+        The server answers the requests in flight and then ends the stream, which ends
+        iteration. Calling it again does nothing; on a stream that has already ended, it does
+        nothing either (iteration reports how it ended).
+
+        Raises:
+            trio.ClosedResourceError: Outside the stream's block.
+        """
+        async with self._sending:
+            if self._closed:
+                raise trio.ClosedResourceError("the stream's block has been left")
+            if self._done_sending:
+                return
+            self._done_sending = True
+            if self._ending() is None:
+                with contextlib.suppress(h2.exceptions.StreamClosedError):
+                    await self._stream.close()
+
+    def __aiter__(self) -> InferStream:
+        return self
+
+    async def __anext__(self) -> StreamAnswer:
+        """The next answer, in the order the server sends them.
+
+        Raises:
+            StopAsyncIteration: Once the server has ended the stream with OK (after
+                :meth:`done_sending` and every answer).
+            InferError: If the stream ends with another status, again on every later call.
+            trio.ClosedResourceError: Outside the stream's block.
+        """
+        async with self._receiving:
+            if self._finished:
+                if self._final is None:
+                    raise StopAsyncIteration
+                raise _error(self._final.code, self._final.message)
+            with trio.CancelScope(deadline=_local_deadline(self._deadline)) as scope:
+                return await self._next_answer()
+            assert scope.cancelled_caught
+            raise self._finish(self._break(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
+
+    async def _next_answer(self) -> StreamAnswer:
+        stream = self._stream
+        while True:
+            if self._closed:
+                raise trio.ClosedResourceError("the stream's block has been left")
+            if self._broken is not None:
+                raise self._finish(self._broken)
+            try:
+                event = await stream._incoming_events[1].receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                lost = Unavailable(f"connection to {self._authority} lost: {self._socket.failure}")
+                raise self._finish(self._ending() or lost) from None
+            if isinstance(event, ResponseReceived):
+                self.initial_metadata = tuple(event.custom_metadata)
+            elif isinstance(event, MessageReceived):
+                self._socket.protocol.acknowledge_received_data(
+                    stream.stream_id, event.flow_controlled_length
+                )
+                await self._socket._socket.flush()
+                return self._answer(event.data)
+            elif isinstance(event, ResponseEnded):
+                self.trailing_metadata = tuple(event.custom_metadata)
+                error = _status_error(event)
+                if error is None:
+                    self._finished = True
+                    raise StopAsyncIteration
+                raise self._finish(error)
+            elif isinstance(event, _CallFailed):
+                raise self._finish(self._failed(event))
+            # Anything else (_Woken) only makes the loop look at the stream's state again.
+
+    def _answer(self, data: bytes) -> StreamAnswer:
+        try:
+            response = pb.ModelStreamInferResponse.FromString(data)
+        except DecodeError as exc:
+            name = pb.ModelStreamInferResponse.DESCRIPTOR.full_name
+            raise self._finish(
+                self._break(StatusCode.INTERNAL, f"an answer is not a valid {name}: {exc}")
+            ) from None
+        infer = response.infer_response
+        error: InferError | None = None
+        outputs: dict[str, np.ndarray] = {}
+        parameters: dict[str, ParameterValue] = {}
+        if response.error_message:
+            error = InferError(response.error_message, StatusCode.UNKNOWN)
+        else:
+            try:
+                outputs = decode_outputs(infer)
+                parameters = decode_parameters(infer.parameters)
+            except InferError as exc:
+                error = InferError(
+                    f"the server's response is malformed: {exc.message}", StatusCode.INTERNAL
+                )
+        return StreamAnswer(
+            id=infer.id,
+            model_name=infer.model_name,
+            model_version=infer.model_version,
+            outputs=outputs,
+            parameters=parameters,
+            error=error,
+        )
+
+    async def _write(self, data: bytes) -> None:
+        """Write one message, as HTTP/2 flow control lets it through."""
+        stream = self._stream
+        protocol = self._socket.protocol
+        buffer = MessageWriteBuffer(None, protocol.config.max_message_length)
+        buffer.write_message(data)
+        written = False
+        try:
+            while buffer:
+                if self._closed:
+                    raise trio.ClosedResourceError("the stream's block has been left")
+                error = self._ending()
+                if error is not None:
+                    raise error
+                try:
+                    window = protocol.flow_control_window(stream.stream_id)
+                    if window > 0:
+                        chunk = buffer.data_to_send(min(window, len(buffer)))
+                        protocol.send_data(stream.stream_id, chunk)
+                except h2.exceptions.StreamClosedError:
+                    # h2 forgets a stream the moment it is reset; the reset's event follows.
+                    raise self._ending() or InferError(
+                        "the stream was closed", StatusCode.INTERNAL
+                    ) from None
+                if window > 0:
+                    written = True
+                    await self._socket._socket.flush()
+                else:
+                    # Woken by a WINDOW_UPDATE, the stream's end or the connection's loss.
+                    await stream._wait_flow_control_update()
+        except BaseException:
+            if written and buffer and self._ending() is None and not self._closed:
+                # Part of a message is on the wire; the rest will never follow.
+                self._break(StatusCode.CANCELLED, "a send was cancelled part-way through a request")
+            raise
+
+    def _ending(self) -> InferError | None:
+        """Why the stream carries no more requests (the server ended it, this side gave up
+        on it, or the connection is lost), or None while it does."""
+        if self._broken is not None:
+            return _error(self._broken.code, self._broken.message)
+        ended = self._stream.ended
+        if isinstance(ended, ResponseEnded):
+            return _status_error(ended) or InferError(
+                "the server ended the stream (status OK) before this request was sent",
+                StatusCode.FAILED_PRECONDITION,
+            )
+        if isinstance(ended, _CallFailed):
+            return self._failed(ended)
+        if self._socket.failure is not None:
+            return Unavailable(f"connection to {self._authority} lost: {self._socket.failure}")
+        return None
+
+    def _failed(self, event: _CallFailed) -> InferError:
+        if trio.current_time() >= self._wire_deadline:
+            # The server resets a stream whose deadline passed mid-message.
+            return InferError("deadline exceeded", StatusCode.DEADLINE_EXCEEDED)
+        return _error(event.code, event.message)
+
+    def _break(self, code: StatusCode, message: str) -> InferError:
+        """Give up on the stream from this side: reset it, and wake whoever waits on it."""
+        self._broken = _error(code, message)
+        if self._socket.failure is None:
+            self._socket.protocol.reset(self._stream.stream_id)
+            self._socket._socket._flush_event.set()
+        self._wake()
+        return _error(code, message)
+
+    def _finish(self, error: InferError) -> InferError:
+        """End iteration with ``error``, which every later ``__anext__`` raises again."""
+        self._finished = True
+        self._final = error
+        return error
+
+    def _wake(self) -> None:
+        self._stream.wake_sender()
+        _deliver(self._stream, _Woken())
+
+    def _close(self) -> None:
+        """The stream's block is left: whoever still waits on it is woken to find it closed."""
+        self._closed = True
+        self._wake()
+
+
+@dataclass(frozen=True)
+class _Woken:
+    """Put on a stream's event queue so a task iterating it looks at its state again."""
+
+
+def _local_deadline(deadline: float | None) -> float:
+    """When this side gives up on a call whose deadline is ``deadline``: a little later, so the
+    server's own answer (DEADLINE_EXCEEDED) has the time to arrive."""
+    return math.inf if deadline is None else deadline + _DEADLINE_SLACK
 
 
 async def _send(stream: Any, data: bytes) -> None:
@@ -863,6 +1288,41 @@ async def _send(stream: Any, data: bytes) -> None:
         pass  # the server ended the call first; the receiving side reports its status
 
 
+def _infer_request(
+    model_name: str,
+    inputs: Mapping[str, npt.ArrayLike],
+    version: str,
+    parameters: Mapping[str, ParameterValue] | None,
+    outputs: Sequence[str] | None,
+    raw: bool,
+    request_id: str,
+) -> pb.ModelInferRequest:
+    if isinstance(outputs, str):
+        raise TypeError(f"outputs must be a sequence of output names, not a str: [{outputs!r}]")
+    request = pb.ModelInferRequest(model_name=model_name, model_version=version, id=request_id)
+    encode_inputs(request, [(name, np.asarray(array)) for name, array in inputs.items()], raw=raw)
+    if parameters:
+        try:
+            encode_parameters(request.parameters, parameters)
+        except ModelFailed as exc:  # its error for a model's bad parameter: here it is ours
+            raise InvalidInput(exc.message) from None
+    for name in outputs or ():
+        request.outputs.add(name=name)
+    return request
+
+
+def _status_error(event: ResponseEnded) -> InferError | None:
+    """The error a call's status stands for; None for OK."""
+    status = event.status
+    try:
+        code = StatusCode(status.int_value)
+    except ValueError:
+        code = StatusCode.UNKNOWN
+    if code == StatusCode.OK:
+        return None
+    return _error(code, status.status_message)
+
+
 def _parse(response_type: type[_ResponseT], reply: _Reply) -> _ResponseT:
     try:
         return response_type.FromString(reply.message)
@@ -871,6 +1331,18 @@ def _parse(response_type: type[_ResponseT], reply: _Reply) -> _ResponseT:
         raise InferError(
             f"the response is not a valid {name}: {exc}", StatusCode.INTERNAL
         ) from None
+
+
+def _wire_deadline(deadline: float | None) -> tuple[float, datetime.timedelta | None]:
+    """The deadline a call goes out with, ``deadline`` or an enclosing cancel scope's
+    (trio.fail_after), whichever is sooner: the server stops working on a call nobody will wait
+    for. With it, its grpc-timeout (None: no deadline)."""
+    wire_deadline = trio.current_effective_deadline()
+    if deadline is not None:
+        wire_deadline = min(wire_deadline, deadline)
+    if wire_deadline == math.inf:
+        return wire_deadline, None
+    return wire_deadline, _wire_timeout(wire_deadline - trio.current_time())
 
 
 def _wire_timeout(seconds: float) -> datetime.timedelta:

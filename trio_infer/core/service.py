@@ -11,7 +11,7 @@ to its own (the status table is :mod:`trio_infer.errors`).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from contextlib import AbstractAsyncContextManager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -26,7 +26,7 @@ from trio_infer.core.types import (
     ServerMetadata,
 )
 from trio_infer.core.validation import select_outputs, validate_inputs
-from trio_infer.errors import InferError, StatusCode, Unavailable
+from trio_infer.errors import InferError, StatusCode, Unavailable, Unimplemented
 from trio_infer.model import Parameters
 from trio_infer.repository.registry import ModelRegistry
 from trio_infer.repository.settings import ModelSettings
@@ -133,6 +133,14 @@ class InferenceCore:
         """
         return self.admission.reserve(RESERVED_PER_BYTE * announced, deadline, owner)
 
+    def decoupled(self, name: str, version: str = "") -> bool:
+        """Whether a model is decoupled (0..N responses per request: :meth:`infer_each`).
+
+        Raises:
+            ModelNotFound: No such model (or version) is served.
+        """
+        return self.registry.lookup(name, version).decoupled
+
     async def infer(self, request: InferenceRequest, context: RequestContext) -> InferenceResponse:
         """Run one inference request on its model and return the outputs it asked for.
 
@@ -141,9 +149,84 @@ class InferenceCore:
         else waits for.
 
         Raises:
+            Unimplemented: The model is decoupled (as Triton: UNSUPPORTED, gRPC's UNIMPLEMENTED).
             InferError: With the status the status table gives its cause.
         """
         settings = self.registry.lookup(request.model_name, request.model_version)
+        if settings.decoupled:
+            raise Unimplemented(
+                f"model '{settings.name}' is decoupled (0..N responses per request): call it on "
+                "a stream (ModelStreamInfer); ModelInfer doesn't support models with decoupled "
+                "transaction policy"
+            )
+        self._admit(settings, request, context)
+        with self.admission.model_slot(settings):
+            priority, parameters = _model_parameters(request, context)
+            outputs = await self._predict(
+                settings, request.inputs, parameters, priority, context.deadline
+            )
+        return InferenceResponse(
+            model_name=settings.name,
+            model_version=settings.version,
+            id=request.id,
+            outputs=select_outputs(outputs, request.outputs, settings.name),
+        )
+
+    async def infer_each(
+        self,
+        request: InferenceRequest,
+        context: RequestContext,
+        respond: Callable[[InferenceResponse], Awaitable[None]],
+    ) -> None:
+        """Run one request on a decoupled model: ``await respond(response)`` for each response,
+        as the model yields it; return after the last.
+
+        The model does not run ahead of ``respond`` by more than a few responses (it waits in
+        its worker). Cancelling the caller's scope, or ``respond`` raising, stops the model's
+        generator (see :meth:`WorkerPool.generate`). The model's ``timeout`` bounds the whole
+        generation. A model that is not decoupled answers once.
+
+        Raises:
+            InferError: With the status the status table gives its cause (after the responses
+                sent before it).
+        """
+        settings = self.registry.lookup(request.model_name, request.model_version)
+        if not settings.decoupled:
+            await respond(await self.infer(request, context))
+            return
+        self._admit(settings, request, context)
+        with self.admission.model_slot(settings):
+            priority, parameters = _model_parameters(request, context)
+
+            async def each(outputs: dict[str, np.ndarray]) -> None:
+                await respond(
+                    InferenceResponse(
+                        model_name=settings.name,
+                        model_version=settings.version,
+                        id=request.id,
+                        outputs=select_outputs(outputs, request.outputs, settings.name),
+                    )
+                )
+
+            limit = context.deadline
+            if settings.timeout is not None:
+                limit = min(limit, trio.current_time() + settings.timeout)
+            if limit >= context.deadline:
+                # The call's own scope enforces its deadline.
+                await self.pool.generate(settings, request.inputs, parameters, each, priority)
+                return
+            with trio.move_on_at(limit):
+                await self.pool.generate(settings, request.inputs, parameters, each, priority)
+                return
+            raise InferError(
+                f"model '{settings.name}' did not end within its timeout of {settings.timeout:g} s",
+                StatusCode.DEADLINE_EXCEEDED,
+            )
+
+    def _admit(
+        self, settings: ModelSettings, request: InferenceRequest, context: RequestContext
+    ) -> None:
+        """Check that the model is ready and the request fits it and the budget."""
         # Draining is not checked here: a request accepted before shutdown is served to the end.
         if not self.registry.is_ready(settings.name):
             raise Unavailable(f"model '{settings.name}' is not ready")
@@ -155,22 +238,6 @@ class InferenceCore:
         )
         if extra > 0:
             reservation.grow_nowait(extra, f"the outputs of model '{settings.name}'")
-        with self.admission.model_slot(settings):
-            priority = take_priority(request.parameters)
-            parameters = Parameters(
-                values=request.parameters,
-                inputs=request.input_parameters,
-                headers=context.headers,
-            )
-            outputs = await self._predict(
-                settings, request.inputs, parameters, priority, context.deadline
-            )
-        return InferenceResponse(
-            model_name=settings.name,
-            model_version=settings.version,
-            id=request.id,
-            outputs=select_outputs(outputs, request.outputs, settings.name),
-        )
 
     async def _predict(
         self,
@@ -209,3 +276,12 @@ class InferenceCore:
             return await self.pool.predict(settings, inputs, parameters, priority)
         # The batch is dispatched in time for the call's limit.
         return await batcher.predict(inputs, parameters, limit, priority)
+
+
+def _model_parameters(request: InferenceRequest, context: RequestContext) -> tuple[int, Parameters]:
+    """The request's priority level, taken out of its parameters, and the parameters its model
+    sees."""
+    priority = take_priority(request.parameters)
+    return priority, Parameters(
+        values=request.parameters, inputs=request.input_parameters, headers=context.headers
+    )

@@ -21,7 +21,13 @@ from google.protobuf.message import DecodeError, Message
 
 from trio_infer.buffers import Buffer
 from trio_infer.core.service import RESERVED_PER_BYTE, InferenceCore
-from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
+from trio_infer.core.types import (
+    InferenceRequest,
+    InferenceResponse,
+    RequestContext,
+    Reservation,
+    TensorSpec,
+)
 from trio_infer.errors import (
     InferError,
     InvalidInput,
@@ -69,6 +75,10 @@ _STREAM_INFER = _V2 + "ModelStreamInfer"
 #: read until one ends.
 _STREAM_IN_FLIGHT = 64
 _TIMED_OUT = "deadline exceeded (the request's timeout parameter)"
+#: Triton's response parameter marking a request's last response on a stream.
+_FINAL = "triton_final_response"
+#: Triton's request parameter asking for an empty response after a decoupled model's last one.
+_EMPTY_FINAL = "triton_enable_empty_final_response"
 #: The largest request message of a method that is not ModelInfer: names and versions, no
 #: tensors. A larger one is refused from its prefix, never read or parsed.
 _MAX_SMALL_MESSAGE = 64 * 1024
@@ -238,10 +248,20 @@ class GrpcService:
         """
         sending = trio.Lock()  # one message at a time on the stream, each whole
         slots = trio.Semaphore(_STREAM_IN_FLIGHT)
+        refused: InferError | None = None
         async with trio.open_nursery() as messages:
             while (length := await call.receive_message_length()) is not None:
                 await slots.acquire()
-                await messages.start(self._stream_message, call, length, sending, slots)
+                try:
+                    await messages.start(self._stream_message, call, length, sending, slots)
+                except InferError as error:
+                    # Refused before it was read (the budget, its receive timeout): the stream
+                    # ends with that status once the messages in flight are answered. Raised
+                    # out of the nursery, it would reach the transport wrapped in a group.
+                    refused = error
+                    break
+        if refused is not None:
+            raise refused
 
     async def _stream_message(
         self,
@@ -259,10 +279,11 @@ class GrpcService:
                 assert data is not None, "an announced message arrives or the call fails"
                 task_status.started()
                 try:
-                    answer = await self._stream_answer(call, data, reservation)
+                    answer = await self._stream_answer(call, data, reservation, sending)
                     del data
-                    async with sending:
-                        await call.send_message(answer)
+                    if answer is not None:
+                        async with sending:
+                            await call.send_message(answer)
                 finally:
                     # Sent or not, the answer's buffers may be queued: held until written.
                     call.release_when_written(reservation.release_later())
@@ -270,9 +291,10 @@ class GrpcService:
             slots.release()
 
     async def _stream_answer(
-        self, call: Call, data: bytes | bytearray, reservation: Reservation
-    ) -> list[Buffer]:
-        """One stream message's answer: its ModelInferResponse, or its error."""
+        self, call: Call, data: bytes | bytearray, reservation: Reservation, sending: trio.Lock
+    ) -> list[Buffer] | None:
+        """One stream message's answer: its ModelInferResponse, or its error; None when a
+        decoupled model's responses were sent already (:meth:`_stream_each`)."""
         request = None
         try:
             request = _parsed_infer_request(data)
@@ -281,6 +303,9 @@ class GrpcService:
                 headers={name: value for name, value in call.metadata if isinstance(value, str)},
                 reservation=reservation,
             )
+            if self.core.decoupled(request.model_name, request.model_version):
+                await self._stream_each(call, request, context, sending)
+                return None
             return stream_response(await self._infer_in_time(request, context))
         except InferError as error:
             message = error.message
@@ -293,6 +318,60 @@ class GrpcService:
             failed.infer_response.model_version = request.model_version
             failed.infer_response.id = request.id
         return [failed.SerializeToString()]
+
+    async def _stream_each(
+        self, call: Call, request: Any, context: RequestContext, sending: trio.Lock
+    ) -> None:
+        """A decoupled model's responses to one stream message, each sent as the model yields
+        it, with the request's id and Triton's ``triton_final_response`` parameter.
+
+        With ``triton_enable_empty_final_response`` each response goes at once, marked not
+        final, and an empty one marked final follows the last. Without it (Triton's default)
+        the last response itself is marked final, so each is held until the model yields the
+        next or ends: it cannot be known to be the last before. A model that yields nothing
+        then gets no response (as in Triton). An error is the message's ``error_message``, sent
+        after the responses yielded before it.
+        """
+        empty_final = _take_flag(request, _EMPTY_FINAL)
+        own = _own_deadline(request)
+        context.deadline = min(context.deadline, own)
+        held: InferenceResponse | None = None
+        state = _Decoded(raw=False, nbytes=0, message_size=0)
+
+        async def send(answer: InferenceResponse, final: bool) -> None:
+            encoded = await self._encoded(answer, state, context.reservation, final)
+            async with sending:
+                await call.send_message(stream_response(encoded))
+
+        async def respond(answer: InferenceResponse) -> None:
+            nonlocal held
+            if empty_final:
+                await send(answer, False)
+                return
+            if held is not None:
+                await send(held, False)
+            held = answer
+
+        with trio.move_on_at(own) as timed:
+            decoded, state = await self._decoded(request, context)
+            try:
+                await self.core.infer_each(decoded, context, respond)
+            except InferError:
+                if held is not None:
+                    await send(held, False)
+                raise
+            if empty_final:
+                await send(
+                    InferenceResponse(
+                        request.model_name, request.model_version, request.id, outputs=[]
+                    ),
+                    True,
+                )
+            elif held is not None:
+                await send(held, True)
+            return
+        assert timed.cancelled_caught
+        raise InferError(_TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
     async def _infer_in_time(self, request: Any, context: RequestContext) -> list[Buffer]:
         """:meth:`_infer`, ended with DEADLINE_EXCEEDED at the request's own ``timeout``
@@ -308,6 +387,14 @@ class GrpcService:
         """Decode ``request`` (a WireInferRequest: a ModelInferRequest whose inputs' contents
         are still serialised, see trio_infer.protobuf.wire), run it through the core and
         encode its answer (a serialised ModelInferResponse, as buffers in order)."""
+        decoded, state = await self._decoded(request, context)
+        answer = await self.core.infer(decoded, context)
+        return await self._encoded(answer, state, context.reservation)
+
+    async def _decoded(
+        self, request: Any, context: RequestContext
+    ) -> tuple[InferenceRequest, _Decoded]:
+        """The core's request from a WireInferRequest, its decoded size reserved first."""
         reservation = context.reservation
         raw = len(request.raw_input_contents) > 0
         message_size = reservation.granted // RESERVED_PER_BYTE
@@ -333,23 +420,33 @@ class GrpcService:
         # The arrays are views of their own copies of the raw buffers: the request's are not
         # needed any more, and a large request would otherwise be held twice.
         request.ClearField("raw_input_contents")
-        answer = await self.core.infer(
-            InferenceRequest(
-                model_name=request.model_name,
-                model_version=request.model_version,
-                id=request.id,
-                inputs=inputs,
-                parameters=decode_parameters(request.parameters),
-                input_parameters={
-                    tensor.name: decode_parameters(tensor.parameters) for tensor in request.inputs
-                },
-                outputs=[output.name for output in request.outputs],
-            ),
-            context,
-        )
+        return InferenceRequest(
+            model_name=request.model_name,
+            model_version=request.model_version,
+            id=request.id,
+            inputs=inputs,
+            parameters=decode_parameters(request.parameters),
+            input_parameters={
+                tensor.name: decode_parameters(tensor.parameters) for tensor in request.inputs
+            },
+            outputs=[output.name for output in request.outputs],
+        ), _Decoded(raw=raw, nbytes=decoded.nbytes, message_size=message_size)
+
+    async def _encoded(
+        self,
+        answer: InferenceResponse,
+        state: _Decoded,
+        reservation: Reservation,
+        final: bool | None = None,
+    ) -> list[Buffer]:
+        """The serialised ModelInferResponse of ``answer`` (buffers in order), what encoding it
+        takes reserved first; ``final``: its ``triton_final_response`` parameter (None: none)."""
+        raw, message_size = state.raw, state.message_size
         response = pb.ModelInferResponse(
             model_name=answer.model_name, model_version=answer.model_version, id=answer.id
         )
+        if final is not None:
+            response.parameters[_FINAL].bool_param = final
         # asarray is free for arrays and lets a model return a numpy scalar.
         outputs = [(name, np.asarray(array)) for name, array in answer.outputs]
 
@@ -358,7 +455,7 @@ class GrpcService:
             # decoded inputs (both still held). The output arrays and what encoding them
             # allocates must fit in that or be added; the bytes stay reserved until the
             # answer's buffers are written (handle's release_when_sent).
-            share = reservation.nbytes - message_size - max(decoded.nbytes, message_size)
+            share = reservation.nbytes - message_size - max(state.nbytes, message_size)
             extra = cost.outputs + cost.nbytes - share
             if extra > 0:
                 reservation.grow_nowait(extra, "the encoded outputs")
@@ -396,6 +493,34 @@ class GrpcService:
             except ModelNotFound:
                 raise ModelNotFound(f"unknown service '{request.service}'") from None
         return health_pb2.HealthCheckResponse(status=_SERVING if ready else _NOT_SERVING)
+
+
+@dataclass(frozen=True, slots=True)
+class _Decoded:
+    """What encoding a request's answer needs to know of the request as it was decoded."""
+
+    raw: bool
+    """Whether its inputs came raw: its outputs go back raw too."""
+    nbytes: int
+    """What its decoded inputs take (held in the reservation)."""
+    message_size: int
+    """Its message's size (the reservation's unit)."""
+
+
+def _take_flag(request: Any, name: str) -> bool:
+    """A bool request parameter's value (False when absent), taken out of those the model sees.
+
+    Raises:
+        InvalidInput: The parameter is not a bool.
+    """
+    if name not in request.parameters:
+        return False
+    parameter = request.parameters[name]
+    if parameter.WhichOneof("parameter_choice") != "bool_param":
+        raise InvalidInput(f"parameter '{name}' must be a bool")
+    value = bool(parameter.bool_param)
+    del request.parameters[name]
+    return value
 
 
 def _parsed_infer_request(data: bytes | bytearray) -> Any:

@@ -167,6 +167,12 @@ class ModelSettings:
     request has waited ``max_batch_time`` (0: take what is waiting and go), or earlier if a member's
     deadline (or ``timeout``) requires it.
 
+    ``decoupled`` (Triton's ``model_transaction_policy { decoupled: true }``) declares a model
+    whose ``predict`` is a generator, sync or async, yielding 0..N output dicts per request. It is
+    a setting, not guessed from the class: the server never imports model code (workers do), yet
+    must know before any worker has loaded the model that ModelInfer refuses it and that it
+    cannot batch. A worker checks that the class agrees when it loads the model.
+
     Raises:
         pydantic.ValidationError: A field has the wrong type or an out-of-range value (when
             constructed in code; :func:`load_model_settings` raises ``SettingsError``).
@@ -184,6 +190,18 @@ class ModelSettings:
     max_batch_time: _Seconds = 0.0
     max_queue_size: _PositiveCount = 1024
     timeout: _PositiveSeconds | None = None
+    decoupled: Annotated[bool, Strict()] = False
+    """Whether the model answers a request with 0..N responses (its ``predict`` is a
+    generator): served on ModelStreamInfer only, and never batched."""
+
+    def __post_init__(self) -> None:
+        if self.decoupled and self.max_batch_size > 1:
+            raise PydanticCustomError(
+                "decoupled_batching",
+                'max_batch_size is {size}, but a decoupled model ("decoupled": true) does not '
+                "batch: set max_batch_size to 0 or 1",
+                {"size": self.max_batch_size},
+            )
 
     @property
     def version(self) -> str:
@@ -320,7 +338,7 @@ _UNKNOWN_FIELD = frozenset({"unexpected_keyword_argument", "extra_forbidden"})
 
 # Errors whose input is not the offending value (a missing field's input is the object that
 # lacks it; a repeated name's is the whole list, and the message names the name).
-_NO_GIVEN_VALUE = frozenset({"missing", "duplicate_tensor_name"})
+_NO_GIVEN_VALUE = frozenset({"missing", "duplicate_tensor_name", "decoupled_batching"})
 
 
 def _first_problem(exc: ValidationError) -> ErrorDetails:
@@ -336,7 +354,8 @@ def _describe(error: ErrorDetails) -> str:
         return _unknown_field(loc)
     problem = _JSON_WORDS.get(error["type"], error["msg"])
     if error["type"] in _NO_GIVEN_VALUE:
-        return f"{_where(loc)}: {problem}"
+        # A rule across fields (loc empty) names its fields itself.
+        return f"{_where(loc)}: {problem}" if loc else problem
     return f"{_where(loc)}: {problem}, got {_kind(error['input'])}"
 
 

@@ -4,17 +4,25 @@ A request task creates its slot, hands it to whoever does the work (a batch, a w
 waits on it; it is the slot's only reader. Whoever holds the slot fills it on every exit path,
 with a result or an error, so the waiter always wakes: there is no registry of pending requests
 to get out of step with the work.
+
+A call that answers more than once (a decoupled model's) has a :class:`ReplyStream`: items as
+they come, then an end that is filled like a :class:`Reply`. It holds at most ``capacity`` items:
+whoever fills it must be told, through ``on_take``, each time the reader takes one, and may add
+one more each time (the worker pool turns that into a credit for the worker, whose generator
+waits for one before it steps again).
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar, cast
 
 import trio
 
 from trio_infer.errors import InferError
 
-__all__ = ["Reply"]
+__all__ = ["Reply", "ReplyStream"]
 
 _T = TypeVar("_T")
 
@@ -52,3 +60,72 @@ class Reply(Generic[_T]):
         if self._error is not None:
             raise self._error
         return cast(_T, self._result)
+
+
+class ReplyStream(Generic[_T]):
+    """Items, then an end (``None``) or an error; at most ``capacity`` items held at once.
+
+    It fills like a :class:`Reply` (``set_result(None)`` ends it, ``set_error`` fails it; both at
+    most once), so whoever holds a call's slot fills either kind alike on every exit path.
+
+    Args:
+        capacity: Items it may hold unread; ``put`` past that is a bug of the filler.
+        on_take: Called each time the reader takes an item (room for one more).
+    """
+
+    def __init__(self, capacity: int, on_take: Callable[[], None]) -> None:
+        self._capacity = capacity
+        self._on_take = on_take
+        self._items: deque[_T] = deque()
+        self._end: Reply[None] = Reply()
+        self._changed = trio.Event()
+        self.given = 0
+        """Items put so far: a call that gave any cannot be run again from the start."""
+
+    @property
+    def filled(self) -> bool:
+        """Whether the end (or an error) has been set."""
+        return self._end.filled
+
+    def put(self, item: _T) -> None:
+        """Add an item, unless the stream has ended.
+
+        Raises:
+            RuntimeError: It holds ``capacity`` items already.
+        """
+        if self.filled:
+            return
+        if len(self._items) >= self._capacity:
+            raise RuntimeError(f"more than {self._capacity} items were given ahead of the reader")
+        self._items.append(item)
+        self.given += 1
+        self._wake()
+
+    def set_result(self, result: None) -> None:
+        """End the stream after the items it holds (unless it has ended already)."""
+        self._end.set_result(result)
+        self._wake()
+
+    def set_error(self, error: InferError) -> None:
+        """Fail the stream after the items it holds (unless it has ended already)."""
+        self._end.set_error(error)
+        self._wake()
+
+    async def next(self) -> tuple[bool, _T | None]:
+        """Wait for the next item: ``(True, item)``, or ``(False, None)`` at the end.
+
+        Raises:
+            InferError: The stream failed (after every item given before the failure).
+        """
+        while not self._items and not self.filled:
+            await self._changed.wait()
+        if self._items:
+            item = self._items.popleft()
+            self._on_take()
+            return True, item
+        await self._end.wait()  # raises the error, if any
+        return False, None
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()

@@ -2,9 +2,9 @@
 
 trio-parallel starts each worker process with ``configure`` and runs ``serve`` in it, as one job
 for the process's whole life; ``serve`` then runs the calls the pool
-(``trio_infer.workers.pool``) sends over a socket: ``load_all``, ``load`` and ``predict``, by
-reference. This module must stay importable without Trio or the server: it is what every
-worker imports.
+(``trio_infer.workers.pool``) sends over a socket: ``load_all``, ``load``, ``predict`` and
+``generate`` (a decoupled model's call, whose items are sent as they come), by reference. This
+module must stay importable without Trio or the server: it is what every worker imports.
 
 Error contract (every exception leaving this module must unpickle in the parent):
 
@@ -14,12 +14,20 @@ Error contract (every exception leaving this module must unpickle in the parent)
   classes may not be picklable or importable in the parent; with ``debug`` the traceback text is
   appended to the message;
 - outputs that are not ``dict[str, numpy.ndarray]`` are a ``ModelFailed`` naming the problem.
+
+Decoupled models (``"decoupled": true``): ``predict`` is a generator, sync or async (driven
+here by an asyncio loop of its own). ``serve`` steps it one item at a time and sends each item
+as soon as it is yielded (:mod:`trio_infer.workers.wire`); between two steps it reads what the
+pool sent: a cancel of the call closes the generator there (its ``finally`` blocks run), and
+with no credit left it waits for one before stepping again. A step that never ends is the
+pool's to stop: it kills the worker.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
+import inspect
 import os
 import pickle
 import signal
@@ -28,9 +36,10 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -44,6 +53,7 @@ from trio_infer.workers import wire
 __all__ = [
     "THREAD_VARIABLES",
     "configure",
+    "generate",
     "load",
     "load_all",
     "pickled_settings",
@@ -118,7 +128,11 @@ def serve(address: str) -> None:
                     _report(sock, finished, skipped)
                     finished, skipped = None, []
                 if inbox:
-                    finished = _run(*inbox.popleft())
+                    call_id, function, args = inbox.popleft()
+                    if function is generate:
+                        finished = _generate(sock, call_id, args, inbox, skipped)
+                    else:
+                        finished = _run(call_id, function, args)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             return  # the pool closed the connection: this worker is done
 
@@ -127,6 +141,8 @@ def _take(message: object, inbox: deque[_Call], skipped: list[int]) -> None:
     if isinstance(message, tuple):
         inbox.append(message)
         return
+    if isinstance(message, dict):
+        return  # credits for a generating call that has ended
     assert isinstance(message, list)
     cancelled = set(message)
     for call in [call for call in inbox if call[0] in cancelled]:
@@ -152,14 +168,122 @@ def _report(
     sock: socket.socket, finished: tuple[int, bool, object, float] | None, skipped: list[int]
 ) -> None:
     try:
-        frame = wire.pack((finished, skipped))
+        frame = wire.pack((finished, skipped, None))
     except Exception as exc:
         # The result does not pickle (a model's own class in it, say): the call fails instead.
         assert finished is not None
         call_id, _, _, seconds = finished
         failed = ModelFailed(f"the result could not be sent to the server: {_failed(exc).message}")
-        frame = wire.pack(((call_id, False, failed, seconds), skipped))
+        frame = wire.pack(((call_id, False, failed, seconds), skipped, None))
     wire.send(sock, frame)
+
+
+def _generate(
+    sock: socket.socket,
+    call_id: int,
+    args: tuple[object, ...],
+    inbox: deque[_Call],
+    skipped: list[int],
+) -> tuple[int, bool, object, float] | None:
+    """Run a generating call: send each item as it is yielded; the call's report, or None
+    when the pool stopped it (its id is then in ``skipped``)."""
+    started = time.perf_counter()
+    credits = wire.ITEMS_AHEAD
+    steps: _Steps | None = None
+    try:
+        steps = generate(*args)  # type: ignore[arg-type]
+        while True:
+            # Between two steps: cancels, credits and calls that came; no credit, wait for one.
+            while credits <= 0 or wire.waiting(sock):
+                message = wire.receive(sock)
+                if isinstance(message, dict):
+                    credits += message.get(call_id, 0)
+                    continue
+                if isinstance(message, list) and call_id in message:
+                    skipped.append(call_id)
+                    _take(message, inbox, skipped)
+                    return None
+                _take(message, inbox, skipped)
+            item = steps.next()
+            if item is None:
+                break
+            try:
+                frame = wire.pack((None, [], (call_id, item)))
+            except Exception as exc:
+                raise ModelFailed(
+                    f"an output could not be sent to the server: {_failed(exc).message}"
+                ) from None
+            wire.send(sock, frame)
+            credits -= 1
+    except InferError as exc:
+        return call_id, False, _portable(exc), time.perf_counter() - started
+    finally:
+        if steps is not None:
+            steps.close()
+    return call_id, True, None, time.perf_counter() - started
+
+
+class _Steps:
+    """A decoupled model's generator (sync or async), stepped one checked item at a time."""
+
+    def __init__(self, settings: ModelSettings, produced: object) -> None:
+        self._settings = settings
+        self._sync: Iterator[object] | None = None
+        self._async: AsyncIterator[object] | None = None
+        if isinstance(produced, AsyncIterator):
+            import asyncio  # only workers that serve an async generator pay for it
+
+            self._loop = asyncio.new_event_loop()
+            self._async = produced
+        elif isinstance(produced, Iterator):
+            self._sync = produced
+        else:
+            raise ModelFailed(
+                f"model {settings.name!r} is decoupled: predict() must be a generator (sync or "
+                f"async) yielding dict[str, numpy.ndarray], it returned {type(produced).__name__}"
+            )
+
+    def next(self) -> dict[str, np.ndarray] | None:
+        """The next item, checked; None at the end.
+
+        Raises:
+            InferError: The model raised one (portable), or failed otherwise (``ModelFailed``).
+        """
+        error: InferError
+        try:
+            if self._sync is not None:
+                item = next(self._sync, _END)
+            else:
+                assert self._async is not None
+                item = self._loop.run_until_complete(anext(self._async, _END))
+        except InferError as exc:
+            error = _portable(exc)
+        except BaseException as exc:
+            error = _failed(exc)
+        else:
+            return None if item is _END else _checked(self._settings, item)
+        raise error
+
+    def close(self) -> None:
+        """Close the generator (its ``finally`` blocks run); what it raises then is dropped:
+        only a stopped call is closed before its end, and nobody waits for it."""
+        try:
+            if self._sync is not None:
+                close = getattr(self._sync, "close", None)
+                if close is not None:
+                    close()
+            else:
+                aclose = getattr(self._async, "aclose", None)
+                try:
+                    if aclose is not None:
+                        self._loop.run_until_complete(aclose())
+                finally:
+                    self._loop.close()
+        except BaseException:  # see the docstring
+            pass
+
+
+_END = object()
 
 
 def load(settings: ModelSettings) -> None:
@@ -218,20 +342,45 @@ def predict(
         ModelFailed: Loading or calling the model failed otherwise, or its outputs have the
             wrong type.
     """
+    model, outputs = _called(settings, inputs, parameters)
+    return _checked(model.settings, outputs)
+
+
+def generate(settings: bytes, inputs: dict[str, np.ndarray], parameters: Parameters) -> _Steps:
+    """Start a decoupled model's call: its generator, for ``serve`` to step (see the module's
+    docstring); loads the model first if this process has not yet.
+
+    Raises:
+        InferError: The model raised one (its class and status are kept).
+        ModelFailed: Loading or calling the model failed otherwise, or its ``predict`` is not a
+            generator.
+    """
+    model, produced = _called(settings, inputs, parameters)
+    return _Steps(model.settings, produced)
+
+
+def _called(
+    settings: bytes, inputs: dict[str, np.ndarray], parameters: Parameters
+) -> tuple[Model, Any]:
+    """The model of ``settings`` (loaded first if this process has not yet), and what its
+    ``predict`` returned.
+
+    Raises:
+        InferError: The model raised one (its class and status are kept).
+        ModelFailed: Loading or calling the model failed otherwise.
+    """
     model = _by_settings.get(settings)
     if model is None:
         model = _model_by_settings(settings)
     error: InferError
     try:
-        outputs = model.predict(inputs, parameters)
+        return model, model.predict(inputs, parameters)
     except InferError as exc:
         error = _portable(exc)
     except BaseException as exc:
         # BaseException too: a model calling sys.exit() must fail its request, not have
         # SystemExit re-raised in the server process.
         error = _failed(exc)
-    else:
-        return _checked(model.settings, outputs)
     # Raised outside the handler so the model's exception is not attached as __context__:
     # trio-parallel pickles the whole chain, and the model's exception may not pickle.
     raise error
@@ -268,7 +417,9 @@ def _cached_model(settings: ModelSettings) -> Model:
         return model
     error: InferError
     try:
-        model = _import_class(settings)(settings)
+        cls = _import_class(settings)
+        _check_kind(settings, cls)
+        model = cls(settings)
         model.load()
     except InferError as exc:
         error = _portable(exc)
@@ -295,6 +446,17 @@ def _import_class(settings: ModelSettings) -> type[Model]:
             f"a subclass of trio_infer.model.Model, found {found}"
         )
     return cls
+
+
+def _check_kind(settings: ModelSettings, cls: type[Model]) -> None:
+    # A generator served as a plain model would fail every call with a confusing type error.
+    if not settings.decoupled and (
+        inspect.isgeneratorfunction(cls.predict) or inspect.isasyncgenfunction(cls.predict)
+    ):
+        raise TypeError(
+            f'the predict() of model {settings.name!r} is a generator: set "decoupled": true '
+            "in its model-settings.json to serve it (on ModelStreamInfer)"
+        )
 
 
 def _prefer_folder(folder: Path, module_name: str) -> None:

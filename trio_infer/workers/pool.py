@@ -23,7 +23,16 @@ worker's death, the pool's shutdown). A worker is sent its next call while it ru
 
 Cancellation: a cancelled call that waits in the queue leaves it; one that was sent but has not
 started is cancelled in the worker, which skips it; one that runs kills its worker at once (its
-result would have no reader, and a model call cannot be interrupted any other way). Calls sent
+result would have no reader, and a model call cannot be interrupted any other way).
+
+Decoupled models (``generate``): the call's reply is a ``ReplyStream`` that the lane fills with
+each item the worker sends, as it comes. Backpressure is by credits (``wire.ITEMS_AHEAD``): the
+worker steps its generator only while it has one, and the lane gives one back each time the
+request takes an item, so a request that reads slowly stalls the generator and at most
+``ITEMS_AHEAD`` items of a call are ever held. A cancelled generating call is stopped by the
+worker between two items (it closes the generator); one still running ``STOP_GRACE`` seconds
+later (stuck inside a step) has its worker killed, as a plain call's would be at once. A worker
+running a generating call is sent nothing else until it ends. Calls sent
 after a killed one had not started: they go back to the head of the queue. The lane starts a
 replacement worker, which loads its models when they are next called.
 
@@ -66,7 +75,7 @@ import socket
 import struct
 import tempfile
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -81,15 +90,18 @@ from trio_infer.model import Parameters
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.model_errors import ModelErrorLog
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY, PRIORITY_LEVELS
-from trio_infer.scheduling.reply import Reply
+from trio_infer.scheduling.reply import Reply, ReplyStream
 from trio_infer.workers import child, wire
 
-__all__ = ["CALLS_PER_WORKER", "GRACE_PERIOD", "PoolStatistics", "WorkerPool"]
+__all__ = ["CALLS_PER_WORKER", "GRACE_PERIOD", "STOP_GRACE", "PoolStatistics", "WorkerPool"]
 
 #: Seconds idle workers get to exit when the pool closes before they are killed. A healthy idle
 #: worker exits within milliseconds; this only bounds how long a stuck one can delay the
 #: server's exit, which must come within its own grace period plus a second.
 GRACE_PERIOD = 0.25
+#: Seconds a worker gets to stop a cancelled generating call (it checks between two items)
+#: before it is killed: what bounds a generator stuck inside one step.
+STOP_GRACE = 1.0
 
 _log = logging.getLogger(__name__)
 #: How many recent successful calls of a model its shortest call time is taken from.
@@ -344,16 +356,52 @@ class WorkerPool:
                 ``dict[str, numpy.ndarray]``.
             Unavailable: The worker process died during the call, or the pool is closed.
         """
-        call = self._call(
-            f"running model {settings.name!r}",
-            settings.name,
-            child.predict,
-            self._pickled(settings),
-            inputs,
-            parameters,
-        )
+        call = self._model_call(settings, child.predict, inputs, parameters)
         outputs: dict[str, np.ndarray] = await self._submit(call, self._queue.level(priority))
         return outputs
+
+    async def generate(
+        self,
+        settings: ModelSettings,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        each: Callable[[dict[str, np.ndarray]], Awaitable[None]],
+        priority: int = DEFAULT_PRIORITY,
+    ) -> None:
+        """Run a decoupled model's call in a worker: ``await each(outputs)`` for every item its
+        generator yields, as it comes, in order; return at the generator's end.
+
+        The generator does not run ahead of ``each`` by more than ``wire.ITEMS_AHEAD`` items:
+        it waits in the worker. Cancelling the call (or ``each`` raising) stops the generator
+        between two items, or kills its worker if a step outlasts ``STOP_GRACE``.
+
+        Raises:
+            InferError: The model raised one (after the items yielded before it).
+            ModelFailed: The model raised anything else, its ``predict`` is not a generator,
+                or an item is not ``dict[str, numpy.ndarray]``.
+            Unavailable: The worker process died during the call, or the pool is closed.
+        """
+        call = self._model_call(settings, child.generate, inputs, parameters)
+        call.decoupled = True
+        stream: ReplyStream[dict[str, np.ndarray]] = ReplyStream(
+            wire.ITEMS_AHEAD, partial(self._credit, call)
+        )
+        call.reply = stream
+        self._enqueue(call, self._queue.level(priority))
+        try:
+            while True:
+                more, item = await stream.next()
+                if not more:
+                    return
+                assert item is not None
+                await each(item)
+        finally:
+            if not stream.filled:
+                self._abandon(call)
+
+    def _credit(self, call: _Call) -> None:
+        if call.lane is not None:
+            call.lane.credit(call)
 
     async def wait_workers_changed(self) -> None:
         """Wait until a worker process dies unasked (kills on cancel are not crashes), a
@@ -410,6 +458,22 @@ class WorkerPool:
         self._nursery.start_soon(self._run_lane, fresh, _RESTART_PAUSE)
         self._wake_crash_waiters()
 
+    def _model_call(
+        self,
+        settings: ModelSettings,
+        function: Callable[..., Any],
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+    ) -> _Call:
+        return self._call(
+            f"running model {settings.name!r}",
+            settings.name,
+            function,
+            self._pickled(settings),
+            inputs,
+            parameters,
+        )
+
     def _call(
         self, what: str, model: str | None, function: Callable[..., Any], *args: object
     ) -> _Call:
@@ -422,6 +486,15 @@ class WorkerPool:
         )
 
     async def _submit(self, call: _Call, home: deque[_Call]) -> Any:
+        self._enqueue(call, home)
+        assert isinstance(call.reply, Reply), "a generating call is WorkerPool.generate's"
+        try:
+            return await call.reply.wait()
+        finally:
+            if not call.reply.filled:
+                self._abandon(call)
+
+    def _enqueue(self, call: _Call, home: deque[_Call]) -> None:
         if self._closing:
             raise Unavailable(f"the worker pool is shut down (while {call.what})")
         if all(lane.down for lane in self._lanes):
@@ -433,11 +506,6 @@ class WorkerPool:
             call.home = home
             home.append(call)
             self._wake_lanes()
-        try:
-            return await call.reply.wait()
-        finally:
-            if not call.reply.filled:
-                self._abandon(call)
 
     def _abandon(self, call: _Call) -> None:
         call.abandoned = True
@@ -613,7 +681,7 @@ class _Call:
     """The model whose call times this call teaches (None: not a model call)."""
     message: tuple[Callable[..., Any], tuple[object, ...]]
     deadline: float
-    reply: Reply[Any] = field(default_factory=Reply)
+    reply: Reply[Any] | ReplyStream[Any] = field(default_factory=Reply)
     home: deque[_Call] = field(default_factory=deque)
     """The queue it waits in until a lane takes it, and goes back to if it must run again."""
     lane: _Lane | None = None
@@ -621,6 +689,8 @@ class _Call:
     abandoned: bool = False
     forced: bool = False
     """Sent whatever its deadline, after refusals in a row, to learn the call time again."""
+    decoupled: bool = False
+    """A generating call (``WorkerPool.generate``): its reply is a ``ReplyStream``."""
 
 
 class _Lane:
@@ -648,6 +718,9 @@ class _Lane:
         self.outstanding: deque[_Call] = deque()
         self.connected = False
         self._cancels: list[int] = []
+        self._credits: dict[int, int] = {}
+        # When a cancelled generating call that has not stopped has its worker killed.
+        self._stop_by = math.inf
         self._wake = trio.Event()
         self._head_started = 0.0
         # The current process's life:
@@ -678,12 +751,24 @@ class _Lane:
         """Stop a call sent to this lane whose requester is gone."""
         if not self.connected or call not in self.outstanding:
             return  # the worker is gone (its calls are being settled), or the call is done
-        if call is self.outstanding[0]:
+        if call.decoupled:
+            # The worker stops it between two items (or skips it); past STOP_GRACE, the
+            # sender kills the worker if it still runs it.
+            self._cancels.append(call.id)
+            self._stop_by = min(self._stop_by, trio.current_time() + STOP_GRACE)
+            self.wake()
+        elif call is self.outstanding[0]:
             # It runs, or it is done and its report is not read yet: the receiver reads what
             # the worker has sent, then kills it if this call is still the one it runs.
             self._reading.cancel()
         else:
             self._cancels.append(call.id)
+            self.wake()
+
+    def credit(self, call: _Call) -> None:
+        """Let a generating call's worker step its generator once more (an item was taken)."""
+        if self.connected and call in self.outstanding:
+            self._credits[call.id] = self._credits.get(call.id, 0) + 1
             self.wake()
 
     def waiting(self) -> int:
@@ -869,6 +954,7 @@ class _Lane:
     async def _send(self, connection: socket.socket) -> None:
         """Send calls and cancels, one writer for the connection; until the talk ends."""
         while True:
+            self._stop_overdue()
             frame, call = self._next_frame()
             if frame is not None:
                 try:
@@ -894,12 +980,31 @@ class _Lane:
                     connection.shutdown(socket.SHUT_WR)
                 await trio.sleep_forever()
             else:
-                await self._sleep()
+                with trio.move_on_at(self._stop_by):
+                    await self._sleep()
+
+    def _stop_overdue(self) -> None:
+        """Kill the worker if it still runs a cancelled generating call past its STOP_GRACE."""
+        if self._stop_by > trio.current_time():
+            return
+        self._stop_by = math.inf
+        head = self.outstanding[0] if self.outstanding else None
+        if head is not None and head.decoupled and head.abandoned and not self._killed:
+            _log.debug(
+                "worker process %s did not stop a cancelled generating call within %g s: killed",
+                self.pid,
+                STOP_GRACE,
+            )
+            self.kill()
 
     def _next_frame(self) -> tuple[list[wire.Buffer] | None, _Call | None]:
         if self._cancels:
             frame = wire.pack(list(self._cancels))
             self._cancels.clear()
+            return frame, None
+        if self._credits:
+            frame = wire.pack(dict(self._credits))
+            self._credits.clear()
             return frame, None
         while (call := self._take()) is not None:
             function, args = call.message
@@ -929,6 +1034,8 @@ class _Lane:
         pool = self._pool
         if len(self.outstanding) >= CALLS_PER_WORKER:
             return None
+        if self.outstanding and self.outstanding[-1].decoupled:
+            return None  # it may run for long: a call sent behind it would wait as long
         if self.outstanding and any(lane.live and not lane.outstanding for lane in pool._lanes):
             return None  # an idle worker starts it sooner
         while pool._queue:
@@ -979,7 +1086,8 @@ class _Lane:
 
     def _stop_abandoned(self) -> None:
         head = self.outstanding[0] if self.outstanding else None
-        if head is not None and head.abandoned and not self._killed:
+        # A generating call is stopped by the worker, or by the sender past its STOP_GRACE.
+        if head is not None and head.abandoned and not head.decoupled and not self._killed:
             self.kill()
 
     def _unreadable_report(self, exc: Exception) -> None:
@@ -994,7 +1102,20 @@ class _Lane:
         self._moved_on = True
         self.kill()
 
-    def _on_report(self, done: tuple[int, bool, Any, float] | None, skipped: list[int]) -> None:
+    def _on_report(
+        self,
+        done: tuple[int, bool, Any, float] | None,
+        skipped: list[int],
+        item: tuple[int, Any] | None = None,
+    ) -> None:
+        if item is not None:
+            # An item of the generating call the worker runs, the first outstanding one.
+            call_id, outputs = item
+            call = self.outstanding[0]
+            assert call.id == call_id, f"item of call {call_id}, expected call {call.id}"
+            assert isinstance(call.reply, ReplyStream), "an item of a call that is not generating"
+            call.reply.put(outputs)
+            return
         if skipped:
             gone = set(skipped)
             kept: deque[_Call] = deque()
@@ -1017,7 +1138,8 @@ class _Lane:
             # Reported after the kill was decided: the call after it may have started since.
             self._moved_on = self._killed
             if ok:
-                self._pool._learn(call.model, seconds)
+                if not call.decoupled:  # a generation's length teaches nothing of the next
+                    self._pool._learn(call.model, seconds)
                 call.reply.set_result(value)
             else:
                 error = (
@@ -1031,6 +1153,10 @@ class _Lane:
                     self._pool.model_errors.record(call.model, error)
                 call.reply.set_error(error)
             self.outstanding.popleft()
+        head = self.outstanding[0] if self.outstanding else None
+        if head is not None and head.decoupled and head.abandoned:
+            # Cancelled before it started, and it may have started before the cancel came.
+            self._stop_by = min(self._stop_by, trio.current_time() + STOP_GRACE)
         self.wake()
 
     def _not_started_at_all(self) -> None:
@@ -1069,6 +1195,8 @@ class _Lane:
         calls = list(self.outstanding)
         self.outstanding.clear()
         self._cancels.clear()
+        self._credits.clear()
+        self._stop_by = math.inf
         if not orderly or pool._closing:
             for call in calls + list(self.private):
                 call.reply.set_error(
@@ -1093,6 +1221,11 @@ class _Lane:
             head.reply.set_error(Unavailable(message))
             failed = 1
         calls = [call for call in calls if not call.abandoned]
+        for call in [c for c in calls if isinstance(c.reply, ReplyStream) and c.reply.given]:
+            # Its first items were answered: it cannot start again from the start.
+            calls.remove(call)
+            call.reply.set_error(Unavailable(f"worker process was stopped while {call.what}"))
+            failed += 1
         for call in reversed(calls):
             call.lane = None
             call.home.appendleft(call)

@@ -10,10 +10,17 @@ the pickle, then the buffers. This module is I/O-free apart from the blocking he
 uses; the pool drives :func:`reader` with Trio. It must stay importable without Trio.
 
 Messages, pool to worker: a tuple ``(call_id, function, args)`` runs ``function(*args)``; a
-list of call ids cancels those calls that have not started. Worker to pool, after each call (and
-when it skipped cancelled calls): ``(done, skipped)``, where ``done`` is ``None`` or
-``(call_id, ok, value, seconds)`` (``value`` is the result, or the error when not ``ok``) and
-``skipped`` lists the ids of cancelled calls that will not run.
+list of call ids cancels those calls that have not started, and stops a generating call between
+two of its items; a dict ``{call_id: n}`` gives a generating call ``n`` more credits. Worker to
+pool: ``(done, skipped, item)``. After each call (and when it skipped cancelled calls), ``done``
+is ``None`` or ``(call_id, ok, value, seconds)`` (``value`` is the result, or the error when not
+``ok``) and ``skipped`` lists the ids of cancelled calls that will not run (or, for a generating
+call, that stopped when told); ``item`` is ``None``. A generating call (a decoupled model's)
+sends each item as soon as its generator yields it, as ``(None, [], (call_id, outputs))``, then
+its ``done`` with the value ``None``. It starts with ``ITEMS_AHEAD`` credits and spends one per
+item; with none left its generator does not step again until the pool gives one (when the
+request has taken an item), so a reader that falls behind stalls the generator, and no more
+than ``ITEMS_AHEAD`` items of a call are ever on their way or waiting to be read.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ from collections.abc import Generator, Sequence
 
 from trio_infer.buffers import Buffer, write_some
 
-__all__ = ["Buffer", "pack", "reader", "receive", "send", "send_some", "waiting"]
+__all__ = ["ITEMS_AHEAD", "Buffer", "pack", "reader", "receive", "send", "send_some", "waiting"]
 
 _HEADER = struct.Struct("!IQ")
+#: Items a generating call may have sent that the request has not taken yet (its credits).
+ITEMS_AHEAD = 4
 #: Buffers smaller than this stay in the pickle: a buffer of its own costs the receiver a
 #: read call, more than copying a few KiB.
 _OUT_OF_BAND_BYTES = 16 * 1024
