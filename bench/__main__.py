@@ -141,7 +141,7 @@ def _run_shared(
         for kind, python in pythons.items():
             if not any(s.kind in kind.serves for s in shared):
                 continue
-            server = ServerProcess(kind, python, workers, run_dir)
+            server = ServerProcess(kind, python, workers, run_dir, extra_args=kind.shared_args)
             try:
                 took = server.start()
             except PeerUnavailable as error:

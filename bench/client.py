@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -194,6 +195,43 @@ def check_dense(response: object, x: np.ndarray) -> str:
     return "ok"
 
 
+def add_sub_inputs() -> tuple[np.ndarray, np.ndarray]:
+    """``add_sub``'s two inputs: 1 x 16 FP32 each, seed 2."""
+    rng = np.random.default_rng(2)
+    return tuple(rng.standard_normal((2, 1, 16)).astype(np.float32))  # type: ignore[return-value]
+
+
+def add_sub_request(a: np.ndarray, b: np.ndarray) -> pb.ModelInferRequest:
+    """A raw ``add_sub`` request with inputs ``INPUT0`` = a and ``INPUT1`` = b."""
+    request = pb.ModelInferRequest(model_name="add_sub")
+    encode_inputs(request, [("INPUT0", a), ("INPUT1", b)], raw=True)
+    return request
+
+
+def check_output(response: object, name: str, expected: np.ndarray) -> str:
+    """``ok`` when output ``name`` of a response holds ``expected`` (FP32 tolerance)."""
+    assert isinstance(response, pb.ModelInferResponse)
+    try:
+        outputs = decode_outputs(response)
+    except Exception as error:
+        return f"undecodable: {error}"
+    if name not in outputs:
+        return f"no output {name!r} (outputs {list(outputs)})"
+    y = outputs[name]
+    if y.size != expected.size or not np.allclose(y.reshape(expected.shape), expected):
+        return f"{name} differs"
+    return "ok"
+
+
+def check_add_sub(response: object, a: np.ndarray, b: np.ndarray) -> str:
+    """``ok`` when an add_sub response holds ``a + b`` and ``a - b``."""
+    for name, expected in (("OUTPUT0", a + b), ("OUTPUT1", a - b)):
+        check = check_output(response, name, expected)
+        if check != "ok":
+            return check
+    return "ok"
+
+
 def check_echo(response: object, x: np.ndarray) -> str:
     """``ok`` when a sleep response echoes ``x`` as output ``x``."""
     assert isinstance(response, pb.ModelInferResponse)
@@ -331,3 +369,127 @@ async def first_fast_call(
             # A server that refuses at once (UNAVAILABLE) must not turn this into a busy loop.
             await asyncio.sleep(0.005)
     return None, statuses
+
+
+# ------------------------------------------------------------------------------------------
+# Streams
+
+#: The decoupled model's response parameter that marks a request's last response.
+FINAL = "triton_final_response"
+
+
+def stream_method(channel: grpc.aio.Channel) -> Any:
+    """ModelStreamInfer on a channel: requests go as bytes (serialised by the caller)."""
+    return channel.stream_stream(
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+        request_serializer=None,
+        response_deserializer=pb.ModelStreamInferResponse.FromString,
+    )
+
+
+def is_final(response: pb.ModelStreamInferResponse) -> bool:
+    """Whether a stream response ends its request: an error, or a response that is not
+    marked ``triton_final_response`` false (one response per request carries no mark)."""
+    if response.error_message:
+        return True
+    mark = response.infer_response.parameters.get(FINAL)
+    return mark is None or mark.bool_param
+
+
+async def stream_responses(
+    channel: grpc.aio.Channel, request: pb.ModelInferRequest, deadline: float
+) -> list[pb.ModelStreamInferResponse]:
+    """Send one request alone on a stream of its own (half-closed after it); its responses."""
+    message = pb.ModelInferRequest()
+    message.CopyFrom(request)
+    message.id = "first"
+    call = stream_method(channel)(timeout=deadline)
+    await call.write(message.SerializeToString())
+    await call.done_writing()
+    return [response async for response in call]
+
+
+async def stream_window(
+    channel: grpc.aio.Channel,
+    request: pb.ModelInferRequest,
+    *,
+    window: int,
+    warmup: float,
+    duration: float,
+    call_timeout: float,
+) -> tuple[Samples, Samples]:
+    """One ModelStreamInfer stream with ``window`` requests in flight: a request is sent
+    whenever one has ended (its final response came back, matched by ``id``), through a
+    warm-up and a measured window of ``duration`` seconds.
+
+    Each message is ``request`` with an ``id`` of its own, serialised when it is sent (as the
+    stub serialises a unary call's). No request is sent after the window ends; the stream is
+    half-closed once those in flight ended.
+
+    Returns:
+        The requests that ended after the warm-up (start to final response, status ``OK`` or
+        ``STREAM_ERROR`` for an ``error_message``), and the same requests timed from start to
+        first response (time to first response of a decoupled model).
+    """
+    done, first = Samples(duration), Samples(duration)
+    origin = time.perf_counter() + warmup
+    stop = origin + duration
+    slots = asyncio.Semaphore(window)
+    pending: dict[str, list[float]] = {}  # id -> [start, first response]
+    # The stream's deadline: the whole run and the calls in flight at its end.
+    call = stream_method(channel)(timeout=warmup + duration + call_timeout)
+    message = pb.ModelInferRequest()
+    message.CopyFrom(request)
+
+    def record(start: float, first_at: float, ended: float, status: str) -> None:
+        if ended < origin:
+            return
+        for samples, end in ((done, ended), (first, first_at)):
+            samples.starts.append(start - origin)
+            samples.ends.append(end - origin)
+            samples.statuses.append(status)
+
+    async def writer() -> None:
+        for number in range(MAX_CALLS_PER_CLIENT):
+            await slots.acquire()
+            started = time.perf_counter()
+            if started >= stop:
+                break
+            message.id = str(number)
+            data = message.SerializeToString()
+            pending[message.id] = [started, 0.0]
+            await call.write(data)
+        for _ in range(window - 1):  # holding one slot: the others come back as requests end
+            await slots.acquire()
+        await call.done_writing()
+
+    async def reader() -> None:
+        async for response in call:
+            now = time.perf_counter()
+            entry = pending.get(response.infer_response.id)
+            if entry is None:
+                continue  # not ours (no id): cannot be matched
+            entry[1] = entry[1] or now
+            if is_final(response):
+                del pending[response.infer_response.id]
+                status = "STREAM_ERROR" if response.error_message else "OK"
+                record(entry[0], entry[1], now, status)
+                slots.release()
+        # The server ended the stream with requests in flight: they failed; let the writer see.
+        now = time.perf_counter()
+        for start, first_at in pending.values():
+            record(start, first_at or now, now, "STREAM_ENDED")
+        pending.clear()
+        for _ in range(window):
+            slots.release()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(writer())
+            group.create_task(reader())
+    except* (grpc.aio.AioRpcError, grpc.aio.UsageError) as failed:
+        status = status_of(failed.exceptions[0])
+        now = time.perf_counter()
+        for start, first_at in pending.values():
+            record(start, first_at or now, now, status)
+    return done, first

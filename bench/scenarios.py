@@ -4,6 +4,11 @@
 ``live-cC``         ServerLive (an empty unary call) at concurrency C: the transport ceiling.
 ``dense-nN-F-cC``   ``dense`` with N rows (1 or 64), F = raw or typed contents, concurrency C.
 ``sleep10-c25``     ``sleep`` with ``delay_ms`` 10 at concurrency 25: worker scheduling only.
+``add_sub-c25``     unary ``add_sub`` (1 row) at concurrency 25: beside its stream.
+``stream-M-c25``    one ModelStreamInfer stream with 25 requests in flight (``add_sub``, or
+                    ``dense`` 1 row): messages/s and per-message latency.
+``decoupled-*``     ``ticks`` (8 responses 2 ms apart) one request at a time on one stream:
+                    time to first response (and to the last).
 ``kill``            ``sleep`` 10 ms at C=25; one worker gets SIGKILL: failed calls and the time
                     until throughput is back to 90 % of what it was before.
 ``storm``           25 clients send ``sleep`` 100 ms with a 50 ms deadline; then the time until
@@ -31,7 +36,8 @@
 
 Scenarios always run in this order, each on every server before the next; ``kill`` and
 ``storm`` come last because they can leave a server degraded (it is restarted when they do).
-``live``, ``dense`` and ``sleep`` run in rounds (``--rounds``), the servers taking turns.
+``live``, ``dense``, ``sleep``, ``add_sub``, ``stream`` and ``decoupled`` run in rounds
+(``--rounds``), the servers taking turns.
 ``overload``, ``batching`` and ``hostile`` (trio-infer only) each start a server of their own,
 after the shared ones stopped.
 """
@@ -96,8 +102,13 @@ HOSTILE_CONCURRENCY = 4
 HOSTILE_DEADLINE = 2.0
 #: hostile: seconds between two RSS samples.
 HOSTILE_RSS_INTERVAL = 0.05
+#: stream: requests in flight on the one stream (and the unary ``add_sub`` row's concurrency).
+STREAM_WINDOW = 25
+#: decoupled: responses ``ticks`` sends per request, and the sleep between two, ms.
+TICKS_COUNT = 8
+TICKS_DELAY_MS = 2
 #: Scenario kinds measured in several rounds, the servers taking turns (see :func:`merge_rounds`).
-ROUND_KINDS = frozenset({"live", "dense", "sleep"})
+ROUND_KINDS = frozenset({"live", "dense", "sleep", "add_sub", "stream", "decoupled"})
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,8 @@ class Scenario:
     """batching: ``dense`` keeps the example's ``max_batch_size`` (on) or gets 0 (off)."""
     attack: str = ""
     """hostile: the attack of :mod:`bench.attacks` beside the bystander."""
+    model: str = ""
+    """stream: the model each message calls (``add_sub`` or ``dense``)."""
 
     @property
     def own_server(self) -> bool:
@@ -141,6 +154,12 @@ def all_scenarios() -> list[Scenario]:
                 for c in (1, 25, 100)
             ]
     scenarios.append(Scenario("sleep10-c25", "sleep", 25, delay_ms=10))
+    scenarios.append(Scenario(f"add_sub-c{STREAM_WINDOW}", "add_sub", STREAM_WINDOW))
+    scenarios += [
+        Scenario(f"stream-{name}-c{STREAM_WINDOW}", "stream", STREAM_WINDOW, model=model)
+        for name, model in (("add_sub", "add_sub"), ("dense-n1", "dense"))
+    ]
+    scenarios.append(Scenario("decoupled-ticks-c1", "decoupled", 1, delay_ms=TICKS_DELAY_MS))
     scenarios.append(Scenario("priority", "priority", 25, delay_ms=10))
     scenarios.append(Scenario("kill", "kill", 25, delay_ms=10))
     scenarios.append(Scenario("storm", "storm", 25, delay_ms=100))
@@ -352,13 +371,49 @@ def _calls(stub: Any, scenario: Scenario) -> tuple[client.Call, Callable[[object
             return "ok" if getattr(response, "live", False) else "live is false"
 
         return call, check_live
-    if scenario.kind == "dense":
-        x = client.dense_input(scenario.rows)
-        request = client.infer_request("dense", x, raw=scenario.raw)
-        return _infer(stub, request), lambda response: client.check_dense(response, x)
+    if scenario.kind in ("dense", "add_sub"):
+        request, check = _request(scenario.kind, scenario.rows)
+        return _infer(stub, request), check
     echo = _echo_input()
     request = client.infer_request("sleep", echo, raw=scenario.raw, delay_ms=scenario.delay_ms)
     return _infer(stub, request), lambda response: client.check_echo(response, echo)
+
+
+def _request(model: str, rows: int = 1) -> tuple[pb.ModelInferRequest, Callable[[object], str]]:
+    """A raw ``dense`` (``rows`` rows) or ``add_sub`` (1 row) request, and its check."""
+    if model == "dense":
+        x = client.dense_input(rows)
+        request = client.infer_request("dense", x, raw=True)
+        return request, lambda response: client.check_dense(response, x)
+    a, b = client.add_sub_inputs()
+    return client.add_sub_request(a, b), lambda response: client.check_add_sub(response, a, b)
+
+
+def _ticks_request() -> tuple[pb.ModelInferRequest, np.ndarray]:
+    """``ticks``' request: input ``x`` of 16 FP32, TICKS_COUNT responses TICKS_DELAY_MS apart,
+    each sent at once (``triton_enable_empty_final_response``: an empty final one follows)."""
+    x = _echo_input()
+    request = client.infer_request("ticks", x, raw=True, delay_ms=TICKS_DELAY_MS)
+    request.parameters["count"].int64_param = TICKS_COUNT
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request, x
+
+
+def _check_ticks(responses: Sequence[pb.ModelStreamInferResponse], x: np.ndarray) -> str:
+    """``ok`` when ``ticks`` answered ``y = x + i`` for each i, then an empty final response."""
+    errors = [r.error_message for r in responses if r.error_message]
+    if errors:
+        return f"error: {errors[0][:80]}"
+    data = [r for r in responses if r.infer_response.outputs]
+    if len(data) != TICKS_COUNT:
+        return f"{len(data)} responses with outputs, not {TICKS_COUNT}"
+    for i, response in enumerate(data):
+        check = client.check_output(response.infer_response, "y", x + np.float32(i))
+        if check != "ok":
+            return f"response {i}: {check}"
+    if not responses or not client.is_final(responses[-1]) or responses[-1].infer_response.outputs:
+        return "no empty final response"
+    return "ok"
 
 
 async def _checked_first_call(call: client.Call, check: Callable[[object], str]) -> str:
@@ -381,6 +436,43 @@ async def _load(server: ServerProcess, scenario: Scenario, timing: Timing) -> Re
             call_timeout=timing.timeout,
         )
     result.absorb(samples.summary())
+    return result
+
+
+async def _stream(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
+    """One stream, STREAM_WINDOW requests in flight (``stream``), or one at a time on a
+    decoupled model (``decoupled``: the row's p50/p99 are the time to first response)."""
+    result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
+    if scenario.kind == "decoupled":
+        request, x = _ticks_request()
+    else:
+        request, check = _request(scenario.model, scenario.rows)
+    async with client.open_channel(server.target) as channel:
+        try:
+            responses = await client.stream_responses(channel, request, 10.0)
+            if scenario.kind == "decoupled":
+                result.check = _check_ticks(responses, x)
+            elif responses[0].error_message:
+                result.check = f"error: {responses[0].error_message[:80]}"
+            else:
+                result.check = check(responses[0].infer_response)
+        except Exception as error:
+            result.check = f"first call failed: {client.status_of(error)}"
+        done, first = await client.stream_window(
+            channel,
+            request,
+            window=scenario.concurrency,
+            warmup=timing.warmup,
+            duration=timing.duration,
+            call_timeout=timing.timeout,
+        )
+    if scenario.kind == "decoupled":
+        result.absorb(first.summary())
+        last = done.summary()
+        result.extra["last_p50_ms"], result.extra["last_p99_ms"] = last.p50_ms, last.p99_ms
+        result.notes = f"to last: p50 {last.p50_ms:.2f}, p99 {last.p99_ms:.2f} ms"
+    else:
+        result.absorb(done.summary())
     return result
 
 
@@ -1062,5 +1154,7 @@ def run_on_own_server(
 
 def run(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
     """Run one scenario against a started server (not one of :data:`OWN_SERVER_KINDS`)."""
-    runner = {"kill": _kill, "storm": _storm, "priority": _priority}.get(scenario.kind, _load)
+    runners = {"kill": _kill, "storm": _storm, "priority": _priority}
+    runners |= {"stream": _stream, "decoupled": _stream}
+    runner = runners.get(scenario.kind, _load)
     return asyncio.run(runner(server, scenario, timing))

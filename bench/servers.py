@@ -71,7 +71,8 @@ class ServerKind:
         environment: Extra environment variables from (ports, workers).
         find_workers: Worker pids from the server's pid; None when it has no worker processes.
         workers_note: How workers are found, or why there are none (README and table).
-        models: Models to wait for before the server counts as started.
+        models: Models to wait for before the server counts as started (on the server the
+            shared scenarios run on; a scenario's own server waits for ``dense`` and ``sleep``).
         workdir: The server's working directory. A baseline runs in its own source tree, so
             that its worker processes import its own ``trio_infer``, not this checkout's.
         venv: The venv's folder under ``bench/.venvs`` (kinds with the same requirements may
@@ -90,6 +91,9 @@ class ServerKind:
     workdir: Path = REPO
     venv: str = ""
     by_default: bool = True
+    shared_args: tuple[str, ...] = ()
+    """Appended to the command line of the server the shared scenarios run on (not of a
+    scenario's own server): trio-infer's model repository with the decoupled ``ticks``."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -427,8 +431,14 @@ def _no_env(ports: Ports, workers: int) -> dict[str, str]:
 
 
 ALL_KINDS = frozenset({"live", "dense", "sleep", "priority", "storm", "kill"})
+#: Unary ``add_sub``, ModelStreamInfer and a decoupled model: trio-infer and Triton only
+#: (MLServer streams only with parallel workers off; KServe's V2 gRPC has no ModelStreamInfer).
+STREAM_KINDS = frozenset({"add_sub", "stream", "decoupled"})
 #: trio-infer alone also runs the scenarios that start it with its own settings.
-TRIO_INFER_KINDS = ALL_KINDS | {"overload", "batching", "hostile"}
+TRIO_INFER_KINDS = ALL_KINDS | STREAM_KINDS | {"overload", "batching", "hostile"}
+#: trio-infer's repository for the shared scenarios: the examples' settings plus ``ticks``.
+TRIO_MODELS = PEERS / "trio_models"
+STREAM_MODELS = ("dense", "sleep", "add_sub", "ticks")
 
 TRITON_REQUIREMENTS = ("nvidia-pytriton==0.7.0", "numpy")
 
@@ -443,6 +453,8 @@ SERVERS: dict[str, ServerKind] = {
             environment=_no_env,
             find_workers=trio_infer_workers,
             workers_note="children of the multiprocessing fork server",
+            models=STREAM_MODELS,
+            shared_args=(str(TRIO_MODELS),),
         ),
         ServerKind(
             name="mlserver",
@@ -468,8 +480,9 @@ SERVERS: dict[str, ServerKind] = {
             name="triton",
             # Triton 2.51.0's own tritonserver and Python backend, shipped in PyTriton's wheel.
             requirements=TRITON_REQUIREMENTS,
-            serves=ALL_KINDS,
+            serves=ALL_KINDS | STREAM_KINDS,
             command=_triton_command,
+            models=STREAM_MODELS,
             environment=_triton_env,
             find_workers=triton_workers,
             workers_note="Python backend stubs, one per model instance (2 x N), sleep's first",
@@ -477,8 +490,9 @@ SERVERS: dict[str, ServerKind] = {
         ServerKind(
             name="triton-nobatch",
             requirements=TRITON_REQUIREMENTS,
-            serves=ALL_KINDS,
+            serves=ALL_KINDS | STREAM_KINDS,
             command=_triton_nobatch_command,
+            models=STREAM_MODELS,
             environment=_triton_env,
             find_workers=triton_workers,
             workers_note="Python backend stubs, one per model instance (2 x N), sleep's first",
@@ -612,6 +626,14 @@ class ServerProcess:
         suffix = f"-{self.label}" if self.label else ""
         return self.log_dir / f"server-{self.kind.name}{suffix}.log"
 
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models to wait for: a scenario's own server (``label``) serves the built-in
+        examples, or a copy of them, so not ``ticks``."""
+        if not self.label:
+            return self.kind.models
+        return tuple(name for name in self.kind.models if name in ("dense", "sleep"))
+
     def alive(self) -> bool:
         """Whether the server process is still running."""
         return self.process is not None and self.process.poll() is None
@@ -667,7 +689,7 @@ class ServerProcess:
                 try:
                     if stub.ServerLive(pb.ServerLiveRequest(), timeout=1.0).live and all(
                         stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=1.0).ready
-                        for name in self.kind.models
+                        for name in self.models
                     ):
                         return
                 except grpc.RpcError:
@@ -747,6 +769,8 @@ def baseline(revision: str) -> ServerKind:
         requirements=(str(source),),
         serves=ALL_KINDS,
         workdir=source,
+        models=("dense", "sleep"),
+        shared_args=(),  # an older tree may not know the repository's settings
     )
 
 

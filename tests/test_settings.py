@@ -62,6 +62,7 @@ def test_a_complete_file_is_read_into_settings(tmp_path: Path) -> None:
             "max_batch_size": 32,
             "max_batch_time": 0.005,
             "max_queue_size": 100,
+            "max_sequence_idle_microseconds": 5_000_000,
             "timeout": 2,
         },
     )
@@ -84,6 +85,7 @@ def test_a_complete_file_is_read_into_settings(tmp_path: Path) -> None:
         max_batch_size=32,
         max_batch_time=0.005,
         max_queue_size=100,
+        max_sequence_idle_microseconds=5_000_000,
         timeout=2.0,
     )
     assert settings.version == "v2"
@@ -144,8 +146,8 @@ def test_the_unknown_field_message_lists_every_known_field(tmp_path: Path) -> No
         load_model_settings(folder)
     assert str(caught.value) == (
         f"{folder}/model-settings.json: unknown field 'max_batch_sizes' (known: decoupled, "
-        "implementation, inputs, max_batch_size, max_batch_time, max_queue_size, name, outputs, "
-        "parameters, platform, timeout, versions)"
+        "implementation, inputs, max_batch_size, max_batch_time, max_queue_size, "
+        "max_sequence_idle_microseconds, name, outputs, parameters, platform, timeout, versions)"
     )
 
 

@@ -41,6 +41,13 @@ folder (as MLServer resolves it), so the server may run from any working directo
         def predict(self, inputs, parameters):
             return {"y": inputs["x"] @ self.w}
 
+A stateful model keeps per-sequence state in its process: the requests of one sequence
+(tritonclient's ``sequence_id``, ``sequence_start``, ``sequence_end``, which ``predict`` sees in its
+parameters) all run in one worker process, one at a time and in order. Reset a sequence's state at
+``sequence_start`` and drop it at ``sequence_end``; the model is not told when a sequence idles out
+(``max_sequence_idle_microseconds``), so a model that must bound its memory against clients that
+never end their sequences bounds it itself.
+
 To fail a request with a status of your choice, raise
 ``trio_infer.errors.InferError("message", StatusCode.X)``; any other exception fails the request
 with ``INTERNAL`` and the exception's type and message.

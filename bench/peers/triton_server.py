@@ -1,5 +1,6 @@
-"""Start Triton's own ``tritonserver``, from the ``nvidia-pytriton`` wheel, with ``dense`` and
-``sleep`` on its Python backend (runs in Triton's venv: ``bench/.venvs/triton``).
+"""Start Triton's own ``tritonserver``, from the ``nvidia-pytriton`` wheel, with ``dense``,
+``sleep``, ``add_sub`` and ``ticks`` (decoupled) on its Python backend (runs in Triton's venv:
+``bench/.venvs/triton``).
 
 Usage: ``python triton_server.py GRPC_PORT WORKERS [--no-batching]``.
 
@@ -40,9 +41,12 @@ def model_configs(workers: int, batching: bool) -> dict[str, str]:
     ``sleep``: one request per call (``max_batch_size`` 1, so a request is ``[1, n]``); its
     dynamic batcher has two priority levels, so that request parameter ``priority`` 1 goes
     ahead of the default (2), as in trio-infer.
+    ``add_sub``: rows of two FP32[16] inputs, batched as ``dense`` (always, as trio-infer's).
+    ``ticks``: decoupled (``model_transaction_policy``), one request per call, several responses.
     """
     instances = f"instance_group [{{ count: {workers} kind: KIND_CPU }}]"
-    dense_batcher = "dynamic_batching { max_queue_delay_microseconds: 0 }" if batching else ""
+    batcher = "dynamic_batching { max_queue_delay_microseconds: 0 }"
+    dense_batcher = batcher if batching else ""
     return {
         "dense": f"""name: "dense"
 backend: "python"
@@ -59,6 +63,24 @@ input [{{ name: "x" data_type: TYPE_FP32 dims: [ -1 ] }}]
 output [{{ name: "x" data_type: TYPE_FP32 dims: [ -1 ] }}]
 {instances}
 dynamic_batching {{ priority_levels: 2 default_priority_level: 2 }}
+""",
+        "add_sub": f"""name: "add_sub"
+backend: "python"
+max_batch_size: 64
+input [{{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }},
+       {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }}]
+output [{{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }},
+        {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }}]
+{instances}
+{batcher}
+""",
+        "ticks": f"""name: "ticks"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [{{ name: "x" data_type: TYPE_FP32 dims: [ -1, 16 ] }}]
+output [{{ name: "y" data_type: TYPE_FP32 dims: [ -1, 16 ] }}]
+{instances}
 """,
     }
 

@@ -33,6 +33,7 @@ from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.admission import Admission, Reservation, estimate_output_bytes
 from trio_infer.scheduling.batching import Batching
 from trio_infer.scheduling.priority import take_priority
+from trio_infer.scheduling.sequences import SequenceFlags, sequence_of
 from trio_infer.workers.pool import CALLS_PER_WORKER, WorkerPool
 
 __all__ = ["SERVER_NAME", "SERVER_VERSION", "InferenceCore"]
@@ -163,7 +164,12 @@ class InferenceCore:
         with self.admission.model_slot(settings):
             priority, parameters = _model_parameters(request, context)
             outputs = await self._predict(
-                settings, request.inputs, parameters, priority, context.deadline
+                settings,
+                request.inputs,
+                parameters,
+                priority,
+                context.deadline,
+                sequence_of(parameters),
             )
         return InferenceResponse(
             model_name=settings.name,
@@ -197,6 +203,7 @@ class InferenceCore:
         self._admit(settings, request, context)
         with self.admission.model_slot(settings):
             priority, parameters = _model_parameters(request, context)
+            sequence = sequence_of(parameters)
 
             async def each(outputs: dict[str, np.ndarray]) -> None:
                 await respond(
@@ -213,10 +220,14 @@ class InferenceCore:
                 limit = min(limit, trio.current_time() + settings.timeout)
             if limit >= context.deadline:
                 # The call's own scope enforces its deadline.
-                await self.pool.generate(settings, request.inputs, parameters, each, priority)
+                await self.pool.generate(
+                    settings, request.inputs, parameters, each, priority, sequence
+                )
                 return
             with trio.move_on_at(limit):
-                await self.pool.generate(settings, request.inputs, parameters, each, priority)
+                await self.pool.generate(
+                    settings, request.inputs, parameters, each, priority, sequence
+                )
                 return
             raise InferError(
                 f"model '{settings.name}' did not end within its timeout of {settings.timeout:g} s",
@@ -246,6 +257,7 @@ class InferenceCore:
         parameters: Parameters,
         priority: int,
         deadline: float,
+        sequence: SequenceFlags | None,
     ) -> dict[str, np.ndarray]:
         # The caller's deadline is already the call's cancel scope. A model's own timeout
         # bounds callers that set none (or a later one), so a hung model cannot hold a worker
@@ -255,9 +267,13 @@ class InferenceCore:
             limit = min(deadline, trio.current_time() + settings.timeout)
         if limit >= deadline:
             # The call's own scope enforces its deadline.
-            return await self._run_on_worker(settings, inputs, parameters, priority, deadline)
+            return await self._run_on_worker(
+                settings, inputs, parameters, priority, deadline, sequence
+            )
         with trio.move_on_at(limit):
-            return await self._run_on_worker(settings, inputs, parameters, priority, limit)
+            return await self._run_on_worker(
+                settings, inputs, parameters, priority, limit, sequence
+            )
         raise InferError(
             f"model '{settings.name}' did not answer within its timeout of {settings.timeout:g} s",
             StatusCode.DEADLINE_EXCEEDED,
@@ -270,10 +286,12 @@ class InferenceCore:
         parameters: Parameters,
         priority: int,
         limit: float,
+        sequence: SequenceFlags | None,
     ) -> dict[str, np.ndarray]:
         batcher = self.batching.get(settings.name)
-        if batcher is None:
-            return await self.pool.predict(settings, inputs, parameters, priority)
+        if batcher is None or sequence is not None:
+            # A sequence's requests run one at a time on its worker: never in a batch.
+            return await self.pool.predict(settings, inputs, parameters, priority, sequence)
         # The batch is dispatched in time for the call's limit.
         return await batcher.predict(inputs, parameters, limit, priority)
 

@@ -9,6 +9,7 @@ bytes are is this module's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -240,64 +241,98 @@ class GrpcService:
         the request's id). A message that fails is answered with its ``error_message`` and the
         stream goes on; the stream's own deadline, a reset or a lost connection ends them all.
 
-        The next message is read only once the one before is admitted (its bytes reserved) and
-        while fewer than ``_STREAM_IN_FLIGHT`` are in flight, so a client that sends faster
-        than the models serve is held back by HTTP/2 flow control; one whose message the
-        budget refuses outright ends the stream (RESOURCE_EXHAUSTED): its body cannot be
-        skipped without being read.
+        The next message is read only once the one before is admitted (its bytes reserved,
+        here, in order) and while fewer than ``_STREAM_IN_FLIGHT`` are in flight, so a client
+        that sends faster than the models serve is held back by HTTP/2 flow control; one whose
+        message the budget refuses outright ends the stream (RESOURCE_EXHAUSTED): its body
+        cannot be skipped without being read. Messages that arrived together are admitted in
+        one pass and their tasks start together, so they reach a batching model together.
         """
         sending = trio.Lock()  # one message at a time on the stream, each whole
         slots = trio.Semaphore(_STREAM_IN_FLIGHT)
+        turns = _SequenceTurns()
         refused: InferError | None = None
         async with trio.open_nursery() as messages:
             while (length := await call.receive_message_length()) is not None:
-                await slots.acquire()
+                # Without a pass of the scheduler when a slot is free (Semaphore.acquire always
+                # yields): messages that came together are admitted together.
                 try:
-                    await messages.start(self._stream_message, call, length, sending, slots)
-                except InferError as error:
+                    slots.acquire_nowait()
+                except trio.WouldBlock:
+                    await slots.acquire()
+                # The message's reservation passes to its task, which gives it back.
+                held = contextlib.AsyncExitStack()
+                try:
+                    reservation = await held.enter_async_context(
+                        self.core.reserve(length, call.deadline, call.connection_id)
+                    )
+                    data = await call.receive_message()
+                except BaseException as error:
+                    await held.aclose()
+                    slots.release()
+                    if not isinstance(error, InferError):
+                        raise
                     # Refused before it was read (the budget, its receive timeout): the stream
                     # ends with that status once the messages in flight are answered. Raised
                     # out of the nursery, it would reach the transport wrapped in a group.
                     refused = error
                     break
+                assert data is not None, "an announced message arrives or the call fails"
+                # Parsed here, in the order sent, so that a sequence's requests take their
+                # turns in that order (the tasks started next run in any order).
+                request: Any
+                try:
+                    request = _parsed_infer_request(data)
+                except InferError as error:
+                    request = error
+                del data
+                turn = None if isinstance(request, InferError) else turns.take(request)
+                messages.start_soon(
+                    self._stream_message, call, held, reservation, request, turn, sending, slots
+                )
         if refused is not None:
             raise refused
 
     async def _stream_message(
         self,
         call: Call,
-        length: int,
+        held: contextlib.AsyncExitStack,
+        reservation: Reservation,
+        request: Any,
+        turn: _Turn | None,
         sending: trio.Lock,
         slots: trio.Semaphore,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """One message of a stream, from its admission to its answer."""
+        """One message of a stream, from its admission (``held``, which holds ``reservation``,
+        is the task's to close) to its answer. ``request`` is the parsed request, or the
+        InferError its parse failed with; ``turn`` orders it among its sequence's."""
         try:
-            async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
-                data = await call.receive_message()
-                assert data is not None, "an announced message arrives or the call fails"
-                task_status.started()
-                try:
-                    answer = await self._stream_answer(call, data, reservation, sending)
-                    del data
-                    if answer is not None:
-                        async with sending:
-                            await call.send_message(answer)
-                finally:
-                    # Sent or not, the answer's buffers may be queued: held until written.
-                    call.release_when_written(reservation.release_later())
+            try:
+                if turn is None:
+                    answer = await self._stream_answer(call, request, reservation, sending)
+                else:
+                    async with turn:
+                        answer = await self._stream_answer(call, request, reservation, sending)
+                del request
+                if answer is not None:
+                    await _send_in_turn(call, sending, answer)
+            finally:
+                # Sent or not, the answer's buffers may be queued: held until written.
+                call.release_when_written(reservation.release_later())
+                await held.aclose()
         finally:
             slots.release()
 
     async def _stream_answer(
-        self, call: Call, data: bytes | bytearray, reservation: Reservation, sending: trio.Lock
+        self, call: Call, request: Any, reservation: Reservation, sending: trio.Lock
     ) -> list[Buffer] | None:
         """One stream message's answer: its ModelInferResponse, or its error; None when a
         decoupled model's responses were sent already (:meth:`_stream_each`)."""
-        request = None
         try:
-            request = _parsed_infer_request(data)
+            if isinstance(request, InferError):
+                failure = request
+                request = None
+                raise failure
             context = RequestContext(
                 deadline=call.deadline,
                 headers={name: value for name, value in call.metadata if isinstance(value, str)},
@@ -340,8 +375,7 @@ class GrpcService:
 
         async def send(answer: InferenceResponse, final: bool) -> None:
             encoded = await self._encoded(answer, state, context.reservation, final)
-            async with sending:
-                await call.send_message(stream_response(encoded))
+            await _send_in_turn(call, sending, stream_response(encoded))
 
         async def respond(answer: InferenceResponse) -> None:
             nonlocal held
@@ -521,6 +555,66 @@ def _take_flag(request: Any, name: str) -> bool:
     value = bool(parameter.bool_param)
     del request.parameters[name]
     return value
+
+
+class _Turn:
+    """One request's place among its sequence's on a stream: entered once the request before
+    it has been answered, left when this one has."""
+
+    def __init__(self, before: trio.Event | None, done: trio.Event) -> None:
+        self._before = before
+        self._done = done
+
+    async def __aenter__(self) -> None:
+        if self._before is not None:
+            await self._before.wait()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._done.set()
+
+
+class _SequenceTurns:
+    """A stream's sequences (requests with Triton's ``sequence_id``): each request of one waits
+    for the one sent before it to be answered, so they reach its worker in the order sent (the
+    stream's tasks run in any order). Other requests take no turn."""
+
+    def __init__(self) -> None:
+        #: The last request of each sequence, by (model, version, id): its end.
+        self._last: dict[tuple[str, str, object], trio.Event] = {}
+
+    def take(self, request: Any) -> _Turn | None:
+        """``request``'s turn, taken now; None when it is no sequence's."""
+        parameters = request.parameters
+        if "sequence_id" not in parameters:
+            return None
+        parameter = parameters["sequence_id"]
+        value = getattr(parameter, parameter.WhichOneof("parameter_choice") or "int64_param")
+        if not value:
+            return None
+        key = (request.model_name, request.model_version, value)
+        done = trio.Event()
+        before = self._last.get(key)
+        self._last[key] = done
+        if before is not None and before.is_set():
+            before = None
+        # Keep the table to the sequences with requests in flight.
+        for stale in [k for k, event in self._last.items() if event.is_set()]:
+            del self._last[stale]
+        return _Turn(before, done)
+
+
+async def _send_in_turn(call: Call, sending: trio.Lock, message: list[Buffer]) -> None:
+    """Send one message of a stream whole, after those before it. Without a pass of the
+    scheduler when nothing else is sending (Lock.acquire always yields): answers finished
+    together leave together."""
+    try:
+        sending.acquire_nowait()
+    except trio.WouldBlock:
+        await sending.acquire()
+    try:
+        await call.send_message(message)
+    finally:
+        sending.release()
 
 
 def _parsed_infer_request(data: bytes | bytearray) -> Any:

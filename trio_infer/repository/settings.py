@@ -193,6 +193,9 @@ class ModelSettings:
     decoupled: Annotated[bool, Strict()] = False
     """Whether the model answers a request with 0..N responses (its ``predict`` is a
     generator): served on ModelStreamInfer only, and never batched."""
+    max_sequence_idle_microseconds: _PositiveCount = 1_000_000
+    """How long a sequence (``trio_infer.scheduling.sequences``) may have no request in flight
+    before it is ended, its worker no longer held for it (Triton's setting and default, 1 s)."""
 
     def __post_init__(self) -> None:
         if self.decoupled and self.max_batch_size > 1:

@@ -36,6 +36,13 @@ running a generating call is sent nothing else until it ends. Calls sent
 after a killed one had not started: they go back to the head of the queue. The lane starts a
 replacement worker, which loads its models when they are next called.
 
+Sequences (``trio_infer.scheduling.sequences``): a call of a stateful model's sequence runs on
+the lane its sequence is pinned to (the least loaded one when the sequence starts). It waits in
+that lane's ``pinned`` queue, in arrival order, which the lane takes after its ``private`` calls
+and before the pool's queue, and no other lane takes. When a lane's worker ends, its sequences are
+lost (their state was in the process): their waiting calls fail with ``Unavailable``, and so do
+their later ones until a ``sequence_start``.
+
 Error handling: a worker that dies mid-call fails that call with ``Unavailable`` naming the
 signal or exit code; the calls sent after it go back to the queue, and the pool keeps serving.
 Each death is one WARNING line: the worker's pid, the cause and the calls it failed. A model's
@@ -91,6 +98,7 @@ from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.model_errors import ModelErrorLog
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY, PRIORITY_LEVELS
 from trio_infer.scheduling.reply import Reply, ReplyStream
+from trio_infer.scheduling.sequences import Pin, SequenceFlags, SequenceTable
 from trio_infer.workers import child, wire
 
 __all__ = ["CALLS_PER_WORKER", "GRACE_PERIOD", "STOP_GRACE", "PoolStatistics", "WorkerPool"]
@@ -192,6 +200,8 @@ class WorkerPool:
         # Unbounded here: every call is a request the server has admitted, and admission is
         # what bounds them.
         self._queue = _Queue()
+        # The live sequences, each pinned to a lane (see ``predict``).
+        self._sequences: SequenceTable[_Lane] = SequenceTable()
         self._ids = itertools.count()
         self._closing = False
         self._crashed = 0
@@ -326,6 +336,7 @@ class WorkerPool:
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
         priority: int = DEFAULT_PRIORITY,
+        sequence: SequenceFlags | None = None,
     ) -> dict[str, np.ndarray]:
         """Run one model call in a worker, waiting for a free worker first.
 
@@ -341,11 +352,19 @@ class WorkerPool:
         model's call time may depend on its inputs, and a call that is not started teaches
         nothing: so after a few refusals in a row, one call is started anyway.
 
+        A call of a ``sequence`` (:mod:`trio_infer.scheduling.sequences`) runs on the worker
+        of its sequence, after the sequence's earlier calls, whatever its priority: the first
+        call of a sequence picks the least loaded lane, and the sequence's later calls wait in
+        that lane's own queue, which it takes before the pool's. A sequence whose worker ends
+        (a crash, or a kill on cancel) is lost: its calls that wait fail, and so do its later
+        ones until a ``sequence_start`` begins it again.
+
         Args:
             settings: The model; a worker loads it on first use.
             inputs: The input tensors by name.
             parameters: The request's parameters.
             priority: The call's level, 1 (the highest) to ``PRIORITY_LEVELS``.
+            sequence: The sequence the call belongs to, if any.
 
         Returns:
             The model's outputs by name.
@@ -354,10 +373,13 @@ class WorkerPool:
             InferError: The model raised one; its status is kept.
             ModelFailed: The model raised anything else, or returned something other than
                 ``dict[str, numpy.ndarray]``.
-            Unavailable: The worker process died during the call, or the pool is closed.
+            Unavailable: The worker process died during the call, or the pool is closed, or
+                the call's sequence was lost with its worker.
+            InvalidInput: The call's sequence is not live and the call does not start it.
         """
         call = self._model_call(settings, child.predict, inputs, parameters)
-        outputs: dict[str, np.ndarray] = await self._submit(call, self._queue.level(priority))
+        home = self._home(call, settings, sequence, priority)
+        outputs: dict[str, np.ndarray] = await self._submit(call, home)
         return outputs
 
     async def generate(
@@ -367,6 +389,7 @@ class WorkerPool:
         parameters: Parameters,
         each: Callable[[dict[str, np.ndarray]], Awaitable[None]],
         priority: int = DEFAULT_PRIORITY,
+        sequence: SequenceFlags | None = None,
     ) -> None:
         """Run a decoupled model's call in a worker: ``await each(outputs)`` for every item its
         generator yields, as it comes, in order; return at the generator's end.
@@ -379,7 +402,10 @@ class WorkerPool:
             InferError: The model raised one (after the items yielded before it).
             ModelFailed: The model raised anything else, its ``predict`` is not a generator,
                 or an item is not ``dict[str, numpy.ndarray]``.
-            Unavailable: The worker process died during the call, or the pool is closed.
+            Unavailable: The worker process died during the call, or the pool is closed, or
+                the call's sequence was lost with its worker.
+            InvalidInput: The call's sequence is not live and the call does not start it (a
+                call of a ``sequence`` runs as ``predict`` says).
         """
         call = self._model_call(settings, child.generate, inputs, parameters)
         call.decoupled = True
@@ -387,17 +413,21 @@ class WorkerPool:
             wire.ITEMS_AHEAD, partial(self._credit, call)
         )
         call.reply = stream
-        self._enqueue(call, self._queue.level(priority))
+        home = self._home(call, settings, sequence, priority)
         try:
-            while True:
-                more, item = await stream.next()
-                if not more:
-                    return
-                assert item is not None
-                await each(item)
+            self._enqueue(call, home)
+            try:
+                while True:
+                    more, item = await stream.next()
+                    if not more:
+                        return
+                    assert item is not None
+                    await each(item)
+            finally:
+                if not stream.filled:
+                    self._abandon(call)
         finally:
-            if not stream.filled:
-                self._abandon(call)
+            self._finished(call)
 
     def _credit(self, call: _Call) -> None:
         if call.lane is not None:
@@ -437,6 +467,7 @@ class WorkerPool:
 
     def _replace_crashed_lane(self, lane: _Lane, crash: BaseException) -> None:
         self._lane_crashes += 1
+        self._sequences.lose(lane, f"worker lane {lane.index} crashed")
         failed = lane.fail_held()
         if not lane.crashed_in_life:
             worker = "it had no worker process"
@@ -486,13 +517,59 @@ class WorkerPool:
         )
 
     async def _submit(self, call: _Call, home: deque[_Call]) -> Any:
-        self._enqueue(call, home)
-        assert isinstance(call.reply, Reply), "a generating call is WorkerPool.generate's"
         try:
-            return await call.reply.wait()
+            self._enqueue(call, home)
+            assert isinstance(call.reply, Reply), "a generating call is WorkerPool.generate's"
+            try:
+                return await call.reply.wait()
+            finally:
+                if not call.reply.filled:
+                    self._abandon(call)
         finally:
-            if not call.reply.filled:
-                self._abandon(call)
+            self._finished(call)
+
+    def _home(
+        self, call: _Call, settings: ModelSettings, sequence: SequenceFlags | None, priority: int
+    ) -> deque[_Call]:
+        """The queue a call waits in: its priority level's, or its sequence's lane's."""
+        home = self._queue.level(priority)
+        if sequence is None:
+            return home
+        call.pin = self._sequences.route(
+            settings.name,
+            sequence,
+            settings.max_sequence_idle_microseconds / 1e6,
+            trio.current_time(),
+            self._least_loaded_lane,
+        )
+        return call.pin.holder.pinned
+
+    def _finished(self, call: _Call) -> None:
+        if call.pin is not None:
+            self._sequences.finished(call.pin, trio.current_time())
+
+    def _least_loaded_lane(self) -> _Lane:
+        """Where a new sequence runs: a lane that is up, with the fewest calls, then the fewest
+        sequences."""
+        return min(
+            self._lanes,
+            key=lambda lane: (
+                lane.down,
+                len(lane.outstanding) + len(lane.pinned),
+                self._sequences.held_by(lane),
+                lane.index,
+            ),
+        )
+
+    def _lose_sequences(self, lane: _Lane, cause: str) -> None:
+        """Mark the sequences of a lane whose worker ended lost, and fail their waiting calls
+        (every call in ``pinned``: each was routed before the worker ended)."""
+        self._sequences.lose(lane, cause)
+        for call in lane.pinned:
+            assert call.pin is not None, "a call in a lane's pinned queue has a sequence"
+            call.pin.lose(cause)  # one that ended (sequence_end) is no longer in the table
+            call.reply.set_error(Unavailable(call.pin.lost or ""))
+        lane.pinned.clear()
 
     def _enqueue(self, call: _Call, home: deque[_Call]) -> None:
         if self._closing:
@@ -566,7 +643,9 @@ class WorkerPool:
 
     def _close(self) -> None:
         self._closing = True
-        queues: list[_Queue | deque[_Call]] = [self._queue, *(lane.private for lane in self._lanes)]
+        queues: list[_Queue | deque[_Call]] = [self._queue]
+        for lane in self._lanes:
+            queues += [lane.private, lane.pinned]
         for queue in queues:
             for call in queue:
                 call.reply.set_error(
@@ -691,6 +770,8 @@ class _Call:
     """Sent whatever its deadline, after refusals in a row, to learn the call time again."""
     decoupled: bool = False
     """A generating call (``WorkerPool.generate``): its reply is a ``ReplyStream``."""
+    pin: Pin[_Lane] | None = None
+    """The sequence it belongs to: its home is then its lane's ``pinned``."""
 
 
 class _Lane:
@@ -715,6 +796,9 @@ class _Lane:
         self._start_failures: set[str] = set()
         self.private: deque[_Call] = deque()
         """Calls for this worker only (a warm-up), taken before the pool's queue."""
+        self.pinned: deque[_Call] = deque()
+        """Calls of the sequences this worker runs, in arrival order: taken after ``private``,
+        before the pool's queue, and by no other lane."""
         self.outstanding: deque[_Call] = deque()
         self.connected = False
         self._cancels: list[int] = []
@@ -774,7 +858,7 @@ class _Lane:
     def waiting(self) -> int:
         """Calls for this worker that will run but have not started."""
         sent = sum(1 for call in itertools.islice(self.outstanding, 1, None) if not call.abandoned)
-        return len(self.private) + sent
+        return len(self.private) + len(self.pinned) + sent
 
     def fail_held(self) -> int:
         """Fail every call this lane holds, after its task crashed; return how many.
@@ -783,9 +867,14 @@ class _Lane:
         failed rather than sent back to the queue: the one that caused the crash could crash the
         next lane too.
         """
-        calls = [call for call in [*self.outstanding, *self.private] if not call.reply.filled]
+        calls = [
+            call
+            for call in [*self.outstanding, *self.private, *self.pinned]
+            if not call.reply.filled
+        ]
         self.outstanding.clear()
         self.private.clear()
+        self.pinned.clear()
         for call in calls:
             call.reply.set_error(
                 InferError(
@@ -830,7 +919,7 @@ class _Lane:
                         await self._sleep()
 
     def _has_work(self) -> bool:
-        if self.private:
+        if self.private or self.pinned:
             return True
         pool = self._pool
         # A live idle worker elsewhere takes the pool's calls sooner than a new one here.
@@ -1036,6 +1125,10 @@ class _Lane:
             return None
         if self.outstanding and self.outstanding[-1].decoupled:
             return None  # it may run for long: a call sent behind it would wait as long
+        while self.pinned:  # no other lane takes them
+            call = self.pinned.popleft()
+            if pool._in_time(call, self):
+                return call
         if self.outstanding and any(lane.live and not lane.outstanding for lane in pool._lanes):
             return None  # an idle worker starts it sooner
         while pool._queue:
@@ -1166,8 +1259,10 @@ class _Lane:
         self._failed_starts += 1
         self._pool._failed_starts += 1
         error = self.start_error()
-        waiting = list(self.private)
+        self._pool._lose_sequences(self, f"a worker process could not start: {self._exit_cause}")
+        waiting = list(self.private) + list(self.pinned)
         self.private.clear()
+        self.pinned.clear()
         if any(lane.live or not lane.down for lane in self._pool._lanes):
             self._pool._wake_lanes()  # a busy worker may take more now that this one is gone
         else:
@@ -1198,11 +1293,12 @@ class _Lane:
         self._credits.clear()
         self._stop_by = math.inf
         if not orderly or pool._closing:
-            for call in calls + list(self.private):
+            for call in calls + list(self.private) + list(self.pinned):
                 call.reply.set_error(
                     Unavailable(f"the worker pool is shut down (while {call.what})")
                 )
             self.private.clear()
+            self.pinned.clear()
             return
         crashed = not self._killed and not self._leaving
         if crashed:
@@ -1229,6 +1325,11 @@ class _Lane:
         for call in reversed(calls):
             call.lane = None
             call.home.appendleft(call)
+        # Its sequences' state went with the process: their waiting calls fail, as will their
+        # later ones until a sequence_start begins them again.
+        pid = self.pid if self.pid is not None else "pid unknown"
+        cause = self._exit_cause if crashed else "stopped by the pool"
+        pool._lose_sequences(self, f"process {pid}, {cause}")
         if crashed:
             _log.warning(
                 "worker process %s died (%s): %d call(s) failed with it, %d sent back to the "
