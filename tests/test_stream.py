@@ -3,6 +3,7 @@ raw HTTP/2 client that never reads."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import time
@@ -13,12 +14,14 @@ from typing import Any
 import grpc
 import h2.config
 import h2.connection
+import h2.settings
 import numpy as np
+import pytest
 import trio
 import tritonclient.grpc as triton
 
 from tests.probe import Probe, probe_request, process_exists, start_probe
-from tests.support import GrpcioClient, eventually
+from tests.support import GrpcioClient, eventually, start_server
 from tests.test_hostile import REQUEST_HEADERS, Bystander, echo_of, grpc_message
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs
@@ -268,3 +271,38 @@ async def test_the_timeout_parameter_bounds_a_unary_call_too(server: RunningServ
     request.parameters["timeout"].int64_param = 0  # none
     request.parameters["delay_ms"].int64_param = 10
     assert decode_outputs(await client.call("ModelInfer", request, timeout=10))["x"].tolist() == [0]
+
+
+def _stream_to_a_client_that_opens_no_window(port: int) -> list[str]:
+    """One stream message whose answer cannot be sent (the client's window is 100 bytes and
+    it never opens more); the h2 events the server's bytes make, for 3 s."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 100})
+    client.send_headers(1, STREAM_HEADERS)
+    client.send_data(1, grpc_message(echo_of(np.zeros(256, np.float32))))
+    events: list[str] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(0.2)
+        sock.sendall(client.data_to_send())
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            events += [type(event).__name__ for event in client.receive_data(chunk)]
+            sock.sendall(client.data_to_send())  # SETTINGS ACKs; never a WINDOW_UPDATE
+    return events
+
+
+async def test_a_stream_whose_answer_cannot_be_sent_ends_alone_without_a_traceback(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = await start_server(nursery, send_timeout=0.5)
+    events = await trio.to_thread.run_sync(_stream_to_a_client_that_opens_no_window, server.port)
+    assert "StreamReset" in events  # half an answer was sent: the stream is reset
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    await Bystander(server.port).call()

@@ -80,6 +80,9 @@ class ServerConfig:
             the call's deadline (what was reserved for it is held no longer).
         handshake_timeout: Seconds a new connection may take to send its HTTP/2 preface.
         idle_timeout: Seconds a connection may carry no call before it is closed.
+        send_timeout: Seconds a response may wait for a client that reads none of it before
+            its call is abandoned (CANCELLED), and a write the socket takes none of before the
+            connection is closed.
         keepalive_min_interval: Seconds a client must leave between two PINGs with no answer
             sent between them; more than two sooner ones end its connection (GOAWAY
             ENHANCE_YOUR_CALM "too_many_pings", as gRPC servers do).
@@ -105,6 +108,7 @@ class ServerConfig:
     handshake_timeout: float = 10.0
     idle_timeout: float = 300.0
     keepalive_min_interval: float = 300.0
+    send_timeout: float = 30.0
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -217,6 +221,7 @@ async def run_server(
             handshake_timeout=config.handshake_timeout,
             idle_timeout=config.idle_timeout,
             min_ping_interval=config.keepalive_min_interval,
+            send_timeout=config.send_timeout,
         )
         grpc = GrpcServer(GrpcService(core).handle, limits, ssl_context=ssl_context)
         listeners = await trio.open_tcp_listeners(config.grpc_port, host=config.host)

@@ -248,11 +248,12 @@ class GrpcService:
         cannot be skipped without being read. Messages that arrived together are admitted in
         one pass and their tasks start together, so they reach a batching model together.
         """
-        sending = trio.Lock()  # one message at a time on the stream, each whole
+        sending = _StreamSender()
         slots = trio.Semaphore(_STREAM_IN_FLIGHT)
         turns = _SequenceTurns()
         refused: InferError | None = None
         async with trio.open_nursery() as messages:
+            sending.scope = messages.cancel_scope
             while (length := await call.receive_message_length()) is not None:
                 # Without a pass of the scheduler when a slot is free (Semaphore.acquire always
                 # yields): messages that came together are admitted together.
@@ -285,11 +286,16 @@ class GrpcService:
                     request = _parsed_infer_request(data)
                 except InferError as error:
                     request = error
+                except Exception:
+                    logger.exception("unexpected error parsing a message of %s", call.method)
+                    request = InferError("internal server error", StatusCode.INTERNAL)
                 del data
                 turn = None if isinstance(request, InferError) else turns.take(request)
                 messages.start_soon(
                     self._stream_message, call, held, reservation, request, turn, sending, slots
                 )
+        if sending.failure is not None:
+            raise sending.failure
         if refused is not None:
             raise refused
 
@@ -300,7 +306,7 @@ class GrpcService:
         reservation: Reservation,
         request: Any,
         turn: _Turn | None,
-        sending: trio.Lock,
+        sending: _StreamSender,
         slots: trio.Semaphore,
     ) -> None:
         """One message of a stream, from its admission (``held``, which holds ``reservation``,
@@ -315,7 +321,8 @@ class GrpcService:
                         answer = await self._stream_answer(call, request, reservation, sending)
                 del request
                 if answer is not None:
-                    await _send_in_turn(call, sending, answer)
+                    with contextlib.suppress(InferError):  # the stream ends with it
+                        await sending.send(call, answer)
             finally:
                 # Sent or not, the answer's buffers may be queued: held until written.
                 call.release_when_written(reservation.release_later())
@@ -324,7 +331,7 @@ class GrpcService:
             slots.release()
 
     async def _stream_answer(
-        self, call: Call, request: Any, reservation: Reservation, sending: trio.Lock
+        self, call: Call, request: Any, reservation: Reservation, sending: _StreamSender
     ) -> list[Buffer] | None:
         """One stream message's answer: its ModelInferResponse, or its error; None when a
         decoupled model's responses were sent already (:meth:`_stream_each`)."""
@@ -355,7 +362,7 @@ class GrpcService:
         return [failed.SerializeToString()]
 
     async def _stream_each(
-        self, call: Call, request: Any, context: RequestContext, sending: trio.Lock
+        self, call: Call, request: Any, context: RequestContext, sending: _StreamSender
     ) -> None:
         """A decoupled model's responses to one stream message, each sent as the model yields
         it, with the request's id and Triton's ``triton_final_response`` parameter.
@@ -375,7 +382,7 @@ class GrpcService:
 
         async def send(answer: InferenceResponse, final: bool) -> None:
             encoded = await self._encoded(answer, state, context.reservation, final)
-            await _send_in_turn(call, sending, stream_response(encoded))
+            await sending.send(call, stream_response(encoded))
 
         async def respond(answer: InferenceResponse) -> None:
             nonlocal held
@@ -603,18 +610,43 @@ class _SequenceTurns:
         return _Turn(before, done)
 
 
-async def _send_in_turn(call: Call, sending: trio.Lock, message: list[Buffer]) -> None:
-    """Send one message of a stream whole, after those before it. Without a pass of the
-    scheduler when nothing else is sending (Lock.acquire always yields): answers finished
-    together leave together."""
-    try:
-        sending.acquire_nowait()
-    except trio.WouldBlock:
-        await sending.acquire()
-    try:
-        await call.send_message(message)
-    finally:
-        sending.release()
+class _StreamSender:
+    """Sends a stream's answers one at a time, each whole. The first send that fails (a client
+    that reads none of its answers for the send timeout, or reset the stream) fails the stream:
+    the messages in flight are cancelled, later sends raise the same error at once (nothing
+    more may follow half a message), and the stream ends with it."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+        self.failure: InferError | None = None
+        #: The scope of the stream's messages, cancelled by a failed send.
+        self.scope = trio.CancelScope()
+
+    async def send(self, call: Call, message: list[Buffer]) -> None:
+        """Send ``message`` after those before it.
+
+        Raises:
+            InferError: this send, or an earlier one, failed.
+        """
+        if self.failure is not None:
+            raise self.failure
+        # Without a pass of the scheduler when nothing else is sending (Lock.acquire always
+        # yields): answers finished together leave together.
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+        try:
+            if self.failure is not None:
+                raise self.failure
+            await call.send_message(message)
+        except InferError as error:
+            if self.failure is None:
+                self.failure = error
+                self.scope.cancel()
+            raise
+        finally:
+            self._lock.release()
 
 
 def _parsed_infer_request(data: bytes | bytearray) -> Any:
