@@ -93,3 +93,21 @@ async def eventually(condition: Callable[[], bool], within: float = 10.0) -> Non
     with trio.fail_after(within):
         while not condition():  # noqa: ASYNC110 - the state lives outside this Trio run
             await trio.sleep(0.01)
+
+
+class Peaks:
+    """The most unsent bytes one connection held, and the most bytes reserved, seen while
+    :meth:`watch` runs (it samples ``server.statistics()`` every 10 ms until cancelled)."""
+
+    def __init__(self, server: RunningServer) -> None:
+        self.server = server
+        self.unsent = 0
+        self.reserved = 0
+
+    async def watch(self) -> None:
+        while True:
+            statistics = self.server.statistics()
+            assert statistics.transport is not None
+            self.unsent = max(self.unsent, statistics.transport.largest_unsent_bytes)
+            self.reserved = max(self.reserved, statistics.admission.reserved_bytes)
+            await trio.sleep(0.01)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import trio
 
-from tests.support import GrpcioClient, eventually, start_server
+from tests.support import GrpcioClient, Peaks, eventually, start_server
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
@@ -661,21 +661,13 @@ async def test_a_client_that_reads_nothing_makes_the_server_hold_a_bounded_backl
     # Tiny requests (a 3 KB path the client's HPACK table holds) each answered with a status,
     # and the client never reads: the server stops reading its requests once its unsent
     # answers pass max_unsent_bytes, so what it holds for the client stays bounded.
-    peak = 0
-
-    async def watch() -> None:
-        nonlocal peak
-        while True:
-            transport = server.statistics().transport
-            assert transport is not None
-            peak = max(peak, transport.largest_unsent_bytes)
-            await trio.sleep(0.01)
-
+    peaks = Peaks(server)
     async with trio.open_nursery() as watching:
-        watching.start_soon(watch)
+        watching.start_soon(peaks.watch)
         sent = await trio.to_thread.run_sync(unknown_method_flood, server.port, 3000, 10.0)
         await Bystander(server.port).call()
         watching.cancel_scope.cancel()
+    peak = peaks.unsent
     bound = ProtocolLimits().max_unsent_bytes
     assert peak > bound / 2, (peak, sent)  # the attack did fill what it could
     # The bound, plus what the requests of the last read before it was passed answer.

@@ -155,21 +155,7 @@ class GrpcService:
         async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
             data = await call.receive_message()
             assert data is not None, "an announced message arrives or the call fails"
-            if (
-                route.fields is not None
-                and len(data) > _MAX_SMALL_MESSAGE
-                and count_fields(data, route.fields, MAX_REQUEST_FIELDS) > MAX_REQUEST_FIELDS
-            ):
-                raise InvalidInput(
-                    f"the request has more than {MAX_REQUEST_FIELDS} fields outside its "
-                    "tensors' contents"
-                )
-            try:
-                # The stubs say bytes; protobuf parses any bytes-like object.
-                request = route.request_type.FromString(data)  # type: ignore[arg-type]
-            except DecodeError:
-                # protobuf's message says no more than which type, under the view's name.
-                raise InvalidInput(f"the request is not a valid {route.message_name}") from None
+            request = _parsed(route, data)
             del data  # the parsed request holds its own copy; drop this one early
             response = await route.handler(request, call, reservation)
             # A unary call is one message. One more that arrived by now fails the call; the
@@ -283,7 +269,7 @@ class GrpcService:
                 # turns in that order (the tasks started next run in any order).
                 request: Any
                 try:
-                    request = _parsed_infer_request(data)
+                    request = _parsed(self._routes[_V2 + "ModelInfer"], data)
                 except InferError as error:
                     request = error
                 except Exception:
@@ -649,25 +635,27 @@ class _StreamSender:
             self._lock.release()
 
 
-def _parsed_infer_request(data: bytes | bytearray) -> Any:
-    """A ModelInferRequest's wire view parsed from ``data``, its fields counted first.
+def _parsed(route: _Route, data: bytes | bytearray) -> Any:
+    """``route``'s request message parsed from ``data``, its fields counted first when the
+    route says so.
 
     Raises:
-        InvalidInput: ``data`` is not a ModelInferRequest, or has too many fields.
+        InvalidInput: ``data`` is not that message, or has too many fields.
     """
     if (
-        len(data) > _MAX_SMALL_MESSAGE
-        and count_fields(data, MODEL_INFER_REQUEST, MAX_REQUEST_FIELDS) > MAX_REQUEST_FIELDS
+        route.fields is not None
+        and len(data) > _MAX_SMALL_MESSAGE
+        and count_fields(data, route.fields, MAX_REQUEST_FIELDS) > MAX_REQUEST_FIELDS
     ):
         raise InvalidInput(
             f"the request has more than {MAX_REQUEST_FIELDS} fields outside its tensors' contents"
         )
     try:
-        return WireInferRequest.FromString(data)
+        # The stubs say bytes; protobuf parses any bytes-like object.
+        return route.request_type.FromString(data)  # type: ignore[arg-type]
     except DecodeError:
-        raise InvalidInput(
-            f"the request is not a valid {pb.ModelInferRequest.DESCRIPTOR.full_name}"
-        ) from None
+        # protobuf's message says no more than which type, under the view's name.
+        raise InvalidInput(f"the request is not a valid {route.message_name}") from None
 
 
 def _own_deadline(request: Any) -> float:
