@@ -13,7 +13,8 @@ only on the ``.proto`` files and on the pinned grpcio-tools and purerpc versions
 The protos are compiled under the virtual path ``trio_infer/protobuf/_proto/``: the descriptors
 are then named ``trio_infer/protobuf/_proto/NAME.proto`` and every import the generators emit is
 package-absolute (``trio_infer.protobuf._proto.NAME_pb2``) rather than a top-level ``NAME_pb2``
-that would not resolve.
+that would not resolve. A proto imports another of ours by that virtual path (``import
+"trio_infer/protobuf/_proto/model_config.proto";``).
 
 Each ``NAME_pb2.py`` is then rewritten to add its file to trio_infer's private descriptor pool
 (``trio_infer/protobuf/_pool.py``) instead of protobuf's default one, where it would collide with
@@ -44,8 +45,12 @@ PROTO_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_DIR.parent
 #: Where the modules live inside the package, and so the virtual path the protos compile under.
 PACKAGE_PATH = "trio_infer/protobuf/_proto"
-PROTOS = ("grpc_predict_v2.proto", "health.proto")
-#: The suffixes written for each proto, replacing ``.proto``.
+#: The protos compiled, in any order: one that imports another (``grpc_predict_v2.proto`` imports
+#: ``model_config.proto``) gets an import of the other's module, which adds that file to the
+#: private pool before its own.
+PROTOS = ("grpc_predict_v2.proto", "health.proto", "model_config.proto")
+#: The suffixes written for each proto, replacing ``.proto``. A proto without services
+#: (``model_config.proto``) still gets both stub modules, empty of stubs: protoc writes them.
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_grpc.py")
 #: The import that each rewritten ``_pb2`` module gains, and the name it binds.
 POOL_IMPORT = "from trio_infer.protobuf import _pool as _private_pool\n"

@@ -47,7 +47,7 @@ async def start_server(
     **overrides: Any,
 ) -> RunningServer:
     """Start a server on a free loopback port and (by default) wait until its models are ready."""
-    settings: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "workers": 2}
+    settings: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0, "workers": 2}
     if repository is not None:
         settings["repository"] = repository
     config = ServerConfig(**(settings | overrides))
@@ -85,6 +85,17 @@ class GrpcioClient:
         """Call ``method``, which must fail; return the error (its code() and details())."""
         with pytest.raises(grpc.RpcError) as caught:
             await self.call(method, request, **kwargs)
+        return caught.value
+
+    async def call_health(self, method: str, request: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on grpc.health.v1.Health."""
+        call = getattr(self.health, method)
+        return await trio.to_thread.run_sync(lambda: call(request, **kwargs))
+
+    async def error_health(self, method: str, request: Any, **kwargs: Any) -> grpc.RpcError:
+        """Call ``method`` on grpc.health.v1.Health, which must fail; return the error."""
+        with pytest.raises(grpc.RpcError) as caught:
+            await self.call_health(method, request, **kwargs)
         return caught.value
 
 

@@ -47,6 +47,7 @@ from trio_infer.scheduling.batching import (
     split_outputs,
 )
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY
+from trio_infer.scheduling.statistics import Timing
 from trio_infer.server import RunningServer
 
 # -- the planner ------------------------------------------------------------------------------
@@ -267,6 +268,8 @@ class CrashingPool:
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
         priority: int = DEFAULT_PRIORITY,
+        *,
+        timing: Timing | None = None,
     ) -> dict[str, np.ndarray]:
         self.calls += 1
         if self.calls == 1:
@@ -383,6 +386,8 @@ class GatedPool:
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
         priority: int = DEFAULT_PRIORITY,
+        *,
+        timing: Timing | None = None,
     ) -> dict[str, np.ndarray]:
         self.holding += 1
         self.calls.append((len(inputs["x"]), priority))

@@ -45,7 +45,8 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
     def start(*options: str) -> Server:
-        argv = ["--host", "127.0.0.1", "--grpc-port", "0", "--workers", "2", *options]
+        argv = ["--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--workers", "2"]
+        argv += options
         argv += ["--grace-period", str(GRACE)]
         server = Server(argv, tmp_path)
         servers.append(server)

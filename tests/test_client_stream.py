@@ -106,7 +106,7 @@ async def test_a_message_timeout_fails_that_message_only(
         slow["x"]
     assert caught.value is slow.error
     assert unknown.error is not None
-    assert unknown.error.message == "model 'no_such_model' is not served here"
+    assert unknown.error.message == "Request for unknown model: 'no_such_model' is not found"
     assert sorted(answers) == sorted(f"ok-{index}" for index in range(10))
     for index in range(10):
         assert answers[f"ok-{index}"].error is None

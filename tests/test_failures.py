@@ -42,8 +42,8 @@ import trio
 
 from tests.probe import process_exists, start_probe
 from tests.support import GrpcioClient, eventually, start_server
-from trio_infer import server as server_module
 from trio_infer.client import InferenceClient
+from trio_infer.core.repository import ModelManager
 from trio_infer.errors import InferError, ModelFailed, StatusCode
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
@@ -339,7 +339,7 @@ async def test_a_crashed_lane_fails_the_calls_it_held_and_a_fresh_lane_serves_th
     await eventually(lambda: not process_exists(pid))  # the lane's worker went with it
 
     statistics = rogues.server.statistics()
-    assert statistics.task_crashes == {"lane": 1, "batcher": 0, "readiness": 0}
+    assert statistics.task_crashes == {"lane": 1, "batcher": 0, "models": 0}
     assert (statistics.pool.lane_crashes, statistics.pool.crashed) == (1, 0)
     [record] = warnings_and_worse(caplog)
     assert (record.name, record.levelno) == ("trio_infer.workers.pool", logging.ERROR)
@@ -419,7 +419,7 @@ async def test_a_crashed_batcher_fails_its_batch_and_a_fresh_batcher_serves_the_
         await rogues.call("rogue_batched")
 
     statistics = rogues.server.statistics()
-    assert statistics.task_crashes == {"lane": 0, "batcher": 1, "readiness": 0}
+    assert statistics.task_crashes == {"lane": 0, "batcher": 1, "models": 0}
     assert statistics.batching["rogue_batched"].batcher_crashes == 1
     [record] = warnings_and_worse(caplog)
     assert (record.name, record.levelno) == ("trio_infer.scheduling.batching", logging.ERROR)
@@ -433,31 +433,31 @@ async def test_a_crashed_batcher_fails_its_batch_and_a_fresh_batcher_serves_the_
     assert statistics.pool.crashed == 0  # the worker is not to blame here, nor replaced
 
 
-async def test_a_crashed_readiness_keeper_is_run_again_and_the_server_becomes_ready(
+async def test_a_crashed_model_operation_fails_alone_and_the_server_becomes_ready(
     nursery: trio.Nursery,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Nothing real makes the keeper raise: one function of it is made to, once.
-    real = server_module._load_everywhere
+    # Nothing real makes an operation raise: the first load of the served models is made to.
+    real = ModelManager._load_served
     calls = 0
 
-    async def load_once(*args: Any) -> bool:
+    async def load_once(self: ModelManager) -> None:
         nonlocal calls
         calls += 1
         if calls == 1:
-            raise AssertionError("a readiness bug")
-        return await real(*args)
+            raise AssertionError("a model-loading bug")
+        await real(self)
 
-    monkeypatch.setattr(server_module, "_load_everywhere", load_once)
+    monkeypatch.setattr(ModelManager, "_load_served", load_once)
     rogues = await start_rogues(nursery, tmp_path)  # waits until ready
-    assert rogues.server.statistics().task_crashes == {"lane": 0, "batcher": 0, "readiness": 1}
+    assert rogues.server.statistics().task_crashes == {"lane": 0, "batcher": 0, "models": 1}
     [record] = warnings_and_worse(caplog)
-    assert (record.name, record.levelno) == ("trio_infer.server", logging.ERROR)
+    assert (record.name, record.levelno) == ("trio_infer.core.repository", logging.ERROR)
     assert record.getMessage().startswith(
-        "internal error: the readiness keeper crashed (AssertionError: a readiness bug); a "
-        "fresh one starts in "
+        "internal error: a model operation crashed (AssertionError: a model-loading bug); the "
+        "served models are loaded again in "
     )
     assert record.exc_info is not None
     await rogues.call()

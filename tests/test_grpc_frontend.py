@@ -1,5 +1,5 @@
-"""The gRPC front-end's side of the core's contract: what the core puts in a request's context
-reaches the client as gRPC metadata. A real transport on a loopback port, real worker processes,
+"""The gRPC front-end's side of the core's contract: the metadata of the core's answer reaches
+the client as gRPC metadata. A real transport on a loopback port, real worker processes,
 a grpcio client."""
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ class TaggingCore(InferenceCore):
 
     async def infer(self, request: InferenceRequest, context: RequestContext) -> InferenceResponse:
         response = await super().infer(request, context)
-        context.response_headers.append(("x-request-id", request.id))
-        context.response_trailers.append(("x-served-by", response.model_name))
+        response.headers = {"x-call": request.id}
+        response.trailers = {"x-served-by": response.model_name}
         return response
 
 
-async def test_response_headers_and_trailers_from_the_context_reach_the_client(
+async def test_response_headers_and_trailers_from_the_core_reach_the_client(
     nursery: trio.Nursery,
 ) -> None:
     registry = ModelRegistry(load_repository(EXAMPLES))
@@ -49,6 +49,6 @@ async def test_response_headers_and_trailers_from_the_context_reach_the_client(
         response, call = await client.call_with_metadata("ModelInfer", request, timeout=10)
 
         np.testing.assert_array_equal(decode_outputs(response)["x"], x)
-        assert ("x-request-id", "call-7") in call.initial_metadata()
+        assert ("x-call", "call-7") in call.initial_metadata()
         assert ("x-served-by", "echo") in call.trailing_metadata()
         nursery.cancel_scope.cancel()

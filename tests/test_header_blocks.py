@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tests.support import GRPC_REQUEST, MiB, client_and_server
 from trio_infer.errors import StatusCode
 from trio_infer.transport.grpc_protocol import _REQUEST_HEADERS, ProtocolLimits, ServerProtocol
-from trio_infer.transport.header_blocks import CachingDecoder, CachingEncoder
+from trio_infer.transport.header_blocks import CachingDecoder, CachingEncoder, never_indexed
 
 # A small alphabet makes blocks repeat (cache hits) and tables churn (entries added, evicted).
 _fields = st.tuples(
@@ -227,3 +227,22 @@ def test_each_request_is_parsed_for_itself_when_header_lists_repeat() -> None:
         (7, "M", 5.0, (("x-tag", "b"),)),
     ]
     assert received[0] is not received[1]
+
+
+@given(
+    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=300),
+    st.integers(min_value=1, max_value=3),
+)
+def test_a_never_indexed_field_appended_to_remembered_blocks_reads_as_sent(
+    value: str, blocks: int
+) -> None:
+    encoder, decoder = CachingEncoder(), hpack.Decoder()
+    fields = [(":status", "200"), ("content-type", "application/grpc")]
+    for _ in range(blocks):  # the first indexes the fields, the later ones are remembered
+        decoder.decode(encoder.encode(fields))
+    table = len(decoder.header_table.dynamic_entries)
+    block = encoder.encode(fields) + never_indexed("x-request-id", value)
+    assert _as_str(decoder.decode(block, raw=True)) == [*fields, ("x-request-id", value)]
+    # Neither table took the field: the next remembered block still means the same.
+    assert len(decoder.header_table.dynamic_entries) == table
+    assert _as_str(decoder.decode(encoder.encode(fields), raw=True)) == fields

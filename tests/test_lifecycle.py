@@ -244,7 +244,10 @@ async def test_a_model_that_cannot_load_is_not_ready_and_the_others_serve(
     request = pb.ModelInferRequest(model_name="broken")
     error = await probe.client.error("ModelInfer", request)
     assert error.code() == grpc.StatusCode.UNAVAILABLE
-    assert error.details() == "model 'broken' is not ready"
+    # The client is told why, not only the log.
+    assert error.details() == (
+        "model 'broken' is not ready: loading model 'broken' failed: OSError: weights file missing"
+    )
     assert await probe.call(deadline=5) > 0
 
 

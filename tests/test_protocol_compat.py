@@ -2,8 +2,10 @@
 
 Third-party clients (tritonclient, KServe's SDK, anything generated from Triton's
 grpc_service.proto) only interoperate if every message we define has exactly their field names,
-numbers, types, labels, oneofs and map shapes, and every method we serve has their name, types
-and streaming flags. tritonclient ships Triton's descriptors, so we compare against them.
+numbers, types, labels, oneofs and map shapes, every enum their value names and numbers, and
+every method we serve has their name, types and streaming flags. tritonclient ships Triton's
+descriptors (grpc_service.proto and the model_config.proto it imports), so we compare against
+them.
 
 Each side is loaded in a subprocess of its own, which prints its serialized
 ``FileDescriptorProto``; here they are only parsed as plain messages, never registered, so what
@@ -58,6 +60,16 @@ def triton() -> descriptor_pb2.FileDescriptorProto:
     return _load("tritonclient.grpc.service_pb2")
 
 
+@pytest.fixture(scope="module")
+def ours_config() -> descriptor_pb2.FileDescriptorProto:
+    return _load("trio_infer.protobuf._proto.model_config_pb2")
+
+
+@pytest.fixture(scope="module")
+def triton_config() -> descriptor_pb2.FileDescriptorProto:
+    return _load("tritonclient.grpc.model_config_pb2")
+
+
 def _messages(messages: Any, prefix: str) -> dict[str, descriptor_pb2.DescriptorProto]:
     """Flatten messages, nested ones included, keyed by fully qualified name."""
     found: dict[str, descriptor_pb2.DescriptorProto] = {}
@@ -66,6 +78,17 @@ def _messages(messages: Any, prefix: str) -> dict[str, descriptor_pb2.Descriptor
         found[name] = message
         found.update(_messages(message.nested_type, name))
     return found
+
+
+def _enums(
+    file: descriptor_pb2.FileDescriptorProto,
+) -> dict[str, dict[str, int]]:
+    """Every enum of a file, nested ones included, keyed by fully qualified name: its values'
+    numbers by name."""
+    found = {f".{file.package}.{enum.name}": enum for enum in file.enum_type}
+    for name, message in _messages(file.message_type, f".{file.package}").items():
+        found.update({f"{name}.{enum.name}": enum for enum in message.enum_type})
+    return {name: {v.name: v.number for v in enum.value} for name, enum in found.items()}
 
 
 def _field_signature(
@@ -95,9 +118,11 @@ def test_same_package(
     assert ours.syntax == triton.syntax == "proto3"
 
 
-def test_every_message_matches_triton(
+def _differences(
     ours: descriptor_pb2.FileDescriptorProto, triton: descriptor_pb2.FileDescriptorProto
-) -> None:
+) -> list[str]:
+    """How the messages and enums ``ours`` defines differ from Triton's of the same names (what
+    Triton has and we do not define is not a difference)."""
     ours_by_name = _messages(ours.message_type, f".{ours.package}")
     triton_by_name = _messages(triton.message_type, f".{triton.package}")
     problems: list[str] = []
@@ -116,10 +141,22 @@ def test_every_message_matches_triton(
                 )
         if [o.name for o in message.oneof_decl] != [o.name for o in theirs.oneof_decl]:
             problems.append(f"{name}: oneofs differ")
-        if [e.name for e in message.enum_type] or [e.name for e in theirs.enum_type]:
-            problems.append(f"{name}: unexpected nested enums")
+        if sorted(e.name for e in message.enum_type) != sorted(e.name for e in theirs.enum_type):
+            problems.append(f"{name}: nested enums differ")
+    triton_enums = _enums(triton)
+    for name, values in _enums(ours).items():
+        if values != triton_enums.get(name):
+            problems.append(f"{name}: ours {values} != Triton {triton_enums.get(name)}")
+    return problems
+
+
+def test_every_message_matches_triton(
+    ours: descriptor_pb2.FileDescriptorProto, triton: descriptor_pb2.FileDescriptorProto
+) -> None:
+    problems = _differences(ours, triton)
     assert not problems, "\n".join(problems)
     # Guard the comparison itself: it must have looked at the whole protocol.
+    ours_by_name = _messages(ours.message_type, f".{ours.package}")
     for required in (
         ".inference.ModelInferRequest.InferInputTensor",
         ".inference.ModelInferResponse.InferOutputTensor",
@@ -127,8 +164,52 @@ def test_every_message_matches_triton(
         ".inference.InferTensorContents",
         ".inference.ModelStreamInferResponse",
         ".inference.RepositoryModelLoadRequest.ParametersEntry",
+        ".inference.ModelConfigResponse",
+        ".inference.ModelStatisticsResponse",
+        ".inference.ModelStatistics.ResponseStatsEntry",
+        ".inference.InferBatchStatistics",
     ):
         assert required in ours_by_name
+
+
+def test_model_config_matches_triton(
+    ours_config: descriptor_pb2.FileDescriptorProto,
+    triton_config: descriptor_pb2.FileDescriptorProto,
+) -> None:
+    assert ours_config.package == triton_config.package == "inference"
+    assert ours_config.syntax == triton_config.syntax == "proto3"
+    problems = _differences(ours_config, triton_config)
+    assert not problems, "\n".join(problems)
+    # A config carries whatever Triton's ModelConfig may hold: every message and enum it
+    # reaches, through fields and nesting, is defined here too.
+    theirs = _messages(triton_config.message_type, f".{triton_config.package}")
+    triton_enums = _enums(triton_config)
+    reached: set[str] = set()
+    pending = [".inference.ModelConfig"]
+    while pending:
+        name = pending.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        if name in theirs:
+            pending.extend(f.type_name for f in theirs[name].field if f.type_name)
+            pending.extend(f"{name}.{nested.name}" for nested in theirs[name].nested_type)
+            pending.extend(f"{name}.{enum.name}" for enum in theirs[name].enum_type)
+    defined = _messages(ours_config.message_type, f".{ours_config.package}").keys()
+    missing = sorted(reached - defined - _enums(ours_config).keys())
+    assert not missing, f"Triton's ModelConfig reaches what we do not define: {missing}"
+    assert ".inference.DataType" in reached & triton_enums.keys()
+    assert ".inference.ModelSequenceBatching.Control.Kind" in reached
+
+
+def test_the_services_model_config_is_the_model_config_protos(
+    ours: descriptor_pb2.FileDescriptorProto, triton: descriptor_pb2.FileDescriptorProto
+) -> None:
+    # Both import their model_config.proto (ours under its package path) for ModelConfig.
+    assert [d.rsplit("/", 1)[-1] for d in ours.dependency] == list(triton.dependency)
+    assert list(triton.dependency) == ["model_config.proto"]
+    [config] = [f for m in ours.message_type if m.name == "ModelConfigResponse" for f in m.field]
+    assert config.type_name == ".inference.ModelConfig"
 
 
 def test_service_methods_match_triton(
@@ -160,6 +241,8 @@ def test_service_methods_match_triton(
         "ModelMetadata",
         "ModelInfer",
         "ModelStreamInfer",
+        "ModelConfig",
+        "ModelStatistics",
         "RepositoryIndex",
         "RepositoryModelLoad",
         "RepositoryModelUnload",

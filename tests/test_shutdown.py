@@ -326,7 +326,7 @@ def serve(repository: Path, tmp_path: Path) -> Iterator[Callable[..., Server]]:
     def start(*, grace: float | str, args: tuple[str, ...] | None = None) -> Server:
         if args is None:
             args = (str(repository), "--host", "127.0.0.1", "--grpc-port", "0")
-        argv = [*args, "--workers", "2", "--grace-period", str(grace)]
+        argv = [*args, "--http-port", "0", "--workers", "2", "--grace-period", str(grace)]
         server = Server(argv, tmp_path)
         servers.append(server)
         return server

@@ -310,8 +310,9 @@ def test_raw_count_mismatch() -> None:
 def test_raw_and_typed_mixed() -> None:
     request = raw_request(("A", "FP32", [1], bytes(4)))
     request.inputs[0].contents.fp32_contents.append(1.0)
-    assert "input 'A' has typed contents.fp32_contents but the request uses raw" in (
-        decode_error(request)
+    assert decode_error(request) == (
+        "contents field must not be specified when using raw_input_contents for 'A' for model "
+        "'': send every input raw or every input typed, not both"
     )
 
 

@@ -79,5 +79,8 @@ async def test_tritonclient_calls_every_rpc_unchanged(server: RunningServer) -> 
         "sum_absent": True,
         "id": "triton-1",
         "bytes_ok": True,
-        "error": ["StatusCode.NOT_FOUND", "model 'no_such_model' is not served here"],
+        "error": [
+            "StatusCode.NOT_FOUND",
+            "Request for unknown model: 'no_such_model' is not found",
+        ],
     }

@@ -1,7 +1,8 @@
 """Byte buffers sent in order with vectored writes, none of them joined first.
 
-Both sockets that carry tensors use this: a worker's (:mod:`trio_infer.workers.wire`) and a
-client's (:mod:`trio_infer.transport.grpc_server`), so that a large array goes from its own
+The sockets that carry tensors use this: a worker's (:mod:`trio_infer.workers.wire`) and a
+client's (:mod:`trio_infer.transport.grpc_server`, :mod:`~trio_infer.transport.http_server`), so
+that a large array goes from its own
 memory to the kernel without a copy in Python. It sits below both, importing nothing of the
 package: the worker side must not import the transport.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["MAX_BUFFERS", "Buffer", "unsent", "write_some"]
+__all__ = ["MAX_BUFFERS", "Buffer", "first_bytes", "unsent", "write_some"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -43,3 +44,15 @@ def write_some(fd: int, buffers: Sequence[Buffer]) -> list[Buffer]:
         OSError: The connection is broken or closed.
     """
     return unsent(buffers, os.writev(fd, buffers[:MAX_BUFFERS]))
+
+
+def first_bytes(buffers: Sequence[Buffer], limit: int) -> bytearray:
+    """The first ``limit`` bytes of ``buffers`` (all of them, if fewer), joined: a piece to
+    encrypt and send, where every byte is copied anyway."""
+    joined = bytearray()
+    for part in buffers:
+        with memoryview(part) as view, view.cast("B") as raw:
+            joined += raw[: limit - len(joined)]
+        if len(joined) >= limit:
+            break
+    return joined

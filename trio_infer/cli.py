@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from trio_infer.repository.settings import SettingsError, load_repository
+from trio_infer.logs import LOG_FORMATS
+from trio_infer.logs import configure as configure_logs
+from trio_infer.repository.settings import SettingsError
 
 # Worker processes re-import the main script, which for the installed command imports this
 # module: the server is imported inside functions so that each worker does not load it too.
@@ -37,7 +39,6 @@ logger = logging.getLogger("trio_infer")
 
 _MAX_MESSAGE_SIZE = 1024 * 1024 * 1024
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _TLS_OPTIONS = {"certificate": "--tls-cert", "key": "--tls-key", "client CA": "--tls-client-ca"}
 
 
@@ -49,16 +50,42 @@ class _OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _true_or_false(value: str) -> bool:
+    """``true`` or ``false`` (any case), as Triton's boolean options take them."""
+    lowered = value.lower()
+    if lowered not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return lowered == "true"
+
+
+def _restriction(value: str) -> tuple[str, str]:
+    """Triton's ``<groups>:<header>=<value>``; the one group served is ``model-repository``."""
+    groups, colon, rule = value.partition(":")
+    header, equals, expected = rule.partition("=")
+    if not colon or not equals or not header or not expected:
+        raise argparse.ArgumentTypeError(
+            f"expected model-repository:HEADER=VALUE, got {value[:100]!r}"
+        )
+    for group in groups.split(","):
+        if group != "model-repository":
+            raise argparse.ArgumentTypeError(
+                f"only the model-repository group can be restricted, got {group[:100]!r}"
+            )
+    return header.lower(), expected
+
+
 def _parser() -> argparse.ArgumentParser:
+    from trio_infer.core.repository import ControlMode
     from trio_infer.core.service import SERVER_NAME, SERVER_VERSION
     from trio_infer.server import ServerConfig
 
     parser = _OneLineErrors(
-        prog="trio-infer", description="An Open Inference Protocol (KServe V2) gRPC model server."
+        prog="trio-infer",
+        description="An Open Inference Protocol (KServe V2) gRPC and REST model server.",
     )
     parser.add_argument("--version", action="version", version=f"{SERVER_NAME} {SERVER_VERSION}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a model repository over gRPC")
+    serve = commands.add_parser("serve", help="serve a model repository over gRPC and REST")
     defaults = ServerConfig()
     serve.add_argument(
         "repository",
@@ -75,6 +102,55 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=defaults.grpc_port,
         help="gRPC port; 0 picks a free port and logs it (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=defaults.http_port,
+        help="REST (HTTP/1.1) port, same host; 0 picks a free port and logs it (default: "
+        "%(default)s)",
+    )
+    serve.add_argument("--no-http", action="store_true", help="serve no REST port (gRPC only)")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve GET /metrics on this port of its own (it is always on the REST port); "
+        "0 picks a free port and logs it (default: none)",
+    )
+    serve.add_argument(
+        "--model-control-mode",
+        choices=[mode.value for mode in ControlMode],
+        default=defaults.model_control_mode.value,
+        help="Triton's modes: none, every model loaded at start and the repository extension's "
+        "load/unload refused; explicit, the --load-model ones loaded at start and load/unload "
+        "served; poll, every model at start and the folder followed (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --model-control-mode explicit: load this model at start (repeatable; '*' "
+        "loads every one)",
+    )
+    serve.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=defaults.repository_poll_interval,
+        help="with --model-control-mode poll: seconds between two reads of the repository "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--grpc-restricted-protocol",
+        "--http-restricted-api",
+        dest="restricted",
+        type=_restriction,
+        default=None,
+        metavar="model-repository:HEADER=VALUE",
+        help="Triton's option: the repository extension's calls (index, load, unload; gRPC and "
+        "REST) are refused unless they carry this header with this value; loading a model runs "
+        "its code",
     )
     serve.add_argument(
         "--workers",
@@ -172,17 +248,32 @@ def _parser() -> argparse.ArgumentParser:
         "with --debug); libraries log at WARNING at most",
     )
     serve.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text lines, or one JSON object per line (time, level, logger, message and the "
+        "record's fields) (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per call (logger trio_infer.access): protocol, method, model, "
+        "status, duration, bytes in and out, request id",
+    )
+    serve.add_argument(
+        "--strict-readiness",
+        type=_true_or_false,
+        default=defaults.strict_readiness,
+        metavar="true|false",
+        help="ready only when every model is ready (default: true); false: ready whenever the "
+        "server runs, so one broken model does not take it out of a load balancer",
+    )
+    serve.add_argument(
         "--debug",
         action="store_true",
         help="tracebacks in model error messages, and the server's debug logs",
     )
     return parser
-
-
-def _configure_logging(level: int) -> None:
-    # The libraries' loggers inherit the root's level; ours (the "trio_infer" tree) get theirs.
-    logging.basicConfig(level=max(level, logging.WARNING), format=_LOG_FORMAT)
-    logging.getLogger("trio_infer").setLevel(level)
 
 
 async def _serve_until_signalled(config: ServerConfig) -> int | None:
@@ -222,15 +313,29 @@ async def _serve_then_stop(
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``trio-infer`` command; returns the process exit status."""
+    from trio_infer.core.repository import ControlMode
+
     args = _parser().parse_args(argv)
     level = args.log_level or ("DEBUG" if args.debug else "INFO")
-    _configure_logging(logging.getLevelNamesMapping()[level])
+    configure_logs(logging.getLevelNamesMapping()[level], args.log_format, args.access_log)
     if args.workers < 1:
         logger.error("--workers must be at least 1")
         return 2
     if not 0 <= args.grpc_port <= 65535:
         # The OS would take the port modulo 65536 and serve somewhere nobody asked for.
         logger.error("--grpc-port must be between 0 and 65535")
+        return 2
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        logger.error("--metrics-port must be between 0 and 65535")
+        return 2
+    if args.load_model and args.model_control_mode != ControlMode.EXPLICIT:
+        logger.error("--load-model needs --model-control-mode explicit")
+        return 2
+    if not 0 < args.repository_poll_secs < math.inf:  # also catches NaN
+        logger.error("--repository-poll-secs must be a number of seconds, more than 0")
+        return 2
+    if not 0 <= args.http_port <= 65535:
+        logger.error("--http-port must be between 0 and 65535 (--no-http serves no REST)")
         return 2
     if not 0 < args.max_message_size <= _MAX_MESSAGE_SIZE:
         # An admitted message opens its stream's HTTP/2 window by its size, which the protocol
@@ -270,12 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls_cert is not None and args.tls_key is None:
         logger.error("--tls-cert needs --tls-key")
         return 2
-    from trio_infer.server import ServerConfig
+    from trio_infer.server import ServerConfig, models_at_start
 
     config = ServerConfig(
         repository=args.repository,
         host=args.host,
         grpc_port=args.grpc_port,
+        http_port=None if args.no_http else args.http_port,
         workers=args.workers,
         grace_period=args.grace_period,
         max_message_size=args.max_message_size,
@@ -290,6 +396,13 @@ def main(argv: list[str] | None = None) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        access_log=args.access_log,
+        strict_readiness=args.strict_readiness,
+        metrics_port=args.metrics_port,
+        model_control_mode=ControlMode(args.model_control_mode),
+        load_models=tuple(args.load_model),
+        repository_poll_interval=args.repository_poll_secs,
+        repository_control_header=args.restricted,
         debug=args.debug,
     )
     if config.tls_cert is not None and config.tls_key is not None:
@@ -303,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         # Checked before starting anything, so a typo in a settings file is one clear line.
-        load_repository(config.repository)
+        models_at_start(config)
     except SettingsError as exc:
         logger.error("%s", exc)
         return 2
@@ -318,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             status = 128 + forced
     except* OSError as group:
         for error in group.exceptions:
-            logger.error("cannot serve on %s:%d: %s", config.host, config.grpc_port, error)
+            # run_server names the address it could not bind (gRPC's or REST's).
+            where = getattr(error, "filename", None) or f"{config.host}:{config.grpc_port}"
+            logger.error("cannot serve on %s: %s", where, getattr(error, "strerror", None) or error)
         status = 1
     return status

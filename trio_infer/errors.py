@@ -1,20 +1,26 @@
-"""Every way a request can fail, and the one gRPC status each maps to.
+"""Every way a request can fail, and the one gRPC status (and HTTP status) each maps to.
 
 This module is the status table of the server. Code anywhere in the pipeline raises one of the
 exceptions below; the transport turns it into the call's status and message, once, at the edge.
+The REST front-end answers the HTTP status of the same row
+(:func:`trio_infer.frontends.http_service.http_status`): Triton's where Triton has the code, the
+``google.rpc.Code`` mapping where it has not (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED).
 
-| exception         | cause                                                 | gRPC status        |
-| ----------------- | ----------------------------------------------------- | ------------------ |
-| ``ModelNotFound`` | unknown model or version                              | NOT_FOUND          |
-| ``InvalidInput``  | malformed request: shapes, datatypes, sizes, names    | INVALID_ARGUMENT   |
-| ``Unavailable``   | model not ready, server draining, worker process died | UNAVAILABLE        |
-| ``Overloaded``    | a queue or memory bound is full (the bound is named)  | RESOURCE_EXHAUSTED |
-| ``ModelFailed``   | the model raised                                      | INTERNAL           |
-| ``Unimplemented`` | method not served                                     | UNIMPLEMENTED      |
-| ``InferError``    | a model that chose its own status                     | the chosen one     |
+| exception         | cause                                         | gRPC status        | HTTP |
+| ----------------- | --------------------------------------------- | ------------------ | ---- |
+| ``ModelNotFound`` | unknown model or version                      | NOT_FOUND          | 404  |
+| ``InvalidInput``  | malformed: shapes, datatypes, sizes, names    | INVALID_ARGUMENT   | 400  |
+| ``Unavailable``   | model not ready, server draining, worker died | UNAVAILABLE        | 503  |
+| ``Overloaded``    | a queue or memory bound is full (named)       | RESOURCE_EXHAUSTED | 429  |
+| ``ModelFailed``   | the model raised                              | INTERNAL           | 500  |
+| ``Unimplemented`` | method not served (decoupled model over REST) | UNIMPLEMENTED      | 501  |
+| ``InferError``    | a model that chose its own status             | the chosen one     | its  |
+| (a cancel scope)  | the deadline passed                           | DEADLINE_EXCEEDED  | 504  |
+| (a cancel scope)  | the client cancelled                          | CANCELLED          | none |
 
 Deadline expiry (DEADLINE_EXCEEDED) and client cancellation (CANCELLED) are not exceptions: they
-are cancel scopes owned by the request, and the transport reports them.
+are cancel scopes owned by the request, and the transport reports them. A REST client that went
+away is sent nothing; Triton's 400 for CANCELLED is what a model that raises it gets.
 """
 
 from __future__ import annotations

@@ -48,6 +48,20 @@ parameters) all run in one worker process, one at a time and in order. Reset a s
 (``max_sequence_idle_microseconds``), so a model that must bound its memory against clients that
 never end their sequences bounds it itself.
 
+To send response metadata, return a :class:`Response` instead of the dict::
+
+    def predict(self, inputs, parameters):
+        y, hit = self.cached(inputs["x"])
+        return Response({"y": y}, headers={"x-cache": "hit" if hit else "miss"})
+
+On a unary call ``headers`` are the response's initial metadata (gRPC) or headers (REST), and
+``trailers`` its trailing metadata (REST sends them as headers: HTTP/1.1 responses have no
+trailers here). On a stream (ModelStreamInfer) the first response sent carries the stream's
+initial metadata, so the headers of that response are sent there; the headers of later responses
+and the trailers of all go in the stream's trailers, the last value of a name winning. A batched
+model's metadata goes to every request of the batch; a decoupled model may yield ``Response``
+items too.
+
 To fail a request with a status of your choice, raise
 ``trio_infer.errors.InferError("message", StatusCode.X)``; any other exception fails the request
 with ``INTERNAL`` and the exception's type and message.
@@ -56,16 +70,55 @@ with ``INTERNAL`` and the exception's type and message.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from trio_infer.repository.settings import ModelSettings
 
-__all__ = ["Model", "ParameterValue", "Parameters"]
+__all__ = [
+    "MAX_RESPONSE_METADATA",
+    "Model",
+    "ModelOutputs",
+    "ParameterValue",
+    "Parameters",
+    "Response",
+]
 
 #: The types a request parameter can have (the protocol's ``InferParameter`` choices).
 ParameterValue = bool | int | float | str
+
+
+#: The most bytes (names and values) of headers, or of trailers, one model response may set, and
+#: a stream's trailers may gather: with the server's own, well under the 8 KiB of metadata gRPC
+#: clients take by default.
+MAX_RESPONSE_METADATA = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """A model's outputs with response metadata: what ``predict`` may return (or a decoupled
+    model yield) instead of the bare dict of outputs.
+
+    Names are lower-cased; a name must be made of ``a-z 0-9 - _ .`` and a value of printable
+    ASCII (gRPC's rules for text metadata); names of the protocols' own (``content-type``,
+    ``grpc-*``, ``x-request-id``...) and binary ones (``-bin``) are refused, and so is more than
+    4 KiB of metadata in all: a model breaking these fails its request (``INTERNAL``) with a
+    message naming the problem.
+
+    Args:
+        outputs: The output tensors by name, as ``predict`` would return them.
+        headers: Response headers (gRPC initial metadata).
+        trailers: Response trailers (gRPC trailing metadata).
+    """
+
+    outputs: dict[str, np.ndarray]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    trailers: Mapping[str, str] = field(default_factory=dict)
+
+
+#: What a model call gives back: the outputs by name, or a :class:`Response` with metadata.
+ModelOutputs = dict[str, np.ndarray] | Response
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -139,9 +192,7 @@ class Model:
                 the next request tries to load the model again.
         """
 
-    def predict(
-        self, inputs: dict[str, np.ndarray], parameters: Parameters
-    ) -> dict[str, np.ndarray]:
+    def predict(self, inputs: dict[str, np.ndarray], parameters: Parameters) -> ModelOutputs:
         """Compute the outputs of one request (or one batch) from its inputs.
 
         Args:
@@ -150,7 +201,8 @@ class Model:
             parameters: The request's parameters, per-tensor parameters and headers.
 
         Returns:
-            The output tensors by name.
+            The output tensors by name, or a :class:`Response` holding them with response
+            metadata.
 
         Raises:
             trio_infer.errors.InferError: To end the request with the status it carries.

@@ -18,22 +18,31 @@ from importlib.metadata import PackageNotFoundError, version
 import numpy as np
 import trio
 
+from trio_infer.core.model_config import ModelConfiguration, model_configuration
 from trio_infer.core.types import (
     InferenceRequest,
     InferenceResponse,
     ModelMetadata,
+    ModelStatistics,
     RequestContext,
     ServerMetadata,
 )
-from trio_infer.core.validation import select_outputs, validate_inputs
-from trio_infer.errors import InferError, StatusCode, Unavailable, Unimplemented
-from trio_infer.model import Parameters
+from trio_infer.core.validation import (
+    has_batch_dimension,
+    select_outputs,
+    validate_batch,
+    validate_inputs,
+    validate_outputs,
+)
+from trio_infer.errors import InferError, ModelNotFound, StatusCode, Unavailable, Unimplemented
+from trio_infer.model import ModelOutputs, Parameters, Response
 from trio_infer.repository.registry import ModelRegistry
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.admission import Admission, Reservation, estimate_output_bytes
-from trio_infer.scheduling.batching import Batching
+from trio_infer.scheduling.batching import Batching, batch_rows
 from trio_infer.scheduling.priority import take_priority
 from trio_infer.scheduling.sequences import SequenceFlags, sequence_of
+from trio_infer.scheduling.statistics import ModelRecorder, RequestTiming, StatisticsRecorder
 from trio_infer.workers.pool import CALLS_PER_WORKER, WorkerPool
 
 __all__ = ["SERVER_NAME", "SERVER_VERSION", "InferenceCore"]
@@ -56,23 +65,38 @@ class InferenceCore:
         registry: The served models and their readiness.
         pool: Where model code runs.
         admission: The memory budget and the per-model queue bounds.
+        strict_readiness: Whether the server is ready only when every model is (Triton's
+            ``--strict-readiness``); with False, whenever it runs and is not shutting down.
     """
 
-    def __init__(self, registry: ModelRegistry, pool: WorkerPool, admission: Admission) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        pool: WorkerPool,
+        admission: Admission,
+        *,
+        strict_readiness: bool = True,
+    ) -> None:
         self.registry = registry
+        self.strict_readiness = strict_readiness
         self.pool = pool
         self.admission = admission
         workers = pool.statistics().workers
+        self.recorder = StatisticsRecorder()
+        """Each model's request statistics (``recorder.statistics()``): every request of a
+        served model that reaches :meth:`infer` or :meth:`infer_each` is recorded."""
         self.batching = Batching(
             registry,
             pool,
             batchers=workers,
             ahead=workers * (CALLS_PER_WORKER - 1),
             model_errors=pool.model_errors,
+            recorder=self.recorder,
         )
         """The batchers of the models that batch; the server runs and stops them."""
         self.draining = False
-        """Set when the server shuts down: readiness turns false so load balancers move on."""
+        """Set when the server shuts down (:meth:`start_draining`): readiness turns false so
+        load balancers move on."""
 
     # -- health and metadata ------------------------------------------------------------------
 
@@ -81,8 +105,34 @@ class InferenceCore:
         return True
 
     def server_ready(self) -> bool:
-        """Whether every model is ready and the server is not shutting down."""
-        return not self.draining and self.registry.all_ready()
+        """Whether the server is not shutting down and (with strict readiness) every model is
+        ready."""
+        return not self.draining and (not self.strict_readiness or self.registry.all_ready())
+
+    def health(self, service: str) -> bool | None:
+        """The readiness a health check reports for ``service``: ``""`` (or the V2 service's
+        name) is the server, a model's name that model; None for a name that is neither."""
+        if service in ("", "inference.GRPCInferenceService"):
+            return self.server_ready()
+        try:
+            return self.model_ready(service)
+        except ModelNotFound:
+            return None
+
+    @property
+    def health_changes(self) -> int:
+        """A count of the changes to readiness, for :meth:`wait_health_changed`."""
+        return self.registry.changes
+
+    async def wait_health_changed(self, since: int) -> None:
+        """Wait until a model's readiness or the server's may have changed (a model loaded or
+        lost, the drain started) since :attr:`health_changes` was ``since``."""
+        await self.registry.wait_changed(since)
+
+    def start_draining(self) -> None:
+        """Shutdown starts: the server and every model report not ready from now on."""
+        self.draining = True
+        self.registry.notify()
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """Whether a model can take requests now.
@@ -112,6 +162,35 @@ class InferenceCore:
             inputs=settings.inputs,
             outputs=settings.outputs,
         )
+
+    def model_config(self, name: str, version: str = "") -> ModelConfiguration:
+        """A model's configuration in Triton's terms (Triton's ModelConfig).
+
+        Raises:
+            ModelNotFound: No such model (or version) is served.
+        """
+        settings = self.registry.lookup(name, version)
+        return model_configuration(settings, self.pool.statistics().workers)
+
+    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
+        """The request statistics of model ``name`` (``""``: of every served model, by name),
+        zeros for a model that has had no request yet (Triton's ModelStatistics).
+
+        Raises:
+            ModelNotFound: ``name`` is given and no such model (or version) is served.
+        """
+        models = (
+            sorted(self.registry, key=lambda s: s.name)
+            if not name
+            else [self.registry.lookup(name, version)]
+        )
+        recorded = {(s.name, s.version): s for s in self.recorder.statistics()}
+        # Read-only: a model without a recorder yet gets a fresh one's zeros, not a recorder
+        # (which would make it appear in the metrics as if it had been called).
+        return [
+            recorded.get((s.name, s.version)) or ModelRecorder(s.name, s.version).statistics()
+            for s in models
+        ]
 
     # -- inference ----------------------------------------------------------------------------
 
@@ -154,29 +233,27 @@ class InferenceCore:
             InferError: With the status the status table gives its cause.
         """
         settings = self.registry.lookup(request.model_name, request.model_version)
-        if settings.decoupled:
-            raise Unimplemented(
-                f"model '{settings.name}' is decoupled (0..N responses per request): call it on "
-                "a stream (ModelStreamInfer); ModelInfer doesn't support models with decoupled "
-                "transaction policy"
-            )
-        self._admit(settings, request, context)
-        with self.admission.model_slot(settings):
-            priority, parameters = _model_parameters(request, context)
-            outputs = await self._predict(
-                settings,
-                request.inputs,
-                parameters,
-                priority,
-                context.deadline,
-                sequence_of(parameters),
-            )
-        return InferenceResponse(
-            model_name=settings.name,
-            model_version=settings.version,
-            id=request.id,
-            outputs=select_outputs(outputs, request.outputs, settings.name),
-        )
+        recorder = self.recorder.model(settings.name, settings.version)
+        with recorder.request(context.deadline) as timing:
+            if settings.decoupled:
+                raise Unimplemented(
+                    f"model '{settings.name}' is decoupled (0..N responses per request): call it "
+                    "on a stream (ModelStreamInfer); ModelInfer doesn't support models with "
+                    "decoupled transaction policy"
+                )
+            self._admit(settings, request, context)
+            with self.admission.model_slot(settings):
+                priority, parameters = _model_parameters(request, context)
+                outputs = await self._predict(
+                    settings,
+                    request.inputs,
+                    parameters,
+                    priority,
+                    context.deadline,
+                    sequence_of(parameters),
+                    timing,
+                )
+            return _response(settings, request, outputs)
 
     async def infer_each(
         self,
@@ -200,39 +277,38 @@ class InferenceCore:
         if not settings.decoupled:
             await respond(await self.infer(request, context))
             return
-        self._admit(settings, request, context)
-        with self.admission.model_slot(settings):
-            priority, parameters = _model_parameters(request, context)
-            sequence = sequence_of(parameters)
+        recorder = self.recorder.model(settings.name, settings.version)
+        with recorder.request(context.deadline) as timing:
+            self._admit(settings, request, context)
+            with self.admission.model_slot(settings):
+                priority, parameters = _model_parameters(request, context)
+                sequence = sequence_of(parameters)
 
-            async def each(outputs: dict[str, np.ndarray]) -> None:
-                await respond(
-                    InferenceResponse(
-                        model_name=settings.name,
-                        model_version=settings.version,
-                        id=request.id,
-                        outputs=select_outputs(outputs, request.outputs, settings.name),
+                async def each(outputs: ModelOutputs) -> None:
+                    await respond(_response(settings, request, outputs))
+
+                limit = context.deadline
+                if settings.timeout is not None:
+                    limit = min(limit, trio.current_time() + settings.timeout)
+                timing.queued = trio.current_time()
+                if limit >= context.deadline:
+                    # The call's own scope enforces its deadline.
+                    await self.pool.generate(
+                        settings, request.inputs, parameters, each, priority, sequence, timing
                     )
+                    timing.executed(1)
+                    return
+                with trio.move_on_at(limit):
+                    await self.pool.generate(
+                        settings, request.inputs, parameters, each, priority, sequence, timing
+                    )
+                    timing.executed(1)
+                    return
+                raise InferError(
+                    f"model '{settings.name}' did not end within its timeout of "
+                    f"{settings.timeout:g} s",
+                    StatusCode.DEADLINE_EXCEEDED,
                 )
-
-            limit = context.deadline
-            if settings.timeout is not None:
-                limit = min(limit, trio.current_time() + settings.timeout)
-            if limit >= context.deadline:
-                # The call's own scope enforces its deadline.
-                await self.pool.generate(
-                    settings, request.inputs, parameters, each, priority, sequence
-                )
-                return
-            with trio.move_on_at(limit):
-                await self.pool.generate(
-                    settings, request.inputs, parameters, each, priority, sequence
-                )
-                return
-            raise InferError(
-                f"model '{settings.name}' did not end within its timeout of {settings.timeout:g} s",
-                StatusCode.DEADLINE_EXCEEDED,
-            )
 
     def _admit(
         self, settings: ModelSettings, request: InferenceRequest, context: RequestContext
@@ -240,8 +316,13 @@ class InferenceCore:
         """Check that the model is ready and the request fits it and the budget."""
         # Draining is not checked here: a request accepted before shutdown is served to the end.
         if not self.registry.is_ready(settings.name):
-            raise Unavailable(f"model '{settings.name}' is not ready")
+            reason = self.registry.reason(settings.name)
+            raise Unavailable(
+                f"model '{settings.name}' is not ready" + (f": {reason}" if reason else "")
+            )
         validate_inputs(request.inputs, settings.inputs, settings.name)
+        if has_batch_dimension(settings):
+            validate_batch(request.inputs, settings.name)
         reservation = context.reservation
         extra = (
             estimate_output_bytes(request.inputs, settings.outputs)
@@ -258,7 +339,8 @@ class InferenceCore:
         priority: int,
         deadline: float,
         sequence: SequenceFlags | None,
-    ) -> dict[str, np.ndarray]:
+        timing: RequestTiming,
+    ) -> ModelOutputs:
         # The caller's deadline is already the call's cancel scope. A model's own timeout
         # bounds callers that set none (or a later one), so a hung model cannot hold a worker
         # and a caller forever.
@@ -268,11 +350,11 @@ class InferenceCore:
         if limit >= deadline:
             # The call's own scope enforces its deadline.
             return await self._run_on_worker(
-                settings, inputs, parameters, priority, deadline, sequence
+                settings, inputs, parameters, priority, deadline, sequence, timing
             )
         with trio.move_on_at(limit):
             return await self._run_on_worker(
-                settings, inputs, parameters, priority, limit, sequence
+                settings, inputs, parameters, priority, limit, sequence, timing
             )
         raise InferError(
             f"model '{settings.name}' did not answer within its timeout of {settings.timeout:g} s",
@@ -287,13 +369,56 @@ class InferenceCore:
         priority: int,
         limit: float,
         sequence: SequenceFlags | None,
-    ) -> dict[str, np.ndarray]:
+        timing: RequestTiming,
+    ) -> ModelOutputs:
+        timing.queued = trio.current_time()
         batcher = self.batching.get(settings.name)
         if batcher is None or sequence is not None:
             # A sequence's requests run one at a time on its worker: never in a batch.
-            return await self.pool.predict(settings, inputs, parameters, priority, sequence)
-        # The batch is dispatched in time for the call's limit.
-        return await batcher.predict(inputs, parameters, limit, priority)
+            outputs = await self.pool.predict(
+                settings, inputs, parameters, priority, sequence, timing
+            )
+            # Triton's counts: a request of a model that does not batch is one inference,
+            # one of a model that does is as many as its rows.
+            rows = None if batcher is None else batch_rows(inputs)
+            timing.executed(1 if rows is None else rows)
+            return outputs
+        # The batch is dispatched in time for the call's limit; the batcher records its
+        # executions.
+        return await batcher.predict(inputs, parameters, limit, priority, timing)
+
+
+def _response(
+    settings: ModelSettings, request: InferenceRequest, outputs: ModelOutputs
+) -> InferenceResponse:
+    """The answer to ``request`` from its model's outputs (and metadata), which must be the
+    declared outputs (``ModelFailed`` otherwise)."""
+    if settings.outputs:
+        # The request's inputs passed validate_batch in _admit: this cannot raise.
+        batch = None
+        if has_batch_dimension(settings):
+            batch = validate_batch(request.inputs, settings.name)
+        validate_outputs(
+            outputs.outputs if isinstance(outputs, Response) else outputs,
+            settings.outputs,
+            settings.name,
+            batch,
+        )
+    if isinstance(outputs, Response):
+        return InferenceResponse(
+            model_name=settings.name,
+            model_version=settings.version,
+            id=request.id,
+            outputs=select_outputs(outputs.outputs, request.outputs, settings.name),
+            headers=outputs.headers,
+            trailers=outputs.trailers,
+        )
+    return InferenceResponse(
+        model_name=settings.name,
+        model_version=settings.version,
+        id=request.id,
+        outputs=select_outputs(outputs, request.outputs, settings.name),
+    )
 
 
 def _model_parameters(request: InferenceRequest, context: RequestContext) -> tuple[int, Parameters]:

@@ -15,12 +15,15 @@ import numpy as np
 from trio_infer.model import ParameterValue
 from trio_infer.repository.settings import TensorSpec
 from trio_infer.scheduling.admission import Reservation
+from trio_infer.scheduling.statistics import ModelStatistics
 
-# Reservation and TensorSpec are re-exported: a front-end sees them through the core only.
+# Reservation, ModelStatistics and TensorSpec are re-exported: a front-end sees them through the
+# core only.
 __all__ = [
     "InferenceRequest",
     "InferenceResponse",
     "ModelMetadata",
+    "ModelStatistics",
     "RequestContext",
     "Reservation",
     "ServerMetadata",
@@ -55,17 +58,22 @@ class InferenceRequest:
 
 @dataclass(slots=True)
 class InferenceResponse:
-    """The answer to an :class:`InferenceRequest`: its outputs, in the order to send them."""
+    """The answer to an :class:`InferenceRequest`: its outputs, in the order to send them, and
+    the metadata its model set (:class:`trio_infer.model.Response`), checked already."""
 
     model_name: str
     model_version: str
     id: str
     outputs: list[tuple[str, np.ndarray]]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """Sent before the response (gRPC initial metadata, HTTP headers)."""
+    trailers: Mapping[str, str] = field(default_factory=dict)
+    """Sent after it (gRPC trailing metadata; HTTP/1.1 sends them as headers)."""
 
 
 @dataclass(slots=True)
 class RequestContext:
-    """What the core needs of the entrance a request came through, and what it may send back.
+    """What the core needs of the entrance a request came through.
 
     Args:
         deadline: The caller's deadline on the Trio clock (``math.inf`` when it set none). The
@@ -80,10 +88,6 @@ class RequestContext:
     deadline: float
     headers: Mapping[str, str]
     reservation: Reservation
-    response_headers: list[tuple[str, str]] = field(default_factory=list)
-    """Sent before the response (gRPC initial metadata, HTTP headers)."""
-    response_trailers: list[tuple[str, str]] = field(default_factory=list)
-    """Sent after it (gRPC trailing metadata; HTTP has no trailers and sends them as headers)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,12 @@
-"""Checking a decoded request against its model's declared tensors (pure functions).
+"""Checking a request and its model's answer against the model's declared tensors (pure
+functions).
 
 Every front-end decodes a request's tensors first, checking that each is well formed on its own
 (its datatype, its shape, data that fills it); what is checked here is whether they are what the
-model declared. Every mismatch raises :class:`~trio_infer.errors.InvalidInput` naming the model
-and the tensor.
+model declared, and whether the inputs of a model with a batch dimension agree on it. Every
+mismatch of a request raises :class:`~trio_infer.errors.InvalidInput` naming the model and the
+tensor. A model's outputs are checked against its declared outputs the same way; a mismatch
+there is the model's fault and raises :class:`~trio_infer.errors.ModelFailed` (INTERNAL).
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from trio_infer.datatypes import datatype_of, shape_text
-from trio_infer.errors import InvalidInput
-from trio_infer.repository.settings import TensorSpec
+from trio_infer.errors import InvalidInput, ModelFailed
+from trio_infer.repository.settings import ModelSettings, TensorSpec
 
-__all__ = ["select_outputs", "validate_inputs"]
+__all__ = [
+    "has_batch_dimension",
+    "select_outputs",
+    "validate_batch",
+    "validate_inputs",
+    "validate_outputs",
+]
 
 
 def _quoted(names: Iterable[str]) -> str:
@@ -71,6 +80,139 @@ def validate_inputs(
     missing = [name for name in specs if name not in inputs]
     if missing:
         raise InvalidInput(f"model '{model_name}': request is missing input(s) {_quoted(missing)}")
+
+
+def has_batch_dimension(settings: ModelSettings) -> bool:
+    """Whether a model's tensors have a batch dimension first, as Triton's do when
+    ``max_batch_size`` is more than 0.
+
+    Here the declared shapes include it: it is the first dimension when ``max_batch_size`` is
+    more than 0 and every declared input has ``-1`` there (a model with fixed first dimensions
+    has none, and does not batch).
+    """
+    return settings.max_batch_size > 0 and all(spec.shape[:1] == (-1,) for spec in settings.inputs)
+
+
+def validate_batch(inputs: Mapping[str, np.ndarray], model_name: str) -> int | None:
+    """Check that the inputs of a request to a model with a batch dimension agree on it (as
+    Triton does: they would broadcast in the model, or fail in the batcher), and return it.
+
+    Args:
+        inputs: The request's decoded inputs, by name (already checked against the declared
+            ones: :func:`validate_inputs`).
+        model_name: Named in error messages.
+
+    Returns:
+        The common first dimension; ``None`` when there are no inputs.
+
+    Raises:
+        InvalidInput: If an input is a scalar (it has no batch dimension), or its first
+            dimension is not the first input's; the message names both inputs and sizes.
+    """
+    first: tuple[str, np.ndarray] | None = None
+    for name, array in inputs.items():
+        if not array.ndim:
+            raise InvalidInput(
+                f"input '{name}' has no shape but model requires batch dimension for "
+                f"'{model_name}' (its max_batch_size is above 0: every input's first "
+                "dimension is the batch)"
+            )
+        if first is None:
+            first = name, array
+        elif array.shape[0] != first[1].shape[0]:
+            raise InvalidInput(
+                f"input '{name}' batch size does not match other inputs for '{model_name}': "
+                f"'{name}' has {array.shape[0]} (shape {shape_text(array.shape)}), "
+                f"'{first[0]}' has {first[1].shape[0]} (shape {shape_text(first[1].shape)})"
+            )
+    return None if first is None else int(first[1].shape[0])
+
+
+def validate_outputs(
+    outputs: Mapping[str, np.ndarray],
+    declared: Sequence[TensorSpec],
+    model_name: str,
+    batch: int | None = None,
+) -> None:
+    """Check a model's outputs against its declared outputs: the same names, each with the
+    declared datatype and shape.
+
+    Only metadata is read, not data. A model that declares no outputs may return anything.
+    ``-1`` in a declared shape matches any size, except as the first dimension of a model with
+    a batch dimension answering a request of ``batch`` rows: that dimension is the batch.
+
+    Args:
+        outputs: What the model returned, by name.
+        declared: The model's declared outputs.
+        model_name: Named in error messages.
+        batch: The request's batch size (:func:`validate_batch`) when the model has a batch
+            dimension, else ``None``.
+
+    Raises:
+        ModelFailed: If the model returned an output it does not declare, did not return one
+            it declares, or returned one with another datatype, rank or dimension; the message
+            names the model, the output and what was declared.
+    """
+    if not declared:
+        return
+    if len(outputs) != len(declared):
+        raise _names_differ(outputs, declared, model_name)
+    specs = {spec.name: spec for spec in declared}
+    for name, array in outputs.items():
+        spec = specs.get(name)
+        if spec is None:
+            raise _names_differ(outputs, declared, model_name)
+        try:
+            datatype = datatype_of(array)
+        except ModelFailed as error:
+            raise ModelFailed(f"model '{model_name}' output '{name}': {error.message}") from None
+        if datatype != spec.datatype:
+            raise ModelFailed(
+                f"model '{model_name}' output '{name}' is {datatype}, but the model declares "
+                f"{spec.datatype}"
+            )
+        shape = array.shape
+        want = spec.shape
+        # Messages are built only on failure: this runs for every response.
+        if not _fits(shape, want, batch):
+            batched = (
+                f" (its first dimension is the request's batch size, {batch})"
+                if batch is not None and want[:1] == (-1,)
+                else ""
+            )
+            raise ModelFailed(
+                f"model '{model_name}' output '{name}' has shape {shape_text(shape)}, but the "
+                f"model declares {shape_text(want)}{batched}"
+            )
+
+
+def _fits(shape: tuple[int, ...], want: tuple[int, ...], batch: int | None) -> bool:
+    """Whether ``shape`` is a declared shape ``want`` (``-1``: any size; as the first dimension
+    with a ``batch`` size, that size)."""
+    if len(shape) != len(want):
+        return False
+    for w, g in zip(want, shape, strict=True):
+        if w != g and w != -1:
+            return False
+    return batch is None or not want or want[0] != -1 or shape[0] == batch
+
+
+def _names_differ(
+    outputs: Mapping[str, np.ndarray], declared: Sequence[TensorSpec], model_name: str
+) -> ModelFailed:
+    """The error for outputs whose names are not the declared ones: it names the first output
+    returned but not declared, else the declared ones not returned."""
+    names = [spec.name for spec in declared]
+    extra = [name for name in outputs if name not in names]
+    if extra:
+        return ModelFailed(
+            f"model '{model_name}' returned output '{extra[0]}', which it does not declare; "
+            f"its declared outputs are {_quoted(names)}"
+        )
+    missing = [name for name in names if name not in outputs]
+    return ModelFailed(
+        f"model '{model_name}' did not return its declared output(s) {_quoted(missing)}"
+    )
 
 
 def select_outputs(

@@ -10,17 +10,20 @@ bytes are is this module's.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import numpy as np
 import trio
 from google.protobuf.message import DecodeError, Message
 
 from trio_infer.buffers import Buffer
+from trio_infer.core.repository import ModelManager, config_override
 from trio_infer.core.service import RESERVED_PER_BYTE, InferenceCore
 from trio_infer.core.types import (
     InferenceRequest,
@@ -35,8 +38,11 @@ from trio_infer.errors import (
     ModelNotFound,
     Overloaded,
     StatusCode,
+    Unavailable,
     Unimplemented,
 )
+from trio_infer.frontends.grpc_triton import model_config_response, model_statistics_response
+from trio_infer.model import MAX_RESPONSE_METADATA
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import health_pb2
 from trio_infer.protobuf.codec import (
@@ -62,6 +68,8 @@ _V2 = "/inference.GRPCInferenceService/"
 _HEALTH = "/grpc.health.v1.Health/"
 _SERVING = health_pb2.HealthCheckResponse.ServingStatus.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.ServingStatus.NOT_SERVING
+_UNKNOWN = health_pb2.HealthCheckResponse.ServingStatus.SERVICE_UNKNOWN
+_WATCH = _HEALTH + "Watch"
 #: Inputs with more elements to convert one by one than this are decoded in a thread, and
 #: outputs with more elements to convert or copy are encoded in one: on the event loop they
 #: would hold it for more than a few milliseconds (docs/performance.md).
@@ -76,10 +84,18 @@ _STREAM_INFER = _V2 + "ModelStreamInfer"
 #: read until one ends.
 _STREAM_IN_FLIGHT = 64
 _TIMED_OUT = "deadline exceeded (the request's timeout parameter)"
+_TRAILERS_FULL = (
+    f"the model's response metadata would take the stream's trailers past "
+    f"{MAX_RESPONSE_METADATA} bytes"
+)
 #: Triton's response parameter marking a request's last response on a stream.
 _FINAL = "triton_final_response"
 #: Triton's request parameter asking for an empty response after a decoupled model's last one.
 _EMPTY_FINAL = "triton_enable_empty_final_response"
+#: The request parameter (the name of Triton's REST option) that asks, set to false, for outputs
+#: in typed contents. Answers are raw otherwise, whatever the request used, as Triton's gRPC
+#: answers always are: tritonclient reads numeric outputs from raw_output_contents only.
+_BINARY_OUTPUT = "binary_data_output"
 #: The largest request message of a method that is not ModelInfer: names and versions, no
 #: tensors. A larger one is refused from its prefix, never read or parsed.
 _MAX_SMALL_MESSAGE = 64 * 1024
@@ -87,6 +103,7 @@ _MAX_SMALL_MESSAGE = 64 * 1024
 #: parsed: see :mod:`trio_infer.protobuf.field_count`): four full parameter maps and thousands
 #: of tensors.
 MAX_REQUEST_FIELDS = 16 * 1024
+_NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -112,10 +129,21 @@ class GrpcService:
 
     Args:
         core: The V2 core every front-end calls.
+        models: The model manager, for the repository extension (None: not served).
+        control_header: ``(name, value)`` the repository extension's calls must carry (None:
+            unrestricted).
     """
 
-    def __init__(self, core: InferenceCore) -> None:
+    def __init__(
+        self,
+        core: InferenceCore,
+        models: ModelManager | None = None,
+        *,
+        control_header: tuple[str, str] | None = None,
+    ) -> None:
         self.core = core
+        self._models = models
+        self._control_header = control_header
         # One decode in a thread at a time: each thread that wants the GIL is another switch
         # interval the event loop may wait for it.
         self._decoding = trio.CapacityLimiter(1)
@@ -125,6 +153,8 @@ class GrpcService:
             _V2 + "ModelReady": _Route(pb.ModelReadyRequest, self._model_ready),
             _V2 + "ServerMetadata": _Route(pb.ServerMetadataRequest, self._server_metadata),
             _V2 + "ModelMetadata": _Route(pb.ModelMetadataRequest, self._model_metadata),
+            _V2 + "ModelConfig": _Route(pb.ModelConfigRequest, self._model_config),
+            _V2 + "ModelStatistics": _Route(pb.ModelStatisticsRequest, self._model_statistics),
             # The wire view: typed contents arrive as blobs, decoded by the codec with numpy.
             _V2 + "ModelInfer": _Route(
                 WireInferRequest,
@@ -135,28 +165,27 @@ class GrpcService:
             ),
             _HEALTH + "Check": _Route(health_pb2.HealthCheckRequest, self._health_check),
         }
+        if models is not None:
+            self._routes |= {
+                _V2 + "RepositoryIndex": _Route(pb.RepositoryIndexRequest, self._index),
+                _V2 + "RepositoryModelLoad": _Route(pb.RepositoryModelLoadRequest, self._load),
+                _V2 + "RepositoryModelUnload": _Route(
+                    pb.RepositoryModelUnloadRequest, self._unload
+                ),
+            }
 
     async def handle(self, call: Call) -> None:
-        """Serve one call: a unary method, or ModelStreamInfer."""
+        """Serve one call: a unary method, ModelStreamInfer, or health Watch."""
         if call.method == _STREAM_INFER:
             await self._stream_infer(call)
+            return
+        if call.method == _WATCH:
+            await self._health_watch(call)
             return
         route = self._routes.get(call.method)
         if route is None:
             raise Unimplemented(f"method {shown(call.method, 200)} is not served here")
-        length = await call.receive_message_length()
-        if length is None:
-            raise InvalidInput(f"{call.method} expects one request message and got none")
-        if route.max_message is not None and length > route.max_message:
-            raise Overloaded(
-                f"request message of {length} bytes is larger than the maximum of "
-                f"{route.max_message} bytes for {call.method}"
-            )
-        async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
-            data = await call.receive_message()
-            assert data is not None, "an announced message arrives or the call fails"
-            request = _parsed(route, data)
-            del data  # the parsed request holds its own copy; drop this one early
+        async with self._received(call, route) as (request, reservation):
             response = await route.handler(request, call, reservation)
             # A unary call is one message. One more that arrived by now fails the call; the
             # end of the request is not waited for (a client may half-close late, or never).
@@ -173,6 +202,30 @@ class GrpcService:
                 last=True,
             )
 
+    @contextlib.asynccontextmanager
+    async def _received(self, call: Call, route: _Route) -> AsyncIterator[tuple[Any, Reservation]]:
+        """The call's one request message, parsed, and the room reserved for it (``async
+        with``: held until the block exits), reserved before the message is read.
+
+        Raises:
+            InvalidInput: The client sent no message, or not a valid one.
+            Overloaded: The message is larger than the route takes, or the budget is full.
+        """
+        length = await call.receive_message_length()
+        if length is None:
+            raise InvalidInput(f"{call.method} expects one request message and got none")
+        if route.max_message is not None and length > route.max_message:
+            raise Overloaded(
+                f"request message of {length} bytes is larger than the maximum of "
+                f"{route.max_message} bytes for {call.method}"
+            )
+        async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
+            data = await call.receive_message()
+            assert data is not None, "an announced message arrives or the call fails"
+            request = _parsed(route, data)
+            del data  # the parsed request holds its own copy; drop this one early
+            yield request, reservation
+
     async def _server_live(
         self, request: pb.ServerLiveRequest, call: Call, reservation: Reservation
     ) -> Message:
@@ -186,6 +239,7 @@ class GrpcService:
     async def _model_ready(
         self, request: pb.ModelReadyRequest, call: Call, reservation: Reservation
     ) -> Message:
+        call.subject = request.name
         return pb.ModelReadyResponse(ready=self.core.model_ready(request.name, request.version))
 
     async def _server_metadata(
@@ -199,6 +253,7 @@ class GrpcService:
     async def _model_metadata(
         self, request: pb.ModelMetadataRequest, call: Call, reservation: Reservation
     ) -> Message:
+        call.subject = request.name
         metadata = self.core.model_metadata(request.name, request.version)
         return pb.ModelMetadataResponse(
             name=metadata.name,
@@ -208,18 +263,33 @@ class GrpcService:
             outputs=[_tensor_metadata(spec) for spec in metadata.outputs],
         )
 
+    async def _model_config(
+        self, request: pb.ModelConfigRequest, call: Call, reservation: Reservation
+    ) -> Message:
+        call.subject = request.name
+        return model_config_response(self.core.model_config(request.name, request.version))
+
+    async def _model_statistics(
+        self, request: pb.ModelStatisticsRequest, call: Call, reservation: Reservation
+    ) -> Message:
+        call.subject = request.name
+        return model_statistics_response(self.core.model_statistics(request.name, request.version))
+
     async def _model_infer(
         self, request: Any, call: Call, reservation: Reservation
     ) -> list[Buffer]:
+        call.subject = request.model_name
         context = RequestContext(
             deadline=call.deadline,
             headers={name: value for name, value in call.metadata if isinstance(value, str)},
             reservation=reservation,
         )
         answer = await self._infer_in_time(request, context)
-        call.initial_metadata = tuple(context.response_headers)
-        call.trailing_metadata = tuple(context.response_trailers)
-        return answer
+        if answer.headers:
+            call.initial_metadata = tuple(answer.headers.items())
+        if answer.trailers:
+            call.trailing_metadata = tuple(answer.trailers.items())
+        return answer.buffers
 
     async def _stream_infer(self, call: Call) -> None:
         """ModelStreamInfer: each request message is a request of its own, in a task of the
@@ -234,7 +304,7 @@ class GrpcService:
         cannot be skipped without being read. Messages that arrived together are admitted in
         one pass and their tasks start together, so they reach a batching model together.
         """
-        sending = _StreamSender()
+        sending = _StreamSender(call)
         slots = trio.Semaphore(_STREAM_IN_FLIGHT)
         turns = _SequenceTurns()
         refused: InferError | None = None
@@ -280,6 +350,7 @@ class GrpcService:
                 messages.start_soon(
                     self._stream_message, call, held, reservation, request, turn, sending, slots
                 )
+        call.trailing_metadata = tuple(sending.trailers.items())
         if sending.failure is not None:
             raise sending.failure
         if refused is not None:
@@ -305,10 +376,13 @@ class GrpcService:
                 else:
                     async with turn:
                         answer = await self._stream_answer(call, request, reservation, sending)
+                if answer is not None and not sending.claim(answer):
+                    answer = _stream_error(_TRAILERS_FULL, request)
+                    sending.claim(answer)
                 del request
                 if answer is not None:
                     with contextlib.suppress(InferError):  # the stream ends with it
-                        await sending.send(call, answer)
+                        await sending.send(answer.buffers)
             finally:
                 # Sent or not, the answer's buffers may be queued: held until written.
                 call.release_when_written(reservation.release_later())
@@ -318,7 +392,7 @@ class GrpcService:
 
     async def _stream_answer(
         self, call: Call, request: Any, reservation: Reservation, sending: _StreamSender
-    ) -> list[Buffer] | None:
+    ) -> _Answer | None:
         """One stream message's answer: its ModelInferResponse, or its error; None when a
         decoupled model's responses were sent already (:meth:`_stream_each`)."""
         try:
@@ -334,18 +408,14 @@ class GrpcService:
             if self.core.decoupled(request.model_name, request.model_version):
                 await self._stream_each(call, request, context, sending)
                 return None
-            return stream_response(await self._infer_in_time(request, context))
+            answer = await self._infer_in_time(request, context)
+            return _Answer(stream_response(answer.buffers), answer.headers, answer.trailers)
         except InferError as error:
             message = error.message
         except Exception:
             logger.exception("unexpected error in a message of %s", call.method)
             message = "internal server error"
-        failed = pb.ModelStreamInferResponse(error_message=message)
-        if request is not None:
-            failed.infer_response.model_name = request.model_name
-            failed.infer_response.model_version = request.model_version
-            failed.infer_response.id = request.id
-        return [failed.SerializeToString()]
+        return _stream_error(message, request)
 
     async def _stream_each(
         self, call: Call, request: Any, context: RequestContext, sending: _StreamSender
@@ -364,11 +434,13 @@ class GrpcService:
         own = _own_deadline(request)
         context.deadline = min(context.deadline, own)
         held: InferenceResponse | None = None
-        state = _Decoded(raw=False, nbytes=0, message_size=0)
+        state = _Decoded(raw=True, nbytes=0, message_size=0)
 
         async def send(answer: InferenceResponse, final: bool) -> None:
             encoded = await self._encoded(answer, state, context.reservation, final)
-            await sending.send(call, stream_response(encoded))
+            if not sending.claim(answer):
+                raise InferError(_TRAILERS_FULL, StatusCode.INTERNAL)
+            await sending.send(stream_response(encoded))
 
         async def respond(answer: InferenceResponse) -> None:
             nonlocal held
@@ -400,7 +472,7 @@ class GrpcService:
         assert timed.cancelled_caught
         raise InferError(_TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
-    async def _infer_in_time(self, request: Any, context: RequestContext) -> list[Buffer]:
+    async def _infer_in_time(self, request: Any, context: RequestContext) -> _Answer:
         """:meth:`_infer`, ended with DEADLINE_EXCEEDED at the request's own ``timeout``
         (its call's deadline is the call's cancel scope)."""
         own = _own_deadline(request)
@@ -410,20 +482,21 @@ class GrpcService:
         assert timed.cancelled_caught
         raise InferError(_TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
-    async def _infer(self, request: Any, context: RequestContext) -> list[Buffer]:
+    async def _infer(self, request: Any, context: RequestContext) -> _Answer:
         """Decode ``request`` (a WireInferRequest: a ModelInferRequest whose inputs' contents
         are still serialised, see trio_infer.protobuf.wire), run it through the core and
         encode its answer (a serialised ModelInferResponse, as buffers in order)."""
         decoded, state = await self._decoded(request, context)
         answer = await self.core.infer(decoded, context)
-        return await self._encoded(answer, state, context.reservation)
+        encoded = await self._encoded(answer, state, context.reservation)
+        return _Answer(encoded, answer.headers, answer.trailers)
 
     async def _decoded(
         self, request: Any, context: RequestContext
     ) -> tuple[InferenceRequest, _Decoded]:
         """The core's request from a WireInferRequest, its decoded size reserved first."""
         reservation = context.reservation
-        raw = len(request.raw_input_contents) > 0
+        raw = _take_flag(request, _BINARY_OUTPUT, default=True)
         message_size = reservation.granted // RESERVED_PER_BYTE
         if message_size > _OFF_LOOP_PREPARE:
             prepared = await trio.to_thread.run_sync(
@@ -509,17 +582,120 @@ class GrpcService:
         # Raw outputs go to the socket from the arrays' memory, not through a serialised copy.
         return encode_response(response, outputs, raw=raw)
 
+    # -- the repository extension ---------------------------------------------------------------
+
+    def _manager(self, call: Call, repository_name: str) -> ModelManager:
+        """The model manager, once the call may use it.
+
+        Raises:
+            InferError: PERMISSION_DENIED without the control header's value; NOT_FOUND for
+                another repository than the one served.
+        """
+        assert self._models is not None, "routed only when served"
+        if self._control_header is not None:
+            name, value = self._control_header
+            sent = next((v for n, v in call.metadata if n == name), None)
+            if not isinstance(sent, str) or not hmac.compare_digest(sent, value):
+                raise InferError(
+                    f"the model repository extension is restricted: it needs header '{name}'",
+                    StatusCode.PERMISSION_DENIED,
+                )
+        if repository_name and repository_name != self._models.repository.name:
+            raise ModelNotFound(
+                f"no repository '{shown(repository_name)}' is served here (the one served is "
+                f"'{self._models.repository.name}')"
+            )
+        return self._models
+
+    async def _index(
+        self, request: pb.RepositoryIndexRequest, call: Call, reservation: Reservation
+    ) -> Message:
+        manager = self._manager(call, request.repository_name)
+        return pb.RepositoryIndexResponse(
+            models=[
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=entry.name, version=entry.version, state=entry.state, reason=entry.reason
+                )
+                for entry in manager.index(ready_only=request.ready)
+            ]
+        )
+
+    async def _load(
+        self, request: pb.RepositoryModelLoadRequest, call: Call, reservation: Reservation
+    ) -> Message:
+        manager = self._manager(call, request.repository_name)
+        call.subject = request.model_name
+        config: dict[str, Any] | None = None
+        for key, parameter in request.parameters.items():
+            if key != "config":
+                raise InvalidInput(
+                    f"load parameter '{shown(key)}' is not served (only 'config': JSON fields "
+                    "of model-settings.json that override the folder's)"
+                )
+            if parameter.WhichOneof("parameter_choice") != "string_param":
+                raise InvalidInput("load parameter 'config' must be a string of JSON")
+            config = config_override(parameter.string_param)
+        await manager.load(request.model_name, config)
+        return pb.RepositoryModelLoadResponse()
+
+    async def _unload(
+        self, request: pb.RepositoryModelUnloadRequest, call: Call, reservation: Reservation
+    ) -> Message:
+        manager = self._manager(call, request.repository_name)
+        call.subject = request.model_name
+        for key in request.parameters:
+            if key != "unload_dependents":
+                raise InvalidInput(f"unload parameter '{shown(key)}' is not served")
+        await manager.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
     async def _health_check(
         self, request: health_pb2.HealthCheckRequest, call: Call, reservation: Reservation
     ) -> Message:
-        if request.service in ("", "inference.GRPCInferenceService"):
-            ready = self.core.server_ready()
-        else:
-            try:
-                ready = self.core.model_ready(request.service)
-            except ModelNotFound:
-                raise ModelNotFound(f"unknown service '{request.service}'") from None
+        ready = self.core.health(request.service)
+        if ready is None:
+            raise ModelNotFound(f"unknown service '{shown(request.service)}'")
         return health_pb2.HealthCheckResponse(status=_SERVING if ready else _NOT_SERVING)
+
+    async def _health_watch(self, call: Call) -> None:
+        """``grpc.health.v1.Health/Watch``: the service's status at once, then each change of
+        it (a model loaded or lost, the drain); an unknown service is SERVICE_UNKNOWN until it
+        is served. The drain's NOT_SERVING is the last: the call then ends UNAVAILABLE, so
+        that watchers do not hold the grace period."""
+        async with self._received(call, self._routes[_HEALTH + "Check"]) as (request, _):
+            service = request.service
+        sent: int | None = None
+        while True:
+            changes = self.core.health_changes
+            ready = self.core.health(service)
+            status = _UNKNOWN if ready is None else _SERVING if ready else _NOT_SERVING
+            if status != sent:
+                await call.send_message(
+                    health_pb2.HealthCheckResponse(status=status).SerializeToString()
+                )
+                sent = status
+            if self.core.draining:
+                raise Unavailable("the server is shutting down")
+            await self.core.wait_health_changed(changes)
+
+
+class _Answer(NamedTuple):
+    """An encoded response (buffers in order) and the metadata its model set."""
+
+    buffers: list[Buffer]
+    headers: Mapping[str, str] = _NO_METADATA
+    trailers: Mapping[str, str] = _NO_METADATA
+
+
+def _stream_error(message: str, request: Any) -> _Answer:
+    """A stream message's answer when it failed: its ``error_message``, with the request's
+    model and id when it was parsed."""
+    failed = pb.ModelStreamInferResponse(error_message=message)
+    if request is not None and not isinstance(request, InferError):
+        failed.infer_response.model_name = request.model_name
+        failed.infer_response.model_version = request.model_version
+        failed.infer_response.id = request.id
+    return _Answer([failed.SerializeToString()])
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,21 +703,22 @@ class _Decoded:
     """What encoding a request's answer needs to know of the request as it was decoded."""
 
     raw: bool
-    """Whether its inputs came raw: its outputs go back raw too."""
+    """Whether its outputs go back raw (``binary_data_output``, true by default)."""
     nbytes: int
     """What its decoded inputs take (held in the reservation)."""
     message_size: int
     """Its message's size (the reservation's unit)."""
 
 
-def _take_flag(request: Any, name: str) -> bool:
-    """A bool request parameter's value (False when absent), taken out of those the model sees.
+def _take_flag(request: Any, name: str, default: bool = False) -> bool:
+    """A bool request parameter's value (``default`` when absent), taken out of those the model
+    sees.
 
     Raises:
         InvalidInput: The parameter is not a bool.
     """
     if name not in request.parameters:
-        return False
+        return default
     parameter = request.parameters[name]
     if parameter.WhichOneof("parameter_choice") != "bool_param":
         raise InvalidInput(f"parameter '{name}' must be a bool")
@@ -597,18 +774,52 @@ class _SequenceTurns:
 
 
 class _StreamSender:
-    """Sends a stream's answers one at a time, each whole. The first send that fails (a client
-    that reads none of its answers for the send timeout, or reset the stream) fails the stream:
-    the messages in flight are cancelled, later sends raise the same error at once (nothing
-    more may follow half a message), and the stream ends with it."""
+    """Sends a stream's answers one at a time, each whole, and gathers the metadata their models
+    set. The first send that fails (a client that reads none of its answers for the send
+    timeout, or reset the stream) fails the stream: the messages in flight are cancelled, later
+    sends raise the same error at once (nothing more may follow half a message), and the stream
+    ends with it.
 
-    def __init__(self) -> None:
+    The headers of the answer sent first are the stream's initial metadata (sent with it); the
+    headers of later answers, which can no longer be sent as such, and the trailers of all are
+    gathered into :attr:`trailers`, the last value of a name winning, at most
+    ``MAX_RESPONSE_METADATA`` bytes in all."""
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
         self._lock = trio.Lock()
+        self._first = True
+        self._trailers_size = 0
+        self.trailers: dict[str, str] = {}
+        """The stream's trailing metadata, as gathered so far."""
         self.failure: InferError | None = None
         #: The scope of the stream's messages, cancelled by a failed send.
         self.scope = trio.CancelScope()
 
-    async def send(self, call: Call, message: list[Buffer]) -> None:
+    def claim(self, answer: _Answer | InferenceResponse) -> bool:
+        """Take the metadata of an answer about to be sent (the next :meth:`send` of this task,
+        with no checkpoint between: sends keep the order of claims). False, and nothing taken,
+        when its metadata would take the trailers past the bound."""
+        headers, trailers = answer.headers, answer.trailers
+        if not headers and not trailers:
+            if self._first:
+                self._first = False
+            return True
+        late = {} if self._first else dict(headers)
+        late.update(trailers)
+        size = self._trailers_size + sum(
+            len(name) + len(value) for name, value in late.items() if name not in self.trailers
+        )
+        if size > MAX_RESPONSE_METADATA:
+            return False
+        if self._first:
+            self._call.initial_metadata = tuple(headers.items())
+            self._first = False
+        self.trailers.update(late)
+        self._trailers_size = sum(len(name) + len(value) for name, value in self.trailers.items())
+        return True
+
+    async def send(self, message: list[Buffer]) -> None:
         """Send ``message`` after those before it.
 
         Raises:
@@ -625,7 +836,7 @@ class _StreamSender:
         try:
             if self.failure is not None:
                 raise self.failure
-            await call.send_message(message)
+            await self._call.send_message(message)
         except InferError as error:
             if self.failure is None:
                 self.failure = error

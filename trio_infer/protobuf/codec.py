@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -261,16 +261,30 @@ def prepare_inputs(request: Any) -> WireInputs:
     type: its elements are one record each however they are declared. Costs a copy of the
     typed contents and, for varint fields, a vectorised count.
 
+    A request that uses ``raw_input_contents`` is checked first for an input whose contents
+    hold data too, before any contents is split or counted (see :func:`decode_inputs`); the
+    contents of the others hold nothing and are not kept.
+
     Raises:
-        InvalidInput: If contents are not a valid ``InferTensorContents`` (a packed
+        InvalidInput: If an input has typed contents holding data in a request that uses
+            ``raw_input_contents``, contents are not a valid ``InferTensorContents`` (a packed
             fixed-width field is not a whole number of elements, a packed varint field ends in
             a truncated varint, ...), or contents not all packed exceed :data:`UNPACKED_LIMIT`.
     """
+    raw = len(request.raw_input_contents) > 0
+    if raw:
+        _check_not_mixed(
+            request.inputs,
+            (any(len(occurrence) for occurrence in tensor.contents) for tensor in request.inputs),
+            request.model_name,
+            _REQUEST_IN,
+        )
     contents: list[_Contents | None] = []
     held = 0
     for tensor in request.inputs:
         records = tensor.contents
-        if not len(records):
+        # Raw, every input's contents are empty messages (checked above): nothing to keep.
+        if raw or not len(records):
             contents.append(None)
             continue
         where = f"input '{tensor.name}'"
@@ -319,6 +333,28 @@ def prepare_inputs(request: Any) -> WireInputs:
         ]
         contents.append(_WireContents(blobs, counts, bytes_elements, fields))
     return WireInputs(request.inputs, request.raw_input_contents, contents, held)
+
+
+def _check_not_mixed(
+    tensors: Sequence[Any], holds_data: Iterable[bool], model_name: str, side: _Side
+) -> None:
+    """Refuse the first tensor whose typed contents hold data in a message that uses raw
+    contents, in Triton's words (clients match them), before anything else of it is checked.
+
+    Args:
+        tensors: The message's tensors.
+        holds_data: For each tensor, whether its ``contents`` hold any bytes. An empty
+            ``contents`` beside raw data is taken: MLServer's client sends one.
+        model_name: The model the message is for.
+        side: Which message this is.
+    """
+    for tensor, holding in zip(tensors, holds_data, strict=True):
+        if holding:
+            raise side.error(
+                f"contents field must not be specified when using {side.raw_field} for "
+                f"'{tensor.name}' for model '{model_name}': send every {side.role} raw or every "
+                f"{side.role} typed, not both"
+            )
 
 
 def _parse_contents(where: str, occurrences: list[bytes]) -> InferTensorContents:
@@ -448,8 +484,11 @@ def decode_inputs(request: ModelInferRequest | WireInputs) -> dict[str, np.ndarr
             the shape declares, or (prepared) a packed varint is malformed.
     """
     if isinstance(request, WireInputs):
+        # prepare_inputs has refused raw and typed data mixed.
         return _decode_tensors(request.tensors, request.raw, request.contents, _REQUEST_IN)
-    contents = [t.contents if t.HasField("contents") else None for t in request.inputs]
+    contents = _real_contents(
+        request.inputs, request.raw_input_contents, request.model_name, _REQUEST_IN
+    )
     return _decode_tensors(request.inputs, request.raw_input_contents, contents, _REQUEST_IN)
 
 
@@ -473,8 +512,22 @@ def decode_outputs(response: ModelInferResponse) -> dict[str, np.ndarray]:
             :func:`decode_inputs` checks for: a malformed response is the server's fault, not
             the caller's.
     """
-    contents = [t.contents if t.HasField("contents") else None for t in response.outputs]
+    contents = _real_contents(
+        response.outputs, response.raw_output_contents, response.model_name, _RESPONSE_IN
+    )
     return _decode_tensors(response.outputs, response.raw_output_contents, contents, _RESPONSE_IN)
+
+
+def _real_contents(
+    tensors: Sequence[_Tensor], raw: Sequence[bytes], model_name: str, side: _Side
+) -> list[_Contents | None]:
+    """Each tensor's typed contents (``None``: none, or the message uses raw data), raw and
+    typed data mixed refused first."""
+    if raw:
+        holds_data = (t.HasField("contents") and t.contents.ByteSize() > 0 for t in tensors)
+        _check_not_mixed(tensors, holds_data, model_name, side)
+        return [None] * len(tensors)
+    return [t.contents if t.HasField("contents") else None for t in tensors]
 
 
 def _decode_tensors(
@@ -502,14 +555,8 @@ def _decode_tensors(
                 f"{where}: shape {shape_text(shape)} has {math.prod(shape)} BYTES elements; "
                 f"at most {MAX_BYTES_ELEMENTS} are taken"
             )
-        typed_fields = [] if typed is None else _set_fields(typed)
         if raw:
-            if typed_fields:
-                raise side.error(
-                    f"{where} has typed contents.{typed_fields[0]} but the {side.message} uses "
-                    f"{side.raw_field}; send every {side.role} raw or every {side.role} typed, "
-                    "not both"
-                )
+            # Typed data beside raw data was refused before this: typed is None.
             decoded[name] = _decode_raw(where, datatype, shape, raw[index], index, side)
         else:
             decoded[name] = _decode_typed(

@@ -23,6 +23,7 @@ dimension, ``true`` is not a batch size).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -41,10 +42,13 @@ __all__ = [
     "SETTINGS_FILE",
     "ModelParameters",
     "ModelSettings",
+    "RepositoryEntry",
     "SettingsError",
     "TensorSpec",
+    "folder_revision",
     "load_model_settings",
     "load_repository",
+    "scan_repository",
 ]
 
 #: The file that marks a folder as a model folder.
@@ -196,6 +200,10 @@ class ModelSettings:
     max_sequence_idle_microseconds: _PositiveCount = 1_000_000
     """How long a sequence (``trio_infer.scheduling.sequences``) may have no request in flight
     before it is ended, its worker no longer held for it (Triton's setting and default, 1 s)."""
+    revision: str = ""
+    """What the model's folder held when these settings were read (set by the loader, never
+    read from JSON: :func:`folder_revision`): a worker builds the model anew, its code imported
+    again, for settings of another revision, so a reload sees changed code and weights."""
 
     def __post_init__(self) -> None:
         if self.decoupled and self.max_batch_size > 1:
@@ -231,14 +239,19 @@ class ModelSettings:
         return Path(os.path.normpath(self.path / written))
 
 
-def load_model_settings(path: Path) -> ModelSettings:
+def load_model_settings(
+    path: Path, override: Mapping[str, Any] | None = None, *, revision: str = ""
+) -> ModelSettings:
     """Read ``<path>/model-settings.json``.
 
     Args:
         path: The model's folder. The model's ``name`` defaults to the folder's name.
+        override: Top-level fields that replace the file's (a repository load's ``config``),
+            checked as the file's are.
+        revision: The folder's :func:`folder_revision`, recorded in the settings.
 
     Returns:
-        The validated settings, with ``path`` set to the folder.
+        The validated settings, with ``path`` and ``revision`` set.
 
     Raises:
         SettingsError: The file is missing, is not valid JSON, repeats a key, has an unknown
@@ -258,13 +271,37 @@ def load_model_settings(path: Path) -> ModelSettings:
         raise SettingsError(f"{file}: {exc}") from None
     if not isinstance(document, dict):
         raise SettingsError(f"{file}: the file must be a JSON object, got {_kind(document)}")
+    if override:
+        document = {**document, **override}
+        file = Path(f"{file} (with the load's config)")
     for key in _SET_BY_LOADER:
         if key in document:
             raise SettingsError(f"{file}: {_unknown_field((key,))}")
     try:
-        return ModelSettings(**{"name": path.name, **document, "path": path})
+        return ModelSettings(
+            **{"name": path.name, **document, "path": path, "revision": revision}
+        )
     except ValidationError as exc:
         raise SettingsError(f"{file}: {_describe(_first_problem(exc))}") from None
+
+
+def folder_revision(path: Path) -> str:
+    """A fingerprint of a model folder's files (names, sizes, modification times), to tell a
+    changed model from an unchanged one without reading its files. ``__pycache__`` folders,
+    which importing the model writes, do not count."""
+    digest = hashlib.blake2b(digest_size=12)
+    for root, folders, files in os.walk(path):
+        folders[:] = sorted(f for f in folders if f != "__pycache__")
+        for name in sorted(files):
+            try:
+                stat = os.stat(os.path.join(root, name))
+            except OSError:
+                continue  # removed while walking: the next look sees the change
+            digest.update(
+                f"{os.path.relpath(os.path.join(root, name), path)}\0{stat.st_size}\0"
+                f"{stat.st_mtime_ns}\0".encode("utf-8", "surrogateescape")
+            )
+    return digest.hexdigest()
 
 
 def load_repository(root: Path) -> list[ModelSettings]:
@@ -282,22 +319,61 @@ def load_repository(root: Path) -> list[ModelSettings]:
         SettingsError: ``root`` is not a folder, holds no model, two files declare the same
             model name (both files are named), or a settings file is invalid.
     """
-    if not root.is_dir():
-        raise SettingsError(f"{root}: model repository is not a folder")
-    found: dict[str, ModelSettings] = {}
-    for folder in sorted(p for p in root.iterdir() if (p / SETTINGS_FILE).is_file()):
-        settings = load_model_settings(folder)
-        previous = found.get(settings.name)
-        if previous is not None:
-            assert previous.path is not None
-            raise SettingsError(
-                f"model name {settings.name!r} is declared twice: by "
-                f"{previous.path / SETTINGS_FILE} and by {folder / SETTINGS_FILE}"
-            )
-        found[settings.name] = settings
+    found = scan_repository(root)
+    for entry in found.values():
+        if entry.error is not None:
+            raise SettingsError(entry.error)
     if not found:
         raise SettingsError(f"{root}: model repository holds no model (no */{SETTINGS_FILE})")
-    return [found[name] for name in sorted(found)]
+    return [entry.settings for entry in found.values() if entry.settings is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RepositoryEntry:
+    """One model folder of a repository, as :func:`scan_repository` found it."""
+
+    name: str
+    """The model's name (its folder's, when its settings could not be read)."""
+    folder: Path
+    settings: ModelSettings | None
+    """Its settings; None when they could not be read."""
+    error: str | None = None
+    """Why they could not be read: the file's problem, a name declared twice, a folder that
+    leads out of the repository."""
+
+
+def scan_repository(root: Path) -> dict[str, RepositoryEntry]:
+    """Every model folder of a repository (each subfolder with a settings file), by model name,
+    sorted; a folder whose settings cannot be read is an entry with its error.
+
+    Raises:
+        SettingsError: ``root`` is not a folder.
+    """
+    if not root.is_dir():
+        raise SettingsError(f"{root}: model repository is not a folder")
+    found: dict[str, RepositoryEntry] = {}
+    inside = root.resolve()
+    for folder in sorted(p for p in root.iterdir() if (p / SETTINGS_FILE).is_file()):
+        if not folder.resolve().is_relative_to(inside):
+            found[folder.name] = RepositoryEntry(
+                folder.name, folder, None, f"{folder}: the folder leads out of the repository"
+            )
+            continue
+        try:
+            settings = load_model_settings(folder, revision=folder_revision(folder))
+        except SettingsError as exc:
+            found[folder.name] = RepositoryEntry(folder.name, folder, None, str(exc))
+            continue
+        previous = found.get(settings.name)
+        if previous is not None:
+            error = (
+                f"model name {settings.name!r} is declared twice: by "
+                f"{previous.folder / SETTINGS_FILE} and by {folder / SETTINGS_FILE}"
+            )
+            found[settings.name] = RepositoryEntry(settings.name, folder, None, error)
+            continue
+        found[settings.name] = RepositoryEntry(settings.name, folder, settings)
+    return {name: found[name] for name in sorted(found)}
 
 
 # --- error messages ------------------------------------------------------------------------------
@@ -320,7 +396,7 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 #: ModelSettings fields that the loader sets and the file may not.
-_SET_BY_LOADER = frozenset({"path"})
+_SET_BY_LOADER = frozenset({"path", "revision"})
 
 #: The class of the object a field name opens, to list the fields known there.
 _NESTED: dict[str, type] = {

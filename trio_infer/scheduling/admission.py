@@ -201,6 +201,10 @@ class Admission:
         # head waiter is granted as soon as its bytes fit.
         self._waiters: deque[_Waiter] = deque()
         self._in_flight: Counter[str] = Counter()
+        # Slots held by each settings object (by identity), for wait_idle: a model reloaded or
+        # unloaded is let go of only once the calls that looked up its old settings are done.
+        self._by_settings: dict[int, int] = {}
+        self._idle: dict[int, trio.Event] = {}
         self._rejected: Counter[str] = Counter()
         # Invariant: an owner is a key exactly while it holds reserved bytes, and its value is
         # their sum, at most max_owner_bytes.
@@ -289,10 +293,27 @@ class Admission:
                 "max_queue_size",
             )
         self._in_flight[name] += 1
+        key = id(settings)
+        self._by_settings[key] = self._by_settings.get(key, 0) + 1
         try:
             yield
         finally:
             self._in_flight[name] -= 1
+            held = self._by_settings[key] - 1
+            if held:
+                self._by_settings[key] = held
+            else:
+                del self._by_settings[key]
+                idle = self._idle.pop(key, None)
+                if idle is not None:
+                    idle.set()
+
+    async def wait_idle(self, settings: ModelSettings) -> None:
+        """Wait until no request holds a slot of these very settings (by identity: the calls
+        of a model's settings replaced by a reload, not the new ones')."""
+        key = id(settings)
+        while key in self._by_settings:
+            await self._idle.setdefault(key, trio.Event()).wait()
 
     async def _wait_for_room(self, nbytes: int, owner: Hashable | None) -> Reservation:
         now = trio.current_time()

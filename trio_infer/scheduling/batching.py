@@ -50,11 +50,12 @@ import numpy as np
 import trio
 
 from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
-from trio_infer.model import Parameters, ParameterValue
+from trio_infer.model import ModelOutputs, Parameters, ParameterValue, Response
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.model_errors import ModelErrorLog
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY
 from trio_infer.scheduling.reply import Reply
+from trio_infer.scheduling.statistics import ModelRecorder, StatisticsRecorder, Timing
 
 __all__ = [
     "BatchPlan",
@@ -93,7 +94,9 @@ class Predictor(Protocol):
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
         priority: int = DEFAULT_PRIORITY,
-    ) -> dict[str, np.ndarray]:
+        *,
+        timing: Timing | None = None,
+    ) -> ModelOutputs:
         """Run one model call; see :meth:`trio_infer.workers.pool.WorkerPool.predict`."""
         ...
 
@@ -293,12 +296,13 @@ def concatenate_inputs(batch: Sequence[Mapping[str, np.ndarray]]) -> dict[str, n
 
 
 def split_outputs(
-    outputs: Mapping[str, np.ndarray], rows: Sequence[int], model_name: str
-) -> list[dict[str, np.ndarray]]:
+    outputs: ModelOutputs, rows: Sequence[int], model_name: str
+) -> list[ModelOutputs]:
     """Cut a batch's outputs into each member's rows.
 
     Args:
-        outputs: The model's outputs for the whole batch.
+        outputs: The model's outputs for the whole batch, or its ``Response``: then each member
+            gets a ``Response`` of its rows with the batch's metadata.
         rows: Each member's row count, in batch order.
         model_name: Named in error messages.
 
@@ -312,6 +316,17 @@ def split_outputs(
             dimension; the message names the output. Checked for batches of one too, so a
             model breaks the same way at any load.
     """
+    if isinstance(outputs, Response):
+        return [
+            Response(part, outputs.headers, outputs.trailers)
+            for part in _split_rows(outputs.outputs, rows, model_name)
+        ]
+    return list(_split_rows(outputs, rows, model_name))
+
+
+def _split_rows(
+    outputs: Mapping[str, np.ndarray], rows: Sequence[int], model_name: str
+) -> list[dict[str, np.ndarray]]:
     total = sum(rows)
     for name, array in outputs.items():
         if array.ndim == 0 or array.shape[0] != total:
@@ -403,8 +418,10 @@ class _Member:
     rows: int
     arrived: float
     deadline: float
-    reply: Reply[dict[str, np.ndarray]] = field(default_factory=Reply)
+    reply: Reply[ModelOutputs] = field(default_factory=Reply)
     batch: _Batch | None = None
+    timing: Timing = field(default_factory=Timing)
+    """Its request's, filled when its batch succeeds."""
 
 
 class _Batch:
@@ -430,6 +447,9 @@ class ModelBatcher:
         ahead: How many more may wait in the pool for a worker, if they are full. A batch sent
             ahead starts as soon as a worker is done with the one before; one that can still
             grow waits here, where later requests can join it.
+        model_errors: Where the model's errors are logged (shared with the pool).
+        recorder: Where the model's executions are counted (see
+            :mod:`trio_infer.scheduling.statistics`); by default one of its own.
     """
 
     def __init__(
@@ -440,6 +460,7 @@ class ModelBatcher:
         batchers: int,
         ahead: int = 0,
         model_errors: ModelErrorLog | None = None,
+        recorder: ModelRecorder | None = None,
     ) -> None:
         if batchers < 1:
             raise ValueError(f"batchers must be at least 1, got {batchers}")
@@ -460,6 +481,9 @@ class ModelBatcher:
         # The model's nursery, set by run: where batchers run, and replacements of crashed ones.
         self._nursery: trio.Nursery | None = None
         self._model_errors = model_errors if model_errors is not None else ModelErrorLog()
+        self._recorder = (
+            recorder if recorder is not None else ModelRecorder(settings.name, settings.version)
+        )
         # Counts only: ``waiting`` is filled in by statistics().
         self._statistics = BatchStatistics()
 
@@ -469,7 +493,8 @@ class ModelBatcher:
         parameters: Parameters,
         deadline: float,
         priority: int = DEFAULT_PRIORITY,
-    ) -> dict[str, np.ndarray]:
+        timing: Timing | None = None,
+    ) -> ModelOutputs:
         """Run one request as part of a batch.
 
         Cancelling the call (its deadline, its client) takes the request out of the queue, or
@@ -482,9 +507,12 @@ class ModelBatcher:
                 time for it.
             priority: The request's level: a batch of a higher level runs first, and requests
                 of different levels never share one.
+            timing: Filled when the request's batch succeeds, with the batch's start and
+                compute time (every member counts the whole batch's).
 
         Returns:
-            The request's rows of the batch's outputs.
+            The request's rows of the batch's outputs (with the batch's metadata, when the
+            model returned a ``Response``).
 
         Raises:
             InferError: The model raised one, for the whole batch (its status is kept).
@@ -493,16 +521,20 @@ class ModelBatcher:
         """
         if self._stopped is not None:
             raise type(self._stopped)(self._stopped.message, self._stopped.code)
+        if timing is None:
+            timing = Timing()
         rows = batch_rows(inputs)
         if rows is None:
-            return await self._pool.predict(self.settings, inputs, parameters, priority)
+            return await self._alone(inputs, parameters, priority, timing, 1)
         if rows >= self.settings.max_batch_size:
             # It would run alone, as a full batch: it goes to the pool as one, without the
             # queue, the planning and two task switches, which cost more than the call saves.
             self._statistics = replace(self._statistics, alone=self._statistics.alone + 1)
-            return await self._pool.predict(self.settings, inputs, parameters, priority)
+            return await self._alone(inputs, parameters, priority, timing, rows)
         key = (priority, batch_key(inputs, parameters))
-        member = _Member(inputs, parameters, priority, key, rows, trio.current_time(), deadline)
+        member = _Member(
+            inputs, parameters, priority, key, rows, trio.current_time(), deadline, timing=timing
+        )
         self._waiting.append(member)
         self._notify()
         try:
@@ -510,6 +542,21 @@ class ModelBatcher:
         finally:
             if not member.reply.filled:
                 self._abandon(member)
+
+    async def _alone(
+        self,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        priority: int,
+        timing: Timing,
+        rows: int,
+    ) -> ModelOutputs:
+        """Run a request as an execution of its own, of ``rows`` rows."""
+        outputs = await self._pool.predict(
+            self.settings, inputs, parameters, priority, timing=timing
+        )
+        self._recorder.executed(rows, timing.compute)
+        return outputs
 
     def statistics(self) -> BatchStatistics:
         """Return a snapshot of this model's batching."""
@@ -626,19 +673,26 @@ class ModelBatcher:
                 # Every member's parameters and priority are equal (their key): the first's
                 # stand for all.
                 head = members[0]
+                timing = Timing(len(members))
                 outputs = await self._pool.predict(
-                    self.settings, inputs, head.parameters, head.priority
+                    self.settings, inputs, head.parameters, head.priority, timing=timing
                 )
                 elapsed = trio.current_time() - started
                 self._run_time += _RUN_TIME_WEIGHT * (elapsed - self._run_time)
+                rows = [m.rows for m in members]
                 try:
-                    parts = split_outputs(outputs, [m.rows for m in members], self.settings.name)
+                    parts = split_outputs(outputs, rows, self.settings.name)
                 except ModelFailed as error:
                     # The model's fault, found here rather than in the pool: logged here.
                     self._model_errors.record(self.settings.name, error)
                     raise
                 for member, part in zip(members, parts, strict=True):
+                    # As Triton counts a batch: each member waited until the batch started,
+                    # and computed for as long as the whole batch did.
+                    member.timing.started = timing.started
+                    member.timing.compute = timing.compute
                     member.reply.set_result(part)
+                self._recorder.executed(sum(rows), timing.compute)
         except InferError as error:
             for member in members:
                 member.reply.set_error(error)
@@ -663,6 +717,12 @@ class ModelBatcher:
             self._notify()
         else:
             member.batch.leave()
+
+    async def wait_idle(self) -> None:
+        """Wait until no request waits here or runs in a batch: a batcher replaced by another
+        (a model reloaded or unloaded) is stopped only then."""
+        while self._waiting or self._in_pool:
+            await self._changed.wait()
 
     def _notify(self) -> None:
         self._changed.set()
@@ -693,6 +753,8 @@ class Batching:
             batch holds a worker).
         ahead: Full batches of one model that may wait in the pool besides (see
             :class:`ModelBatcher`).
+        model_errors: Where model errors are logged (shared with the pool).
+        recorder: Where each model's executions are counted; by default one of its own.
     """
 
     def __init__(
@@ -703,21 +765,41 @@ class Batching:
         batchers: int,
         ahead: int = 0,
         model_errors: ModelErrorLog | None = None,
+        recorder: StatisticsRecorder | None = None,
     ) -> None:
+        self._pool = pool
+        self._batchers = batchers
+        self._ahead = ahead
+        self._model_errors = model_errors
+        self._recorder = recorder if recorder is not None else StatisticsRecorder()
         self._models: dict[str, ModelBatcher] = {}
+        # Each batcher's own scope, so that one can be stopped alone (replace, remove).
+        self._scopes: dict[ModelBatcher, trio.CancelScope] = {}
         for settings in models:
-            if batching_enabled(settings):
-                self._models[settings.name] = ModelBatcher(
-                    settings, pool, batchers=batchers, ahead=ahead, model_errors=model_errors
-                )
-            elif settings.max_batch_size > 1:
-                fixed = [spec.name for spec in settings.inputs if spec.shape[:1] != (-1,)]
-                logger.warning(
-                    "model '%s' is not batched: input(s) %s have no batch dimension (-1 first)",
-                    settings.name,
-                    ", ".join(fixed),
-                )
+            batcher = self._batcher_of(settings)
+            if batcher is not None:
+                self._models[settings.name] = batcher
         self._scope = trio.CancelScope()
+        self._nursery: trio.Nursery | None = None
+
+    def _batcher_of(self, settings: ModelSettings) -> ModelBatcher | None:
+        if batching_enabled(settings):
+            return ModelBatcher(
+                settings,
+                self._pool,
+                batchers=self._batchers,
+                ahead=self._ahead,
+                model_errors=self._model_errors,
+                recorder=self._recorder.model(settings.name, settings.version),
+            )
+        if settings.max_batch_size > 1:
+            fixed = [spec.name for spec in settings.inputs if spec.shape[:1] != (-1,)]
+            logger.warning(
+                "model '%s' is not batched: input(s) %s have no batch dimension (-1 first)",
+                settings.name,
+                ", ".join(fixed),
+            )
+        return None
 
     def get(self, name: str) -> ModelBatcher | None:
         """The batcher of model ``name``, or None when that model does not batch."""
@@ -731,9 +813,52 @@ class Batching:
         """Run every model's batchers until :meth:`stop` or cancellation."""
         with self._scope:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 for batcher in self._models.values():
-                    await nursery.start(batcher.run)
+                    await nursery.start(self._run_batcher, batcher)
                 task_status.started()
+
+    async def replace(self, settings: ModelSettings) -> None:
+        """Serve model ``settings.name`` with these settings from now on: its requests go to a
+        batcher of them (none, when they do not batch); the requests the one before holds
+        are served by it first, then it stops. Needs :meth:`run`."""
+        assert self._nursery is not None, "Batching.run has started"
+        batcher = self._batcher_of(settings)
+        if batcher is not None:
+            await self._nursery.start(self._run_batcher, batcher)
+            old = self._models.get(settings.name)
+            self._models[settings.name] = batcher
+        else:
+            old = self._models.pop(settings.name, None)
+        if old is not None:
+            self._nursery.start_soon(self._retire, old)
+
+    def remove(self, name: str) -> None:
+        """Stop model ``name``'s batcher once the requests it holds are served (a model
+        unloaded: it takes no more). Needs :meth:`run`."""
+        old = self._models.pop(name, None)
+        if old is not None:
+            assert self._nursery is not None, "Batching.run has started"
+            self._nursery.start_soon(self._retire, old)
+
+    async def _run_batcher(
+        self,
+        batcher: ModelBatcher,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with trio.CancelScope() as scope:
+            self._scopes[batcher] = scope
+            try:
+                await batcher.run(task_status=task_status)
+            finally:
+                del self._scopes[batcher]
+
+    async def _retire(self, batcher: ModelBatcher) -> None:
+        await batcher.wait_idle()
+        scope = self._scopes.get(batcher)
+        if scope is not None:
+            scope.cancel()
 
     def stop(self) -> None:
         """Stop the batchers; requests still waiting for a batch fail with ``Unavailable``."""

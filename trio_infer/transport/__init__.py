@@ -1,11 +1,12 @@
-"""HTTP/2 and gRPC on Trio, below any knowledge of the inference protocol.
+"""HTTP/2, gRPC and HTTP/1.1 on Trio, below any knowledge of the inference protocol.
 
 ``grpc_protocol`` is the sans-I/O state machine (purerpc's protocol layer on h2, with the
 fixes it needs), ``header_blocks`` the HPACK coders that remember repeated header blocks,
 ``grpc_server`` the Trio side: listeners, a nursery per connection, a cancel scope per call, and
-``tls`` the server's TLS context, built from PEM files that it checks.
+``tls`` the server's TLS context, built from PEM files that it checks. ``http_server`` is the
+REST port's HTTP/1.1 on Trio, driven by h11: a task per connection, one request at a time.
 
-May import: the standard library, trio, h2/hpack/hyperframe/purerpc, ``trio_infer.errors`` and
-``trio_infer.buffers``. Never the V2 core, protobuf messages, scheduling or workers: a handler
-sees bytes.
+May import: the standard library, trio, h2/hpack/hyperframe/purerpc, h11,
+``trio_infer.errors`` and ``trio_infer.buffers``. Never the V2 core, protobuf messages,
+scheduling or workers: a handler sees bytes.
 """

@@ -69,6 +69,7 @@ from trio_infer.transport.header_blocks import (
     CachingDecoder,
     CachingEncoder,
     decoded_size,
+    never_indexed,
 )
 
 __all__ = [
@@ -149,6 +150,11 @@ class _MalformedRequest(Exception):
 _GRPC_TIMEOUT = re.compile(r"[0-9]{1,8}[HMSmun]")
 #: Seconds in each TimeoutUnit.
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+def _request_id(value: str) -> bytes:
+    """The ``x-request-id`` response field, coded; nothing for ``""``."""
+    return never_indexed("x-request-id", value) if value else b""
 
 
 def shown(value: str, limit: int = 64) -> str:
@@ -1010,11 +1016,12 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             return 0
         return min(window, int(self.h2_connection.max_outbound_frame_size))
 
-    def start_response(self, stream_id: int, metadata: Metadata) -> None:
-        """Queue the response headers, with the handler's initial metadata."""
+    def start_response(self, stream_id: int, metadata: Metadata, request_id: str = "") -> None:
+        """Queue the response headers, with the handler's initial metadata and the call's
+        ``x-request-id`` (none when ``""``)."""
         headers = [(":status", "200"), ("content-type", "application/grpc")]
         headers.extend(sanitize_headers(metadata))
-        self._send_headers(stream_id, headers, end_stream=False)
+        self._send_headers(stream_id, headers, end_stream=False, extra=_request_id(request_id))
 
     def send_data(self, stream_id: int, data: Buffer) -> None:
         """Queue ``data`` as one DATA frame; it must fit :meth:`send_window`.
@@ -1041,11 +1048,14 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         h2_connection.outbound_flow_control_window -= size
         h2_connection.queue_data_frame(stream_id, data)
 
-    def _send_headers(self, stream_id: int, headers: list[Any], *, end_stream: bool) -> None:
+    def _send_headers(
+        self, stream_id: int, headers: list[Any], *, end_stream: bool, extra: bytes = b""
+    ) -> None:
         """h2's ``send_headers`` for a response's headers or trailers: the same state machine
         inputs and h2's own HPACK encoder, a block longer than a frame cut into CONTINUATION
         frames as h2 cuts it, but the frames packed here. Building and serialising hyperframe's
-        frame objects was most of the cost of answering a call.
+        frame objects was most of the cost of answering a call. ``extra``: fields already coded
+        (:func:`never_indexed`), appended to the block.
 
         One difference from h2, on purpose: a state machine that refuses the block raises
         before the encoder sees it (h2 encodes first, and its table then holds entries the
@@ -1067,6 +1077,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         elif stream_states.trailers_sent:
             raise h2.exceptions.ProtocolError("Trailers must have END_STREAM set.")
         block = h2_connection.encoder.encode(headers)
+        if extra:
+            block += extra
         # Usually one frame; but the block has no bound of its own (metadata, or the table size
         # updates the encoder owes the client, one for each change of its setting).
         frame_size = h2_connection.max_outbound_frame_size
@@ -1089,9 +1101,11 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         metadata: Metadata,
         *,
         headers_sent: bool,
+        request_id: str = "",
     ) -> None:
         """Queue the trailers that end a call; a call that sent nothing gets a trailers-only
-        response. Requests still streaming in are then told to stop (RST_STREAM NO_ERROR)."""
+        response, with its ``x-request-id`` (none when ``""``). Requests still streaming in are
+        then told to stop (RST_STREAM NO_ERROR)."""
         trailers: list[tuple[str, str] | HeaderTuple] = (
             [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
         )
@@ -1101,7 +1115,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             # HPACK table, evicting the headers every response repeats.
             trailers.append(NeverIndexedHeaderTuple("grpc-message", quote(message, safe="")))
         trailers.extend(sanitize_headers(metadata))
-        self._send_headers(stream_id, trailers, end_stream=True)
+        extra = b"" if headers_sent else _request_id(request_id)
+        self._send_headers(stream_id, trailers, end_stream=True, extra=extra)
         self._inbound.pop(stream_id, None)
         stream = self.h2_connection.streams.get(stream_id)
         if stream is not None and not stream.closed:

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 
 import trio
 
-from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent, write_some
+from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
 from trio_infer.errors import InferError, StatusCode
+from trio_infer.transport.access_log import ACCESS_LOGGER, CallRecord, log_call, request_id
 from trio_infer.transport.grpc_protocol import (
     BY_REFERENCE_BYTES,
     CallRejected,
@@ -58,10 +59,10 @@ from trio_infer.transport.grpc_protocol import (
     StreamReset,
     WindowUpdated,
 )
+from trio_infer.transport.listening import CallCounter, accept_loop
 
 __all__ = [
     "Call",
-    "CallCounter",
     "Connection",
     "GrpcServer",
     "Handler",
@@ -99,6 +100,7 @@ class Call:
         method: str,
         metadata: Metadata,
         deadline: float,
+        request_id: str = "",
     ) -> None:
         self.method = method
         """The gRPC method path, e.g. ``/inference.GRPCInferenceService/ModelInfer``."""
@@ -112,6 +114,17 @@ class Call:
         """Sent with the response headers; set it before the first :meth:`send_message`."""
         self.trailing_metadata: Metadata = ()
         """Sent with the status that ends the call."""
+        self.request_id = request_id
+        """The call's id (:func:`~trio_infer.transport.access_log.request_id`): echoed in the
+        response's ``x-request-id`` and logged; ``""``: none."""
+        self.subject = ""
+        """What the call is for, as the handler names it (a model), for the access log."""
+        self.started = trio.current_time()
+        """When the call started (the Trio clock)."""
+        self.bytes_in = 0
+        """Bytes of request messages received whole."""
+        self.bytes_out = 0
+        """Bytes of response messages queued to send."""
         self._connection = connection
         self._stream_id = stream_id
         # What the client sent, in order: a message's announced length, then the message. The
@@ -182,6 +195,7 @@ class Call:
             )
         assert isinstance(item, bytes | bytearray), "an announced message is followed by it"
         self._announced = None
+        self.bytes_in += length
         return item
 
     def another_message_nowait(self) -> bool:
@@ -254,9 +268,10 @@ class Call:
             # its cancellation: nobody is listening, and the stream is closed.
             raise InferError("the client cancelled the call", StatusCode.CANCELLED)
         if not self._headers_sent:
-            protocol.start_response(self._stream_id, self.initial_metadata)
+            protocol.start_response(self._stream_id, self.initial_metadata, self.request_id)
             self._headers_sent = True
         pending = _data_frames(message)
+        self.bytes_out += _size(pending)
         send_timeout = protocol.limits.send_timeout
         progress = trio.current_time()
         self._message_half_sent = True
@@ -321,15 +336,6 @@ def _size(buffers: Sequence[Buffer]) -> int:
     return sum(memoryview(part).nbytes for part in buffers)
 
 
-def _first_bytes(buffers: Sequence[Buffer], limit: int) -> bytearray:
-    """The first ``limit`` bytes of ``buffers`` (all of them, if fewer), joined."""
-    joined = bytearray()
-    for part in buffers:
-        with memoryview(part) as view, view.cast("B") as raw:
-            joined += raw[: limit - len(joined)]
-        if len(joined) >= limit:
-            break
-    return joined
 
 
 @dataclass
@@ -361,6 +367,7 @@ class Connection:
         handler: Handler,
         limits: ProtocolLimits,
         calls_in_flight: CallCounter,
+        access_log: bool = False,
     ) -> None:
         self.connection_id = next(_connection_ids)
         """Unique among the process's connections, never reused."""
@@ -376,6 +383,7 @@ class Connection:
         #: The writer is in a write: nothing else may write until it is done.
         self._writing = False
         self._handler = handler
+        self._access_log = access_log
         self._calls: dict[int, _CallState] = {}
         self._calls_in_flight = calls_in_flight
         self._flush_needed = trio.Event()
@@ -562,7 +570,7 @@ class Connection:
                     else:
                         # Encrypted, every byte is copied anyway: one piece at a time, so that
                         # the timeout measures the client's progress.
-                        piece = _first_bytes(data, _TLS_WRITE_SIZE)
+                        piece = first_bytes(data, _TLS_WRITE_SIZE)
                         await self._stream.send_all(piece)
                         sent = len(piece)
                         data = unsent(data, sent)
@@ -729,12 +737,19 @@ class Connection:
         deadline = math.inf
         if event.timeout is not None:
             deadline = trio.current_time() + event.timeout
+        metadata = tuple(event.custom_metadata)
+        sent = None
+        for name, value in metadata:
+            if name == "x-request-id":
+                sent = value
+                break
         call = Call(
             self,
             stream_id,
             f"/{event.service_name}/{event.method_name}",
-            tuple(event.custom_metadata),
+            metadata,
             deadline,
+            request_id(sent),
         )
         state = _CallState(call, trio.CancelScope(deadline=deadline))
         self._calls[stream_id] = state
@@ -765,6 +780,19 @@ class Connection:
             if state.scope.cancelled_caught:
                 status, message = state.cancel_status, state.cancel_message
             self._finish(state, status, message)
+            if self._access_log and ACCESS_LOGGER.isEnabledFor(logging.INFO):
+                log_call(
+                    CallRecord(
+                        "grpc",
+                        call.method,
+                        call.subject,
+                        status.name,
+                        trio.current_time() - call.started,
+                        call.bytes_in,
+                        call.bytes_out,
+                        call.request_id,
+                    )
+                )
         finally:
             del self._calls[call._stream_id]
             self._calls_in_flight.decrement()
@@ -794,6 +822,7 @@ class Connection:
                 message,
                 call.trailing_metadata,
                 headers_sent=call._headers_sent,
+                request_id=call.request_id,
             )
         if len(self._calls) > 1 or self._writing or self._plain is None or not self._write_now():
             self.flush()
@@ -841,39 +870,6 @@ class TransportStatistics:
     largest_unsent_bytes: int
 
 
-class CallCounter:
-    """Counts calls in flight across connections, so a drain can wait for none."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self.started = 0
-        """Calls started since the server started."""
-        #: Made by the first wait for idle, set and dropped when the count reaches zero: one
-        #: call at a time would otherwise make and set an event for every call.
-        self._idle: trio.Event | None = None
-
-    @property
-    def count(self) -> int:
-        """Calls in flight now."""
-        return self._count
-
-    def increment(self) -> None:
-        self._count += 1
-
-    def decrement(self) -> None:
-        self._count -= 1
-        if self._count == 0 and self._idle is not None:
-            self._idle.set()
-            self._idle = None
-
-    async def wait_idle(self) -> None:
-        """Wait until no call is in flight."""
-        if self._count == 0:
-            await trio.lowlevel.checkpoint()
-            return
-        if self._idle is None:
-            self._idle = trio.Event()
-        await self._idle.wait()
 
 
 class GrpcServer:
@@ -884,6 +880,8 @@ class GrpcServer:
         limits: The bounds every connection keeps.
         ssl_context: Serve TLS with this server-side context (see
             :func:`trio_infer.transport.tls.server_context`); plaintext when None.
+        access_log: Write one access-log record per call
+            (:mod:`trio_infer.transport.access_log`).
     """
 
     def __init__(
@@ -892,10 +890,12 @@ class GrpcServer:
         limits: ProtocolLimits | None = None,
         *,
         ssl_context: ssl.SSLContext | None = None,
+        access_log: bool = False,
     ) -> None:
         self._handler = handler
         self._limits = limits or ProtocolLimits()
         self._ssl_context = ssl_context
+        self._access_log = access_log
         self._connections: set[Connection] = set()
         self._accepting = trio.CancelScope()
         self.calls_in_flight = CallCounter()
@@ -923,22 +923,13 @@ class GrpcServer:
                 with self._accepting:
                     async with trio.open_nursery() as accept_nursery:
                         for listener in listeners:
-                            accept_nursery.start_soon(self._accept_loop, listener, nursery)
+                            accept_nursery.start_soon(
+                                accept_loop, listener, nursery, self._serve_connection
+                            )
                         task_status.started()
             finally:
                 for listener in listeners:
                     await trio.aclose_forcefully(listener)
-
-    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:
-                # Out of file descriptors and the like: back off rather than spin.
-                logger.error("accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
-            nursery.start_soon(self._serve_connection, stream)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         transport: trio.SocketStream | trio.SSLStream[trio.SocketStream] = stream
@@ -950,7 +941,9 @@ class GrpcServer:
             transport = trio.SSLStream(
                 stream, self._ssl_context, server_side=True, https_compatible=True
             )
-        connection = Connection(transport, self._handler, self._limits, self.calls_in_flight)
+        connection = Connection(
+            transport, self._handler, self._limits, self.calls_in_flight, self._access_log
+        )
         if self._accepting.cancel_called:
             connection.drain()
             connection.close()

@@ -17,10 +17,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import hpack
+from hpack.hpack import encode_integer
 from hpack.struct import HeaderTuple
 from hpack.table import HeaderTable
 
-__all__ = ["MAX_REMEMBERED_BYTES", "CachingDecoder", "CachingEncoder", "decoded_size"]
+__all__ = [
+    "MAX_REMEMBERED_BYTES",
+    "CachingDecoder",
+    "CachingEncoder",
+    "decoded_size",
+    "never_indexed",
+]
 
 #: Distinct blocks remembered per connection; a client sending a different deadline on every
 #: call makes every request block distinct, and those must not grow the cache without bound.
@@ -34,6 +41,21 @@ def decoded_size(fields: Iterable[Any]) -> int:
     """A header block's size decoded: what remembering it holds (one byte of HPACK can stand
     for a whole field of the dynamic table)."""
     return sum(len(field[0]) + len(field[1]) for field in fields)
+
+
+def never_indexed(name: str, value: str) -> bytes:
+    """One header field coded as a literal never indexed, with a literal name (RFC 7541
+    6.2.3), neither Huffman-coded: to append to a remembered block a field that differs call to
+    call (a request id) without coding the block again. It leaves both dynamic tables as they
+    are, and says that no intermediary may index it either."""
+    return b"\x10" + _literal(name.encode("ascii")) + _literal(value.encode("ascii"))
+
+
+def _literal(raw: bytes) -> bytes:
+    # A string literal: its length on a 7-bit prefix (H = 0), then its bytes.
+    if len(raw) < 0x7F:
+        return bytes((len(raw),)) + raw
+    return bytes(encode_integer(len(raw), 7)) + raw
 
 
 class _VersionedTable(HeaderTable):  # type: ignore[misc]

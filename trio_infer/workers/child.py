@@ -2,8 +2,8 @@
 
 trio-parallel starts each worker process with ``configure`` and runs ``serve`` in it, as one job
 for the process's whole life; ``serve`` then runs the calls the pool
-(``trio_infer.workers.pool``) sends over a socket: ``load_all``, ``load``, ``predict`` and
-``generate`` (a decoupled model's call, whose items are sent as they come), by reference. This
+(``trio_infer.workers.pool``) sends over a socket: ``load_all``, ``predict``, ``generate`` (a
+decoupled model's call, whose items are sent as they come) and ``unload``, by reference. This
 module must stay importable without Trio or the server: it is what every worker imports.
 
 Error contract (every exception leaving this module must unpickle in the parent):
@@ -13,7 +13,8 @@ Error contract (every exception leaving this module must unpickle in the parent)
   ``ModelFailed("<Type>: <message>")`` here, in the child, because a model's own exception
   classes may not be picklable or importable in the parent; with ``debug`` the traceback text is
   appended to the message;
-- outputs that are not ``dict[str, numpy.ndarray]`` are a ``ModelFailed`` naming the problem.
+- outputs that are not ``dict[str, numpy.ndarray]`` (or a ``Response`` of one, with metadata
+  that keeps its rules) are a ``ModelFailed`` naming the problem.
 
 Decoupled models (``"decoupled": true``): ``predict`` is a generator, sync or async (driven
 here by an asyncio loop of its own). ``serve`` steps it one item at a time and sends each item
@@ -30,13 +31,14 @@ import importlib
 import inspect
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -46,7 +48,7 @@ from threadpoolctl import threadpool_limits
 
 from trio_infer import errors
 from trio_infer.errors import InferError, ModelFailed
-from trio_infer.model import Model, Parameters
+from trio_infer.model import MAX_RESPONSE_METADATA, Model, ModelOutputs, Parameters, Response
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.workers import wire
 
@@ -54,20 +56,52 @@ __all__ = [
     "THREAD_VARIABLES",
     "configure",
     "generate",
-    "load",
     "load_all",
     "pickled_settings",
     "predict",
     "serve",
+    "unload",
 ]
 
 #: Environment variables that size the thread pools of BLAS / OpenMP libraries when they load.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-# Invariant: a cached model's load() has returned without raising.
-_models: dict[tuple[str, str], Model] = {}
-# The same models, by their pickled settings (what predict receives).
-_by_settings: dict[bytes, Model] = {}
+_METADATA_NAME = re.compile(r"[0-9a-z_.-]+")
+_METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
+#: Names HTTP/2, HTTP/1.1, gRPC or the V2 protocols define (``grpc-*`` too): a model's value
+#: would contradict the server's, or break the response.
+_RESERVED_METADATA = frozenset(
+    {
+        "connection",
+        "content-length",
+        "content-type",
+        "date",
+        "host",
+        "inference-header-content-length",
+        "keep-alive",
+        "proxy-connection",
+        "server",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "user-agent",
+        "x-request-id",
+    }
+)
+
+# Each loaded model by its pickled settings (what predict receives). Invariant: a cached
+# model's load() has returned without raising. Settings that differ (a reload: another revision
+# of the folder, or a load's config) are another entry: calls of the old settings still in
+# flight keep using theirs until the server unloads it.
+_models: dict[bytes, Model] = {}
+# The revision of the folder each model folder's modules were imported from.
+_imported: dict[Path, str] = {}
+# Settings unloaded since, most recent last: a late call of one fails rather than loading the
+# model again behind the server's back. Only the last few are kept: a call that late has
+# outlived the grace period it was given many times over.
+_retired: dict[bytes, str] = {}
+_MAX_RETIRED = 64
 _threads = 1
 _debug = False
 
@@ -243,7 +277,7 @@ class _Steps:
                 f"async) yielding dict[str, numpy.ndarray], it returned {type(produced).__name__}"
             )
 
-    def next(self) -> dict[str, np.ndarray] | None:
+    def next(self) -> ModelOutputs | None:
         """The next item, checked; None at the end.
 
         Raises:
@@ -286,35 +320,27 @@ class _Steps:
 _END = object()
 
 
-def load(settings: ModelSettings) -> None:
-    """Load a model into this process's cache unless it is there already.
-
-    Args:
-        settings: The model to load.
-
-    Raises:
-        InferError: The model's ``__init__`` or ``load()`` raised one.
-        ModelFailed: Importing, creating or loading the model failed otherwise.
-    """
-    _cached_model(settings)
-
-
-def load_all(models: Sequence[ModelSettings]) -> int:
+def load_all(models: Sequence[bytes]) -> int:
     """Load several models into this process's cache (the pool's warm-up job).
 
     Args:
-        models: The models to load, in order.
+        models: The models to load, in order: their settings pickled by the server
+            (:func:`pickled_settings`), the same bytes its calls of them send, which key the
+            cache.
 
     Returns:
         This process's id, so the caller can tell which worker did the job.
 
     Raises:
-        InferError: As ``load``, for the first model that fails; the message starts with
-            ``loading model '<name>' failed:``.
+        InferError: The first model that fails: its ``__init__`` or ``load()`` raised one, or
+            importing, creating or loading it failed otherwise (``ModelFailed``); the message
+            starts with ``loading model '<name>' failed:``.
     """
-    for settings in models:
+    for pickled in models:
+        _retired.pop(pickled, None)  # loaded again on purpose
+        settings: ModelSettings = pickle.loads(pickled)
         try:
-            _cached_model(settings)
+            _cached_model(settings, pickled)
         except InferError as exc:
             # One job loads many models: say which one failed. exc is already portable.
             failed = type(exc)(f"loading model {settings.name!r} failed: {exc.message}", exc.code)
@@ -324,9 +350,7 @@ def load_all(models: Sequence[ModelSettings]) -> int:
     raise failed
 
 
-def predict(
-    settings: bytes, inputs: dict[str, np.ndarray], parameters: Parameters
-) -> dict[str, np.ndarray]:
+def predict(settings: bytes, inputs: dict[str, np.ndarray], parameters: Parameters) -> ModelOutputs:
     """Run one model call, loading the model first if this process has not yet.
 
     Args:
@@ -335,7 +359,8 @@ def predict(
         parameters: The request's parameters.
 
     Returns:
-        The model's outputs, checked to be ``dict[str, numpy.ndarray]``.
+        The model's outputs, checked to be ``dict[str, numpy.ndarray]``, or a ``Response``
+        with them and its metadata, checked.
 
     Raises:
         InferError: The model raised one (its class and status are kept).
@@ -369,9 +394,11 @@ def _called(
         InferError: The model raised one (its class and status are kept).
         ModelFailed: Loading or calling the model failed otherwise.
     """
-    model = _by_settings.get(settings)
+    model = _models.get(settings)
     if model is None:
-        model = _model_by_settings(settings)
+        if settings in _retired:
+            raise errors.Unavailable(f"model {_retired[settings]!r} was unloaded")
+        model = _cached_model(pickle.loads(settings), settings)
     error: InferError
     try:
         return model, model.predict(inputs, parameters)
@@ -395,25 +422,27 @@ def pickled_settings(settings: ModelSettings) -> bytes:
     return pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _model_by_settings(pickled: bytes) -> Model:
-    settings: ModelSettings = pickle.loads(pickled)
-    model = _cached_model(settings)
-    # Earlier settings of the same model (before a redefinition) must not keep it alive.
-    key = (settings.name, settings.version)
-    for stale in [
-        k for k, m in _by_settings.items() if (m.settings.name, m.settings.version) == key
-    ]:
-        del _by_settings[stale]
-    _by_settings[pickled] = model
-    return model
+def unload(settings: bytes) -> bool:
+    """Drop a model from this process's cache (its memory is freed once the calls that hold it
+    end); whether it was loaded.
+
+    Args:
+        settings: The model's settings, pickled (:func:`pickled_settings`).
+    """
+    model = _models.pop(settings, None)
+    if model is None:
+        return False
+    _retired[settings] = model.settings.name
+    if len(_retired) > _MAX_RETIRED:
+        del _retired[next(iter(_retired))]
+    del model
+    gc.collect()
+    return True
 
 
-def _cached_model(settings: ModelSettings) -> Model:
-    key = (settings.name, settings.version)
+def _cached_model(settings: ModelSettings, key: bytes) -> Model:
     model = _models.get(key)
-    # Equal settings, not identical: each job unpickles its own copy. Different settings under
-    # the same key mean the model was redefined (a repository reload), so it is built again.
-    if model is not None and model.settings == settings:
+    if model is not None:
         return model
     error: InferError
     try:
@@ -436,7 +465,7 @@ def _cached_model(settings: ModelSettings) -> Model:
 def _import_class(settings: ModelSettings) -> type[Model]:
     module_name, _, class_name = settings.implementation.rpartition(".")
     if settings.path is not None:
-        _prefer_folder(settings.path, module_name)
+        _prefer_folder(settings.path, module_name, settings.revision)
     module = importlib.import_module(module_name)
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Model)):
@@ -459,9 +488,16 @@ def _check_kind(settings: ModelSettings, cls: type[Model]) -> None:
         )
 
 
-def _prefer_folder(folder: Path, module_name: str) -> None:
+def _prefer_folder(folder: Path, module_name: str, revision: str) -> None:
     # MLServer-style: the model's folder goes first on sys.path, so "model.MyModel" is the
     # folder's own model.py. Kept there afterwards: the model may import siblings lazily.
+    if _imported.setdefault(folder, revision) != revision:
+        # Another revision of the folder (a reload): its code is imported anew. Instances made
+        # from the old modules keep their classes.
+        _imported[folder] = revision
+        for name, module in list(sys.modules.items()):
+            if _defined_in(module, folder):
+                del sys.modules[name]
     entry = str(folder)
     if entry in sys.path:
         sys.path.remove(entry)
@@ -500,12 +536,22 @@ def _failed(exc: BaseException) -> ModelFailed:
     return ModelFailed(message)
 
 
-def _checked(settings: ModelSettings, outputs: object) -> dict[str, np.ndarray]:
+def _checked(settings: ModelSettings, outputs: object) -> ModelOutputs:
     where = f"model {settings.name!r}"
+    if isinstance(outputs, Response):
+        return Response(
+            _checked_outputs(where, outputs.outputs),
+            _checked_metadata(where, "header", outputs.headers),
+            _checked_metadata(where, "trailer", outputs.trailers),
+        )
+    return _checked_outputs(where, outputs)
+
+
+def _checked_outputs(where: str, outputs: object) -> dict[str, np.ndarray]:
     if not isinstance(outputs, dict):
         raise ModelFailed(
             f"{where}: predict() returned {type(outputs).__name__}, "
-            "expected dict[str, numpy.ndarray]"
+            "expected dict[str, numpy.ndarray] or trio_infer.Response"
         )
     for name, value in outputs.items():
         if not isinstance(name, str):
@@ -524,3 +570,41 @@ def _checked(settings: ModelSettings, outputs: object) -> dict[str, np.ndarray]:
                         "arrays (BYTES) must hold bytes or str"
                     )
     return outputs
+
+
+def _checked_metadata(where: str, kind: str, metadata: object) -> dict[str, str]:
+    """A model's response metadata as plain lower-case names and text values, checked against
+    gRPC's rules for text metadata and the names the protocols keep for themselves.
+
+    Raises:
+        ModelFailed: Naming the first entry that breaks a rule, or the size past the bound.
+    """
+    if not isinstance(metadata, Mapping):
+        raise ModelFailed(f"{where}: response {kind}s are {type(metadata).__name__}, not a mapping")
+    checked: dict[str, str] = {}
+    size = 0
+    for name, value in metadata.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise ModelFailed(f"{where}: response {kind} {name!r}: names and values must be str")
+        lowered = name.lower()
+        if not lowered or not _METADATA_NAME.fullmatch(lowered):
+            raise ModelFailed(
+                f"{where}: response {kind} name {name!r} may hold only letters, digits, "
+                "'-', '_' and '.'"
+            )
+        if lowered.endswith("-bin"):
+            raise ModelFailed(f"{where}: response {kind} {name!r}: binary metadata is not served")
+        if lowered in _RESERVED_METADATA or lowered.startswith("grpc-"):
+            raise ModelFailed(f"{where}: response {kind} {name!r} is the protocol's own")
+        if not _METADATA_VALUE.fullmatch(value):
+            raise ModelFailed(
+                f"{where}: response {kind} {name!r} has a value that is not printable ASCII"
+            )
+        size += len(lowered) + len(value)
+        checked[lowered] = value
+    if size > MAX_RESPONSE_METADATA:
+        raise ModelFailed(
+            f"{where}: response {kind}s take {size} bytes, more than the "
+            f"{MAX_RESPONSE_METADATA} allowed"
+        )
+    return checked

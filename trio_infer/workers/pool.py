@@ -93,12 +93,13 @@ import trio
 import trio_parallel
 
 from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
-from trio_infer.model import Parameters
+from trio_infer.model import ModelOutputs, Parameters
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.model_errors import ModelErrorLog
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY, PRIORITY_LEVELS
 from trio_infer.scheduling.reply import Reply, ReplyStream
 from trio_infer.scheduling.sequences import Pin, SequenceFlags, SequenceTable
+from trio_infer.scheduling.statistics import Timing
 from trio_infer.workers import child, wire
 
 __all__ = ["CALLS_PER_WORKER", "GRACE_PERIOD", "STOP_GRACE", "PoolStatistics", "WorkerPool"]
@@ -168,6 +169,12 @@ class PoolStatistics:
         down: Lanes without a worker because their last start failed (out of file
             descriptors, say); each takes no call and tries again after a pause.
         failed_starts: Worker processes that could not be started since the pool opened.
+        started: Worker processes that started (connected) since the pool opened: the first
+            ones and their replacements.
+        killed: Workers the pool killed since it opened: each was running a call whose
+            requester was gone (a deadline, a cancel), or sent a report that could not be read.
+        waiting_by_model: The requests of ``waiting``'s calls, by model (a batch's call counts
+            its requests); models with none are left out.
     """
 
     workers: int
@@ -179,6 +186,9 @@ class PoolStatistics:
     lane_crashes: int = 0
     down: int = 0
     failed_starts: int = 0
+    started: int = 0
+    killed: int = 0
+    waiting_by_model: dict[str, int] = field(default_factory=dict)
 
 
 class WorkerPool:
@@ -210,6 +220,8 @@ class WorkerPool:
         self._pickled_settings: dict[tuple[str, str], tuple[ModelSettings, bytes]] = {}
         self._not_started = 0
         self._failed_starts = 0
+        self._started = 0
+        self._kills = 0
         # Every worker process that has connected and may not have exited, by pid: its pidfd,
         # which names that process and no later one with the same pid.
         self._processes: dict[int, int] = {}
@@ -311,7 +323,9 @@ class WorkerPool:
             if lane.down:
                 not_started.append(lane.start_error())
                 return
-            call = self._call("loading models", None, child.load_all, tuple(models))
+            call = self._call(
+                "loading models", None, child.load_all, tuple(self._pickled(s) for s in models)
+            )
             try:
                 await self._submit(call, lane.private)
             except _StartFailed as exc:
@@ -330,6 +344,28 @@ class WorkerPool:
             raise not_started[0]
         return loaded
 
+    async def unload(self, settings: ModelSettings) -> int:
+        """Drop a model from every live worker, freeing its memory there; how many workers had
+        it loaded. Each worker does it after the calls it was sent before (a call of the model
+        still queued would load it again: its caller ends its calls first). A worker that dies
+        meanwhile, or cannot be started, does not have it either.
+        """
+        pickled = self._pickled(settings)
+        dropped = 0
+
+        async def drop(lane: _Lane) -> None:
+            nonlocal dropped
+            if lane.down:
+                return
+            call = self._call(f"unloading model {settings.name!r}", None, child.unload, pickled)
+            with contextlib.suppress(Unavailable):
+                dropped += bool(await self._submit(call, lane.private))
+
+        async with trio.open_nursery() as nursery:
+            for lane in self._lanes:
+                nursery.start_soon(drop, lane)
+        return dropped
+
     async def predict(
         self,
         settings: ModelSettings,
@@ -337,7 +373,8 @@ class WorkerPool:
         parameters: Parameters,
         priority: int = DEFAULT_PRIORITY,
         sequence: SequenceFlags | None = None,
-    ) -> dict[str, np.ndarray]:
+        timing: Timing | None = None,
+    ) -> ModelOutputs:
         """Run one model call in a worker, waiting for a free worker first.
 
         Calls wait for a worker by priority level, then in arrival order (see
@@ -365,9 +402,11 @@ class WorkerPool:
             parameters: The request's parameters.
             priority: The call's level, 1 (the highest) to ``PRIORITY_LEVELS``.
             sequence: The sequence the call belongs to, if any.
+            timing: Filled when the call succeeds: when the worker started it, and the
+                seconds it spent in the model's code.
 
         Returns:
-            The model's outputs by name.
+            The model's outputs by name, or its ``Response`` (outputs with metadata).
 
         Raises:
             InferError: The model raised one; its status is kept.
@@ -378,8 +417,9 @@ class WorkerPool:
             InvalidInput: The call's sequence is not live and the call does not start it.
         """
         call = self._model_call(settings, child.predict, inputs, parameters)
+        call.timing = timing
         home = self._home(call, settings, sequence, priority)
-        outputs: dict[str, np.ndarray] = await self._submit(call, home)
+        outputs: ModelOutputs = await self._submit(call, home)
         return outputs
 
     async def generate(
@@ -387,9 +427,10 @@ class WorkerPool:
         settings: ModelSettings,
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
-        each: Callable[[dict[str, np.ndarray]], Awaitable[None]],
+        each: Callable[[ModelOutputs], Awaitable[None]],
         priority: int = DEFAULT_PRIORITY,
         sequence: SequenceFlags | None = None,
+        timing: Timing | None = None,
     ) -> None:
         """Run a decoupled model's call in a worker: ``await each(outputs)`` for every item its
         generator yields, as it comes, in order; return at the generator's end.
@@ -409,7 +450,8 @@ class WorkerPool:
         """
         call = self._model_call(settings, child.generate, inputs, parameters)
         call.decoupled = True
-        stream: ReplyStream[dict[str, np.ndarray]] = ReplyStream(
+        call.timing = timing  # filled as predict's, the compute being the whole generation's
+        stream: ReplyStream[ModelOutputs] = ReplyStream(
             wire.ITEMS_AHEAD, partial(self._credit, call)
         )
         call.reply = stream
@@ -451,7 +493,19 @@ class WorkerPool:
             lane_crashes=self._lane_crashes,
             down=sum(1 for lane in self._lanes if lane.down),
             failed_starts=self._failed_starts,
+            started=self._started,
+            killed=self._kills,
+            waiting_by_model=self._waiting_by_model(),
         )
+
+    def _waiting_by_model(self) -> dict[str, int]:
+        waiting: dict[str, int] = {}
+        held = (c for lane in self._lanes for c in lane.waiting_calls())
+        for call in itertools.chain(self._queue, held):
+            if call.model is not None:
+                requests = call.timing.requests if call.timing is not None else 1
+                waiting[call.model] = waiting.get(call.model, 0) + requests
+        return waiting
 
     async def _run_lane(self, lane: _Lane, pause: float = 0.0) -> None:
         """Run one lane; if it raises, fail what it held and start a fresh one in its place."""
@@ -772,6 +826,8 @@ class _Call:
     """A generating call (``WorkerPool.generate``): its reply is a ``ReplyStream``."""
     pin: Pin[_Lane] | None = None
     """The sequence it belongs to: its home is then its lane's ``pinned``."""
+    timing: Timing | None = None
+    """Its requester's, filled when the call succeeds."""
 
 
 class _Lane:
@@ -857,8 +913,15 @@ class _Lane:
 
     def waiting(self) -> int:
         """Calls for this worker that will run but have not started."""
-        sent = sum(1 for call in itertools.islice(self.outstanding, 1, None) if not call.abandoned)
-        return len(self.private) + len(self.pinned) + sent
+        return sum(1 for _ in self.waiting_calls())
+
+    def waiting_calls(self) -> Iterator[_Call]:
+        """The calls :meth:`waiting` counts."""
+        yield from self.private
+        yield from self.pinned
+        for call in itertools.islice(self.outstanding, 1, None):
+            if not call.abandoned:
+                yield call
 
     def fail_held(self) -> int:
         """Fail every call this lane holds, after its task crashed; return how many.
@@ -984,6 +1047,7 @@ class _Lane:
                     connection = await _accept(listener)
                     self.pid = _peer_pid(connection)
                     self._pool._track(self.pid)
+                    self._pool._started += 1
                     if self.down:
                         _log.info(
                             "worker lane %d: worker process %s started after %d failed start(s)",
@@ -1227,12 +1291,16 @@ class _Lane:
             # crash fails it with the others it held.
             call = self.outstanding[0]
             assert call.id == call_id, f"report of call {call_id}, expected call {call.id}"
-            self._head_started = trio.current_time()
+            # The worker started this call when the one before it ended (or when it was sent
+            # to an idle worker); it starts the next now.
+            started, self._head_started = self._head_started, trio.current_time()
             # Reported after the kill was decided: the call after it may have started since.
             self._moved_on = self._killed
             if ok:
                 if not call.decoupled:  # a generation's length teaches nothing of the next
                     self._pool._learn(call.model, seconds)
+                if call.timing is not None:
+                    call.timing.ran(started, seconds)
                 call.reply.set_result(value)
             else:
                 error = (
@@ -1303,6 +1371,8 @@ class _Lane:
         crashed = not self._killed and not self._leaving
         if crashed:
             pool._note_crash()
+        elif self._killed:
+            pool._kills += 1
         failed = 0
         # The first call was running if the worker died on its own, or if it went on to it
         # after it was told to stop; the others had not started.

@@ -1,5 +1,6 @@
 import purerpc
 import trio_infer.protobuf._proto.grpc_predict_v2_pb2 as trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2
+import trio_infer.protobuf._proto.model_config_pb2 as trio_infer_dot_protobuf_dot__proto_dot_model_config__pb2
 
 
 class GRPCInferenceServiceServicer(purerpc.Servicer):
@@ -22,6 +23,12 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
         raise NotImplementedError()
 
     async def ModelStreamInfer(self, input_messages):
+        raise NotImplementedError()
+
+    async def ModelConfig(self, input_message):
+        raise NotImplementedError()
+
+    async def ModelStatistics(self, input_message):
         raise NotImplementedError()
 
     async def RepositoryIndex(self, input_message):
@@ -99,6 +106,24 @@ class GRPCInferenceServiceServicer(purerpc.Servicer):
                 purerpc.Cardinality.STREAM_STREAM,
                 trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
                 trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelStreamInferResponse,
+            )
+        )
+        service_obj.add_method(
+            "ModelConfig",
+            self.ModelConfig,
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelConfigRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelConfigResponse,
+            )
+        )
+        service_obj.add_method(
+            "ModelStatistics",
+            self.ModelStatistics,
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelStatisticsRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelStatisticsResponse,
             )
         )
         service_obj.add_method(
@@ -191,6 +216,22 @@ class GRPCInferenceServiceStub:
                 purerpc.Cardinality.STREAM_STREAM,
                 trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelInferRequest,
                 trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelStreamInferResponse,
+            )
+        )
+        self.ModelConfig = self._client.get_method_stub(
+            "ModelConfig",
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelConfigRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelConfigResponse,
+            )
+        )
+        self.ModelStatistics = self._client.get_method_stub(
+            "ModelStatistics",
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelStatisticsRequest,
+                trio_infer_dot_protobuf_dot__proto_dot_grpc_predict_v2__pb2.ModelStatisticsResponse,
             )
         )
         self.RepositoryIndex = self._client.get_method_stub(

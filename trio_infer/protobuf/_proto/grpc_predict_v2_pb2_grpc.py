@@ -69,6 +69,16 @@ class GRPCInferenceServiceStub:
                 request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
         self.RepositoryIndex = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryIndex',
                 request_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
@@ -139,6 +149,20 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelConfig(self, request, context):
+        """Triton's extensions: a model's configuration, and its request
+        statistics (every model's when no name is given).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RepositoryIndex(self, request, context):
         """Model-repository extension: list, load and unload models.
         """
@@ -195,6 +219,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelStreamInfer,
                     request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
                     response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelConfigRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStatisticsResponse.SerializeToString,
             ),
             'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryIndex,
@@ -401,6 +435,60 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelStreamInfer',
             trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
             trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStatisticsRequest.SerializeToString,
+            trio__infer_dot_protobuf_dot___proto_dot_grpc__predict__v2__pb2.ModelStatisticsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,571 @@
+"""REST: the V2 HTTP endpoints against a real server with real worker processes, with httpx,
+tritonclient.http and raw sockets, compared with the same calls over gRPC."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import h11
+import httpx
+import numpy as np
+import pytest
+import trio
+
+from tests.support import GrpcioClient, eventually, start_server
+from trio_infer.errors import StatusCode
+from trio_infer.frontends.http_service import http_status
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf.codec import decode_outputs, encode_inputs
+from trio_infer.server import RunningServer
+
+MiB = 1024 * 1024
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _client(server: RunningServer) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=30)
+
+
+def _json_input(name: str, array: np.ndarray, datatype: str) -> dict[str, Any]:
+    data = array.flatten().tolist()
+    if datatype == "BYTES":
+        data = [element.decode() for element in data]
+    return {"name": name, "datatype": datatype, "shape": list(array.shape), "data": data}
+
+
+async def _grpc_infer(
+    client: GrpcioClient, model: str, inputs: list[tuple[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    request = pb.ModelInferRequest(model_name=model)
+    encode_inputs(request, inputs, raw=True)
+    return decode_outputs(await client.call("ModelInfer", request))
+
+
+async def _open(server: RunningServer) -> tuple[trio.SocketStream, h11.Connection]:
+    """A raw connection to the REST port, and h11's client side to read its responses."""
+    assert server.http_port is not None
+    stream = await trio.open_tcp_stream("127.0.0.1", server.http_port)
+    return stream, h11.Connection(h11.CLIENT)
+
+
+async def _read_response(
+    stream: trio.SocketStream, client: h11.Connection
+) -> tuple[h11.Response, bytes]:
+    """The next whole response on a raw connection (informational ones skipped)."""
+    response: h11.Response | None = None
+    body = b""
+    while True:
+        event = client.next_event()
+        if event is h11.NEED_DATA:
+            client.receive_data(await stream.receive_some(65536))
+        elif isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            assert response is not None
+            return response, body
+
+
+async def _send_request(
+    stream: trio.SocketStream, client: h11.Connection, method: str, path: str, body: bytes = b""
+) -> None:
+    """Send a whole request through h11's client side (for a connection that reads several
+    responses)."""
+    headers = [("host", "x"), ("content-length", str(len(body)))]
+    data = client.send(h11.Request(method=method, target=path, headers=headers)) or b""
+    if body:
+        data += client.send(h11.Data(data=body)) or b""
+    data += client.send(h11.EndOfMessage()) or b""
+    await stream.send_all(data)
+
+
+def _post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+def _sleep_body(delay_ms: int) -> bytes:
+    return json.dumps(
+        {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}],
+            "parameters": {"delay_ms": delay_ms},
+        }
+    ).encode()
+
+
+ADD_SUB_BODY = {
+    "inputs": [
+        {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": list(range(16))},
+        {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": [1] * 16},
+    ]
+}
+
+
+# -- the endpoints ----------------------------------------------------------------------------
+
+
+async def test_health_and_metadata_answer_as_triton_and_as_grpc(
+    server: RunningServer, grpcio_client: GrpcioClient
+) -> None:
+    async with _client(server) as client:
+        for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/add_sub/ready"):
+            response = await client.get(path)
+            assert (response.status_code, response.content) == (200, b""), path
+        metadata = (await client.get("/v2")).json()
+        model = (await client.get("/v2/models/dense")).json()
+        versioned = await client.get("/v2/models/dense/versions/1")
+    grpc_server = await grpcio_client.call("ServerMetadata", pb.ServerMetadataRequest())
+    assert metadata == {
+        "name": grpc_server.name,
+        "version": grpc_server.version,
+        "extensions": list(grpc_server.extensions),
+    }
+    grpc_model = await grpcio_client.call("ModelMetadata", pb.ModelMetadataRequest(name="dense"))
+    assert model == {
+        "name": "dense",
+        "versions": list(grpc_model.versions),
+        "platform": grpc_model.platform,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 256]}],
+    }
+    # dense serves no versions: asking for one is as unknown as over gRPC.
+    grpc_error = await grpcio_client.error(
+        "ModelMetadata", pb.ModelMetadataRequest(name="dense", version="1")
+    )
+    assert versioned.status_code == 404
+    assert versioned.json() == {"error": grpc_error.details()}
+
+
+async def test_unknown_models_paths_and_methods_are_404_and_405(
+    server: RunningServer, grpcio_client: GrpcioClient
+) -> None:
+    unknown = await grpcio_client.error("ModelMetadata", pb.ModelMetadataRequest(name="nope"))
+    async with _client(server) as client:
+        for method, path in [
+            ("GET", "/v2/models/nope"),
+            ("GET", "/v2/models/nope/ready"),
+            ("POST", "/v2/models/nope/infer"),
+        ]:
+            response = await client.request(method, path, json=ADD_SUB_BODY)
+            assert response.status_code == 404, path
+            assert response.json() == {"error": unknown.details()}
+        for path in ("/v3", "/v2/models", "/v2/models/add_sub/explain", "/v2/health"):
+            response = await client.get(path)
+            assert response.status_code == 404, path
+            assert response.json() == {"error": f"no such endpoint: GET {path}"}
+        response = await client.get("/v2/models/add_sub/infer")
+        assert response.status_code == 405
+        assert response.json() == {"error": "Method Not Allowed (this endpoint takes POST)"}
+        response = await client.post("/v2/health/ready")
+        assert response.status_code == 405
+        # The server goes on serving the same client.
+        assert (await client.get("/v2/health/live")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs"),
+    [
+        (
+            "add_sub",
+            [
+                ("INPUT0", np.arange(32, dtype=np.float32).reshape(2, 16), "FP32"),
+                ("INPUT1", np.full((2, 16), 0.5, dtype=np.float32), "FP32"),
+            ],
+        ),
+        (
+            "dense",
+            [("x", np.linspace(-1, 1, 3 * 256, dtype=np.float32).reshape(3, 256), "FP32")],
+        ),
+        (
+            "echo",
+            [
+                ("i8", np.array([[-128, 0, 127]], dtype=np.int8), "INT8"),
+                ("u64", np.array([2**64 - 1, 0], dtype=np.uint64), "UINT64"),
+                ("b", np.array([True, False]), "BOOL"),
+                ("f64", np.array([[1.5, -2.25]], dtype=np.float64), "FP64"),
+                ("s", np.array([b"abc", "é".encode()], dtype=object), "BYTES"),
+            ],
+        ),
+    ],
+)
+async def test_json_inference_gives_the_same_answers_as_grpc(
+    server: RunningServer,
+    grpcio_client: GrpcioClient,
+    model: str,
+    inputs: list[tuple[str, np.ndarray, str]],
+) -> None:
+    body = {"id": "r1", "inputs": [_json_input(n, a, d) for n, a, d in inputs]}
+    async with _client(server) as client:
+        response = await client.post(f"/v2/models/{model}/infer", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    answer = response.json()
+    expected = await _grpc_infer(grpcio_client, model, [(n, a) for n, a, _ in inputs])
+    assert answer["model_name"] == model
+    assert answer["id"] == "r1"
+    assert [output["name"] for output in answer["outputs"]] == list(expected)
+    for output in answer["outputs"]:
+        want = expected[output["name"]]
+        assert output["shape"] == list(want.shape)
+        if output["datatype"] == "BYTES":
+            assert output["data"] == [element.decode() for element in want.flatten()]
+        else:
+            got = np.array(output["data"], dtype=want.dtype).reshape(want.shape)
+            np.testing.assert_array_equal(got, want)
+
+
+def _tritonclient_calls(port: int) -> dict[str, Any]:
+    """Every tritonclient.http call the server serves, from a thread (it is blocking)."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        results: dict[str, Any] = {
+            "live": client.is_server_live(),
+            "ready": client.is_server_ready(),
+            "model_ready": client.is_model_ready("add_sub"),
+            "unknown_ready": client.is_model_ready("nope"),
+            "server": client.get_server_metadata(),
+            "model": client.get_model_metadata("add_sub"),
+        }
+        a = np.arange(32, dtype=np.float32).reshape(2, 16)
+        b = np.full((2, 16), 3, dtype=np.float32)
+        for binary in (False, True):
+            first = httpclient.InferInput("INPUT0", [2, 16], "FP32")
+            first.set_data_from_numpy(a, binary_data=binary)
+            second = httpclient.InferInput("INPUT1", [2, 16], "FP32")
+            second.set_data_from_numpy(b, binary_data=binary)
+            outputs = [httpclient.InferRequestedOutput("OUTPUT1", binary_data=binary)]
+            answer = client.infer("add_sub", [first, second], outputs=outputs, request_id="t")
+            results[f"add_sub {binary}"] = (answer.get_response(), answer.as_numpy("OUTPUT1"))
+        x = np.linspace(-1, 1, 256, dtype=np.float32).reshape(1, 256)
+        dense_input = httpclient.InferInput("x", [1, 256], "FP32")
+        dense_input.set_data_from_numpy(x, binary_data=True)
+        results["dense"] = client.infer("dense", [dense_input]).as_numpy("y")
+        strings = np.array([[b"x", b"", "é".encode()]], dtype=object)
+        for binary in (False, True):
+            echo_input = httpclient.InferInput("s", [1, 3], "BYTES")
+            echo_input.set_data_from_numpy(strings, binary_data=binary)
+            output = httpclient.InferRequestedOutput("s", binary_data=binary)
+            results[f"echo {binary}"] = client.infer(
+                "echo", [echo_input], outputs=[output]
+            ).as_numpy("s")
+        try:
+            client.get_model_metadata("nope")
+        except Exception as error:  # tritonclient's InferenceServerException
+            results["unknown"] = (error.status(), error.message())  # type: ignore[attr-defined]
+        return results
+    finally:
+        client.close()
+
+
+async def test_tritonclient_http_works_unchanged_and_agrees_with_grpc(
+    server: RunningServer, grpcio_client: GrpcioClient
+) -> None:
+    assert server.http_port is not None
+    results = await trio.to_thread.run_sync(_tritonclient_calls, server.http_port)
+    assert results["live"]
+    assert results["ready"]
+    assert results["model_ready"]
+    assert results["unknown_ready"] is False
+    assert results["server"]["name"] == "trio-infer"
+    assert [i["name"] for i in results["model"]["inputs"]] == ["INPUT0", "INPUT1"]
+    a = np.arange(32, dtype=np.float32).reshape(2, 16)
+    b = np.full((2, 16), 3, dtype=np.float32)
+    expected = await _grpc_infer(grpcio_client, "add_sub", [("INPUT0", a), ("INPUT1", b)])
+    for binary in (False, True):
+        response, output = results[f"add_sub {binary}"]
+        np.testing.assert_array_equal(output, expected["OUTPUT1"])
+        # Only the output asked for, binary when asked.
+        assert [o["name"] for o in response["outputs"]] == ["OUTPUT1"]
+        assert ("data" not in response["outputs"][0]) is binary
+        assert response["id"] == "t"
+    x = np.linspace(-1, 1, 256, dtype=np.float32).reshape(1, 256)
+    dense = await _grpc_infer(grpcio_client, "dense", [("x", x)])
+    np.testing.assert_array_equal(results["dense"], dense["y"])
+    # tritonclient gives JSON BYTES back as str, binary ones as bytes.
+    assert results["echo False"].tolist() == [["x", "", "é"]]
+    assert results["echo True"].tolist() == [[b"x", b"", "é".encode()]]
+    unknown = await grpcio_client.error("ModelMetadata", pb.ModelMetadataRequest(name="nope"))
+    assert results["unknown"] == ("404", unknown.details())
+
+
+async def test_rest_and_grpc_requests_batch_together(nursery: trio.Nursery, tmp_path: Path) -> None:
+    folder = tmp_path / "repository" / "batched"
+    folder.mkdir(parents=True)
+    spec = [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    (folder / "model-settings.json").write_text(
+        json.dumps(
+            {
+                "implementation": "trio_infer.examples.models.Echo",
+                "inputs": spec,
+                "outputs": spec,
+                # A batch leaves when full (two rows), or after 60 s: the two requests, one per
+                # entrance, can only be answered together.
+                "max_batch_size": 2,
+                "max_batch_time": 60,
+            }
+        )
+    )
+    server = await start_server(nursery, tmp_path / "repository")
+    grpc_client = GrpcioClient(server.port)
+    rest_row = np.array([[1, 2, 3, 4]], dtype=np.float32)
+    grpc_row = np.array([[5, 6, 7, 8]], dtype=np.float32)
+    answers: dict[str, Any] = {}
+
+    async def over_rest() -> None:
+        async with _client(server) as client:
+            body = {"inputs": [_json_input("x", rest_row, "FP32")]}
+            answers["rest"] = (await client.post("/v2/models/batched/infer", json=body)).json()
+
+    async def over_grpc() -> None:
+        answers["grpc"] = await _grpc_infer(grpc_client, "batched", [("x", grpc_row)])
+
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as both:
+                both.start_soon(over_rest)
+                both.start_soon(over_grpc)
+    finally:
+        grpc_client.channel.close()
+    assert answers["rest"]["outputs"][0]["data"] == [1.0, 2.0, 3.0, 4.0]
+    np.testing.assert_array_equal(answers["grpc"]["x"], grpc_row)
+    batches = server.statistics().batching["batched"]
+    assert (batches.batches, batches.requests, batches.max_batch_requests) == (1, 2, 2)
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+async def test_malformed_requests_are_400_with_the_reason_and_the_connection_goes_on(
+    server: RunningServer,
+) -> None:
+    async with _client(server) as client:
+        response = await client.post("/v2/models/add_sub/infer", content=b'{"inputs": [')
+        assert response.status_code == 400
+        assert response.json()["error"].startswith("the request's JSON is malformed")
+        wrong_shape = {
+            "inputs": [
+                {"name": "INPUT0", "datatype": "FP32", "shape": [1, 8], "data": [0] * 8},
+                {"name": "INPUT1", "datatype": "FP32", "shape": [1, 8], "data": [0] * 8},
+            ]
+        }
+        response = await client.post("/v2/models/add_sub/infer", json=wrong_shape)
+        assert response.status_code == 400
+        assert "INPUT0" in response.json()["error"]
+        too_few = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1]}]}
+        response = await client.post("/v2/models/echo/infer", json=too_few)
+        assert response.status_code == 400
+        # Each answer kept the connection: the same one serves a good request now.
+        response = await client.post("/v2/models/add_sub/infer", json=ADD_SUB_BODY)
+        assert response.status_code == 200
+    statistics = server.statistics().http
+    assert statistics is not None
+    assert statistics.requests_started == 4
+
+
+async def test_a_content_length_over_the_limit_is_refused_before_the_body_is_sent(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start_server(nursery, max_message_size=MiB)
+    stream, client = await _open(server)
+    # Only the head: the body is never sent, and the answer comes at once.
+    await stream.send_all(
+        b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n"
+    )
+    with trio.fail_after(5):
+        response, body = await _read_response(stream, client)
+    assert response.status_code == 413
+    assert json.loads(body) == {
+        "error": f"the request body of 1073741824 bytes is larger than the maximum of {MiB} bytes"
+    }
+    assert (b"connection", b"close") in response.headers
+    assert server.statistics().admission.reserved_bytes == 0
+    await stream.aclose()
+    async with _client(server) as other:
+        assert (await other.post("/v2/models/add_sub/infer", json=ADD_SUB_BODY)).status_code == 200
+
+
+async def test_a_chunked_body_is_counted_as_it_arrives(nursery: trio.Nursery) -> None:
+    server = await start_server(nursery, max_message_size=64 * 1024)
+
+    async def chunks(count: int) -> Any:
+        text = json.dumps(ADD_SUB_BODY).encode()
+        yield text
+        for _ in range(count):
+            yield b" " * 1024  # JSON allows trailing whitespace
+
+    async with _client(server) as client:
+        small = await client.post("/v2/models/add_sub/infer", content=chunks(4))
+        assert small.status_code == 200, small.text
+        large = await client.post("/v2/models/add_sub/infer", content=chunks(100))
+    assert large.status_code == 413
+    assert large.json() == {"error": "the request body is larger than the maximum of 65536 bytes"}
+    assert server.statistics().admission.reserved_bytes == 0
+
+
+async def test_request_headers_over_16_kib_are_431(server: RunningServer) -> None:
+    stream, client = await _open(server)
+    await stream.send_all(
+        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 * 1024) + b"\r\n\r\n"
+    )
+    with trio.fail_after(5):
+        response, body = await _read_response(stream, client)
+    assert response.status_code == 431
+    assert json.loads(body) == {
+        "error": "the request's headers are larger than the maximum of 16384 bytes"
+    }
+    await stream.aclose()
+    async with _client(server) as other:
+        assert (await other.get("/v2/health/live")).status_code == 200
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_reservation(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start_server(nursery, receive_timeout=0.5)
+    stream, client = await _open(server)
+    body = json.dumps(ADD_SUB_BODY).encode()
+    await stream.send_all(_post("/v2/models/add_sub/infer", body)[: -len(body) // 2])
+    await eventually(lambda: server.statistics().admission.reserved_bytes > 0)
+    # Others are served meanwhile.
+    async with _client(server) as other:
+        assert (await other.post("/v2/models/add_sub/infer", json=ADD_SUB_BODY)).status_code == 200
+    with trio.fail_after(5):
+        response, answer = await _read_response(stream, client)
+    assert response.status_code == 408
+    assert json.loads(answer) == {"error": "the request body did not arrive within 0.5 s"}
+    assert server.statistics().admission.reserved_bytes == 0
+    await stream.aclose()
+
+
+async def test_a_client_that_disconnects_cancels_its_worker_call(server: RunningServer) -> None:
+    stream, _ = await _open(server)
+    await stream.send_all(_post("/v2/models/sleep/infer", _sleep_body(20_000)))
+    await eventually(lambda: server.statistics().pool.busy == 1)
+    await stream.aclose()
+    # The call is stopped (its worker killed) long before its 20 s would end.
+    await eventually(lambda: server.statistics().pool.busy == 0, within=5)
+    statistics = server.statistics()
+    assert statistics.http is not None
+    assert statistics.http.requests == 0
+    assert statistics.admission.reserved_bytes == 0
+    async with _client(server) as other:
+        response = await other.post("/v2/models/sleep/infer", content=_sleep_body(0))
+        assert response.status_code == 200
+
+
+async def test_keep_alive_serves_every_request_on_one_connection(server: RunningServer) -> None:
+    stream, client = await _open(server)
+    body = json.dumps(ADD_SUB_BODY).encode()
+    for _ in range(3):
+        await _send_request(stream, client, "POST", "/v2/models/add_sub/infer", body)
+        response, answer = await _read_response(stream, client)
+        assert response.status_code == 200
+        assert json.loads(answer)["outputs"][0]["data"][:3] == [1.0, 2.0, 3.0]
+        client.start_next_cycle()
+        await _send_request(stream, client, "GET", "/v2/health/ready")
+        response, answer = await _read_response(stream, client)
+        assert (response.status_code, answer) == (200, b"")
+        client.start_next_cycle()
+    statistics = server.statistics().http
+    assert statistics is not None
+    assert (statistics.connections, statistics.requests_started) == (1, 6)
+    await stream.aclose()
+
+
+async def test_the_timeout_parameter_ends_the_request_with_504(server: RunningServer) -> None:
+    body = json.loads(_sleep_body(5_000))
+    body["parameters"]["timeout"] = 200_000  # microseconds
+    async with _client(server) as client:
+        response = await client.post("/v2/models/sleep/infer", json=body)
+        assert response.status_code == 504
+        assert response.json() == {"error": "deadline exceeded (the request's timeout parameter)"}
+        body["parameters"]["timeout"] = "soon"
+        response = await client.post("/v2/models/sleep/infer", json=body)
+        assert response.status_code == 400
+    await eventually(lambda: server.statistics().pool.busy == 0, within=5)
+
+
+DECOUPLED = textwrap.dedent(
+    """
+    import numpy as np
+
+    from trio_infer.model import Model
+
+
+    class Twice(Model):
+        def predict(self, inputs, parameters):
+            yield {"index": np.array([0], np.int32)}
+            yield {"index": np.array([1], np.int32)}
+    """
+)
+
+
+async def test_a_decoupled_model_is_501_as_in_triton(nursery: trio.Nursery, tmp_path: Path) -> None:
+    folder = tmp_path / "repository" / "twice"
+    folder.mkdir(parents=True)
+    (folder / "model-settings.json").write_text(
+        json.dumps({"implementation": "decoupled_http.Twice", "decoupled": True})
+    )
+    (folder / "decoupled_http.py").write_text(DECOUPLED)
+    server = await start_server(nursery, tmp_path / "repository")
+    async with _client(server) as client:
+        response = await client.post("/v2/models/twice/infer", json={"inputs": []})
+    assert response.status_code == 501
+    assert "doesn't support models with decoupled transaction policy" in response.json()["error"]
+
+
+# -- shutdown ---------------------------------------------------------------------------------
+
+
+async def test_shutdown_closes_idle_connections_and_answers_503_past_the_grace_period() -> None:
+    answers: dict[str, httpx.Response] = {}
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, grace_period=1.0)
+        async with _client(server) as client:
+
+            async def call(name: str, delay_ms: int) -> None:
+                answers[name] = await client.post(
+                    "/v2/models/sleep/infer", content=_sleep_body(delay_ms)
+                )
+
+            idle, idle_client = await _open(server)
+            await _send_request(idle, idle_client, "GET", "/v2/health/live")
+            assert (await _read_response(idle, idle_client))[0].status_code == 200
+            async with trio.open_nursery() as calls:
+                calls.start_soon(call, "within", 400)
+                calls.start_soon(call, "past", 20_000)
+                await eventually(lambda: server.statistics().pool.busy == 2)
+                server.shutdown()
+                # The idle keep-alive connection is closed at once, while the requests in
+                # flight go on.
+                assert await idle.receive_some(100) == b""
+                statistics = server.statistics().http
+                assert statistics is not None
+                assert statistics.requests == 2
+            await idle.aclose()
+    assert answers["within"].status_code == 200
+    assert answers["past"].status_code == 503
+    assert answers["past"].json() == {"error": "server shut down before the request finished"}
+
+
+def test_every_status_code_has_an_http_status() -> None:
+    # Every code a model may choose maps to an error status (a KeyError otherwise).
+    assert all(400 <= http_status(code) < 600 for code in StatusCode if code != StatusCode.OK)
+    assert http_status(StatusCode.NOT_FOUND) == 404
+    assert http_status(StatusCode.INVALID_ARGUMENT) == 400
+    assert http_status(StatusCode.UNAVAILABLE) == 503
+    assert http_status(StatusCode.RESOURCE_EXHAUSTED) == 429
+    assert http_status(StatusCode.INTERNAL) == 500
+    assert http_status(StatusCode.UNIMPLEMENTED) == 501
+    assert http_status(StatusCode.DEADLINE_EXCEEDED) == 504
+    assert http_status(StatusCode.CANCELLED) == 400

@@ -1,0 +1,177 @@
+"""Request ids and the access log: ids echoed over real gRPC calls (grpcio and the bundled
+client), and the ``trio-infer serve`` command's JSON log lines and access log, parsed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from tests.support import GrpcioClient
+from tests.test_cli import free_port
+from tests.test_shutdown import EXIT_SLACK, TIMEOUT, Server, v2_stub, wait_until
+from trio_infer.client import InferenceClient
+from trio_infer.logs import JsonFormatter
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.server import RunningServer
+from trio_infer.transport.access_log import request_id
+
+GRACE = 2.0
+
+
+def _add_sub() -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="add_sub", id="r-1")
+    for name in ("INPUT0", "INPUT1"):
+        tensor = request.inputs.add(name=name, datatype="FP32", shape=[1, 16])
+        tensor.contents.fp32_contents.extend([1.0] * 16)
+    return request
+
+
+def test_a_usable_client_id_is_kept_and_any_other_replaced() -> None:
+    assert request_id("abc-123") == "abc-123"
+    made = {request_id(None) for _ in range(1000)}
+    assert len(made) == 1000
+    for unusable in ("", "x" * 129, "line\nbreak", "tab\there", "caf\u00e9", b"bytes"):
+        replaced = request_id(unusable)
+        assert replaced != unusable
+        assert replaced.isascii()
+        assert replaced.isprintable()
+    assert request_id("x" * 128) == "x" * 128
+
+
+async def test_grpc_calls_echo_the_clients_request_id(grpcio_client: GrpcioClient) -> None:
+    _, call = await grpcio_client.call_with_metadata(
+        "ModelInfer", _add_sub(), metadata=[("x-request-id", "trace-42")]
+    )
+    assert dict(call.initial_metadata())["x-request-id"] == "trace-42"
+
+
+async def test_grpc_calls_without_one_get_a_new_id_each(grpcio_client: GrpcioClient) -> None:
+    ids = set()
+    for _ in range(3):
+        _, call = await grpcio_client.call_with_metadata("ServerLive", pb.ServerLiveRequest())
+        ids.add(dict(call.initial_metadata())["x-request-id"])
+    assert len(ids) == 3
+
+
+async def test_a_failed_call_has_its_id_in_its_trailers(grpcio_client: GrpcioClient) -> None:
+    # A trailers-only response: no headers are sent, so the id goes with the status.
+    request = pb.ModelInferRequest(model_name="no-such-model")
+    error = await grpcio_client.error(
+        "ModelInfer", request, metadata=[("x-request-id", "failed-1")]
+    )
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert dict(error.trailing_metadata())["x-request-id"] == "failed-1"
+
+
+async def test_a_stream_echoes_its_id(server: RunningServer) -> None:
+    async with (
+        InferenceClient.connect("127.0.0.1", server.port) as client,
+        client.stream(metadata=[("x-request-id", "stream-9")]) as stream,
+    ):
+        await stream.send("echo", {"x": np.zeros(1, np.float32)})
+        await stream.done_sending()
+        async for _ in stream:
+            pass
+    assert ("x-request-id", "stream-9") in stream.initial_metadata
+
+
+def test_json_lines_carry_the_records_fields() -> None:
+    record = logging.LogRecord("trio_infer.x", logging.ERROR, __file__, 1, "a %s", ("b",), None)
+    record.request_id = "r-7"
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record.exc_info = sys.exc_info()
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    parsed = json.loads(line)
+    assert parsed["level"] == "ERROR"
+    assert parsed["logger"] == "trio_infer.x"
+    assert parsed["message"] == "a b"
+    assert parsed["request_id"] == "r-7"
+    assert "ValueError: boom" in parsed["exception"]
+    assert parsed["time"].endswith("+00:00")
+
+
+@pytest.fixture
+def json_server(tmp_path: Path) -> Iterator[Callable[..., tuple[Server, int]]]:
+    servers: list[Server] = []
+
+    def start(*options: str) -> tuple[Server, int]:
+        port = free_port()
+        argv = ["--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "0"]
+        argv += ["--workers", "1", "--grace-period", str(GRACE), "--log-format", "json"]
+        server = Server([*argv, *options], tmp_path)
+        servers.append(server)
+        return server, port
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_the_command_writes_json_lines_and_one_access_record_per_call(
+    json_server: Callable[..., tuple[Server, int]],
+) -> None:
+    server, port = json_server("--access-log", "--log-level", "warning")
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = v2_stub(channel)
+        wait_until(
+            lambda: stub.ServerReady(
+                pb.ServerReadyRequest(), timeout=TIMEOUT, wait_for_ready=True
+            ).ready,
+            "ServerReady",
+        )
+        stub.ModelInfer(_add_sub(), timeout=TIMEOUT, metadata=[("x-request-id", "acc-1")])
+        with pytest.raises(grpc.RpcError):
+            stub.ModelInfer(pb.ModelInferRequest(model_name="nope"), timeout=TIMEOUT)
+    server.wait_for_line(r'"request_id": "acc-1"')
+    server.wait_for_line(r'"status": "NOT_FOUND"')
+    server.wait_exit(server.send(signal.SIGTERM) + GRACE + 1 + EXIT_SLACK)
+    server.assert_clean_exit(0)
+    lines = [json.loads(line) for line in server.stderr().splitlines()]
+    access = [line for line in lines if line["logger"] == "trio_infer.access"]
+    infer = [a for a in access if a["method"].endswith("/ModelInfer")]
+    assert len(infer) == 2
+    ok, missing = infer
+    assert ok["protocol"] == "grpc"
+    assert ok["model"] == "add_sub"
+    assert ok["status"] == "OK"
+    assert ok["request_id"] == "acc-1"
+    assert ok["bytes_in"] == _add_sub().ByteSize()
+    assert ok["bytes_out"] > 2 * 16 * 4
+    assert ok["duration_ms"] > 0
+    assert missing["status"] == "NOT_FOUND"
+    assert missing["model"] == "nope"
+    assert missing["request_id"] not in ("", "acc-1")
+    # --log-level warning hides the server's INFO lines, not the access log; every line is JSON.
+    assert not [line for line in lines if line["level"] == "INFO" and line not in access]
+
+
+def test_without_access_log_no_call_is_logged(
+    json_server: Callable[..., tuple[Server, int]],
+) -> None:
+    server, port = json_server()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = v2_stub(channel)
+        wait_until(
+            lambda: stub.ServerReady(
+                pb.ServerReadyRequest(), timeout=TIMEOUT, wait_for_ready=True
+            ).ready,
+            "ServerReady",
+        )
+        stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT)
+    server.wait_exit(server.send(signal.SIGTERM) + GRACE + 1 + EXIT_SLACK)
+    server.assert_clean_exit(0)
+    loggers = {json.loads(line)["logger"] for line in server.stderr().splitlines()}
+    assert "trio_infer.access" not in loggers
+    assert "trio_infer.server" in loggers
+

@@ -1,0 +1,370 @@
+"""Triton's ModelConfig and ModelStatistics: tritonclient and grpcio stubs against a real server.
+
+The repository holds the example models (add_sub and dense batch, echo does not), a decoupled
+model and a stateful one that sets its sequence idle time, with a platform and free-form
+parameters. tritonclient runs in this process (it shares it with trio_infer's protocol modules:
+tests/test_coexistence.py), called from a thread so Trio keeps running.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from tests.support import GrpcioClient, start_server
+from trio_infer.core.model_config import model_configuration
+from trio_infer.datatypes import DATATYPES
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import model_config_pb2 as mc
+from trio_infer.protobuf.codec import encode_inputs
+from trio_infer.protobuf.triton_types import TRITON_DATA_TYPES
+from trio_infer.repository.settings import EXAMPLES, ModelSettings, TensorSpec
+from trio_infer.server import RunningServer
+
+MODELS = textwrap.dedent(
+    """
+    import numpy as np
+
+    from trio_infer.model import Model
+
+
+    class Count(Model):
+        def predict(self, inputs, parameters):
+            for i in range(int(inputs["n"][0])):
+                yield {"i": np.array([i], np.int32)}
+
+
+    class Remember(Model):
+        def predict(self, inputs, parameters):
+            return {"y": inputs["x"]}
+    """
+)
+
+#: The extra models, beside copies of the examples' settings.
+_EXTRA = {
+    "count": {
+        "implementation": "extra_models.Count",
+        "decoupled": True,
+        "inputs": [{"name": "n", "datatype": "INT32", "shape": [1]}],
+        "outputs": [{"name": "i", "datatype": "INT32", "shape": [1]}],
+    },
+    "remember": {
+        "implementation": "extra_models.Remember",
+        "platform": "custom_stateful",
+        "max_sequence_idle_microseconds": 5_000_000,
+        "inputs": [{"name": "x", "datatype": "BYTES", "shape": [-1]}],
+        "outputs": [{"name": "y", "datatype": "BYTES", "shape": [-1]}],
+        "parameters": {"extra": {"label": "kept", "threshold": 0.5, "sizes": [1, 2]}},
+    },
+}
+
+
+def _repository(root: Path) -> Path:
+    for name in ("add_sub", "dense", "echo"):
+        (root / name).mkdir(parents=True)
+        (root / name / "model-settings.json").write_text(
+            (EXAMPLES / name / "model-settings.json").read_text()
+        )
+    for name, settings in _EXTRA.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "model-settings.json").write_text(json.dumps(settings))
+        (root / name / "extra_models.py").write_text(MODELS)
+    return root
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery, tmp_path: Path) -> RunningServer:
+    return await start_server(nursery, _repository(tmp_path / "repository"), workers=2)
+
+
+@pytest.fixture
+def client(server: RunningServer) -> triton.InferenceServerClient:
+    return triton.InferenceServerClient(f"127.0.0.1:{server.port}")
+
+
+async def _in_thread(call: Callable[[], Any]) -> Any:
+    return await trio.to_thread.run_sync(call)
+
+
+def _instances(name: str) -> list[dict[str, Any]]:
+    return [{"name": f"{name}_0", "kind": "KIND_CPU", "count": 2}]
+
+
+_LATEST = {"latest": {"num_versions": 1}}
+_NOT_DECOUPLED: dict[str, Any] = {}  # protobuf's JSON leaves out a false bool
+
+# What tritonclient's get_model_config(as_json=True) reads: protobuf's JSON of Triton's
+# ModelConfigResponse, which writes 64-bit integers as strings and leaves defaults out.
+EXPECTED_CONFIGS: dict[str, dict[str, Any]] = {
+    "add_sub": {
+        "name": "add_sub",
+        "backend": "python",
+        "version_policy": _LATEST,
+        "max_batch_size": 64,
+        "input": [
+            {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": ["16"]},
+            {"name": "INPUT1", "data_type": "TYPE_FP32", "dims": ["16"]},
+        ],
+        "output": [
+            {"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": ["16"]},
+            {"name": "OUTPUT1", "data_type": "TYPE_FP32", "dims": ["16"]},
+        ],
+        "dynamic_batching": {
+            "priority_levels": "3",
+            "default_priority_level": "2",
+            "default_queue_policy": {"max_queue_size": 1024},
+        },
+        "instance_group": _instances("add_sub"),
+        "model_transaction_policy": _NOT_DECOUPLED,
+    },
+    "dense": {
+        "name": "dense",
+        "backend": "python",
+        "version_policy": _LATEST,
+        "max_batch_size": 64,
+        "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["256"]}],
+        "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": ["256"]}],
+        "dynamic_batching": {
+            "priority_levels": "3",
+            "default_priority_level": "2",
+            "default_queue_policy": {"max_queue_size": 1024},
+        },
+        "instance_group": _instances("dense"),
+        "model_transaction_policy": _NOT_DECOUPLED,
+    },
+    "echo": {
+        "name": "echo",
+        "backend": "python",
+        "version_policy": _LATEST,
+        "instance_group": _instances("echo"),
+        "model_transaction_policy": _NOT_DECOUPLED,
+    },
+    "count": {
+        "name": "count",
+        "backend": "python",
+        "version_policy": _LATEST,
+        "input": [{"name": "n", "data_type": "TYPE_INT32", "dims": ["1"]}],
+        "output": [{"name": "i", "data_type": "TYPE_INT32", "dims": ["1"]}],
+        "instance_group": _instances("count"),
+        "model_transaction_policy": {"decoupled": True},
+    },
+    "remember": {
+        "name": "remember",
+        "platform": "custom_stateful",
+        "backend": "python",
+        "version_policy": _LATEST,
+        # It does not batch (max_batch_size 0): its dims are whole shapes.
+        "input": [{"name": "x", "data_type": "TYPE_STRING", "dims": ["-1"]}],
+        "output": [{"name": "y", "data_type": "TYPE_STRING", "dims": ["-1"]}],
+        "sequence_batching": {"max_sequence_idle_microseconds": "5000000"},
+        "instance_group": _instances("remember"),
+        "parameters": {
+            "label": {"string_value": "kept"},
+            "threshold": {"string_value": "0.5"},
+            "sizes": {"string_value": "[1, 2]"},
+        },
+        "model_transaction_policy": _NOT_DECOUPLED,
+    },
+}
+
+
+async def test_tritonclient_reads_every_models_config(
+    client: triton.InferenceServerClient,
+) -> None:
+    for name, expected in EXPECTED_CONFIGS.items():
+        answer = await _in_thread(lambda name=name: client.get_model_config(name, as_json=True))
+        assert answer == {"config": expected}, name
+
+
+async def test_grpcio_stubs_read_a_batching_models_config(server: RunningServer) -> None:
+    stub = GrpcioClient(server.port)
+    try:
+        response = await stub.call("ModelConfig", pb.ModelConfigRequest(name="add_sub"))
+        versioned = await stub.call(
+            "ModelConfig", pb.ModelConfigRequest(name="add_sub", version="")
+        )
+    finally:
+        stub.channel.close()
+    config = response.config
+    assert versioned == response
+    assert config.WhichOneof("scheduling_choice") == "dynamic_batching"
+    assert [(t.name, t.data_type, list(t.dims)) for t in config.input] == [
+        ("INPUT0", mc.TYPE_FP32, [16]),
+        ("INPUT1", mc.TYPE_FP32, [16]),
+    ]
+    assert config.max_batch_size == 64
+    assert config.dynamic_batching.max_queue_delay_microseconds == 0
+    [group] = config.instance_group
+    assert (group.kind, group.count) == (mc.ModelInstanceGroup.KIND_CPU, 2)
+
+
+async def test_unknown_models_and_versions_are_not_found(
+    server: RunningServer, client: triton.InferenceServerClient
+) -> None:
+    for call in (
+        lambda: client.get_model_config("no_such_model"),
+        lambda: client.get_inference_statistics("no_such_model"),
+        lambda: client.get_model_config("add_sub", "7"),
+        lambda: client.get_inference_statistics("add_sub", "7"),
+    ):
+        with pytest.raises(InferenceServerException) as caught:
+            await _in_thread(call)
+        assert caught.value.status() == "StatusCode.NOT_FOUND"
+    stub = GrpcioClient(server.port)
+    try:
+        missing = await stub.error("ModelConfig", pb.ModelConfigRequest(name="no_such_model"))
+        unknown = await stub.error(
+            "ModelStatistics", pb.ModelStatisticsRequest(name="no_such_model")
+        )
+        metadata = await stub.error("ModelMetadata", pb.ModelMetadataRequest(name="no_such_model"))
+    finally:
+        stub.channel.close()
+    # The same status and message as ModelMetadata's for an unknown model.
+    for error in (missing, unknown):
+        assert (error.code(), error.details()) == (grpc.StatusCode.NOT_FOUND, metadata.details())
+    assert "'no_such_model'" in metadata.details()
+
+
+def _add_sub_inputs(rows: int, columns: int = 16) -> list[triton.InferInput]:
+    inputs = [triton.InferInput(name, [rows, columns], "FP32") for name in ("INPUT0", "INPUT1")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(np.ones((rows, columns), np.float32))
+    return inputs
+
+
+async def test_statistics_count_exactly_the_traffic_sent(
+    server: RunningServer, client: triton.InferenceServerClient
+) -> None:
+    before = time.time() * 1000
+    # One call at a time, so each runs as an execution of its own: rows 1, 2, 3, 3.
+    rows = [1, 2, 3, 3]
+    for n in rows:
+        await _in_thread(lambda n=n: client.infer("add_sub", _add_sub_inputs(n)))
+    # Two failures the core counts: inputs that do not match the declared shape.
+    for _ in range(2):
+        with pytest.raises(InferenceServerException):
+            await _in_thread(lambda: client.infer("add_sub", _add_sub_inputs(1, columns=3)))
+    # A model that does not batch counts one inference per request, whatever its rows.
+    text = triton.InferInput("text", [3], "BYTES")
+    text.set_data_from_numpy(np.array([b"a", b"b", b"c"], dtype=np.object_))
+    for _ in range(3):
+        await _in_thread(lambda: client.infer("echo", [text]))
+    after = time.time() * 1000
+
+    answer = await _in_thread(lambda: client.get_inference_statistics("add_sub", as_json=True))
+    [add_sub] = answer["model_stats"]
+    assert before <= int(add_sub["last_inference"]) <= after
+    stats = add_sub["inference_stats"]
+    assert (add_sub["name"], add_sub.get("version", "")) == ("add_sub", "")
+    assert (add_sub["inference_count"], add_sub["execution_count"]) == ("9", "4")
+    assert (stats["success"]["count"], stats["fail"]["count"]) == ("4", "2")
+    assert stats["queue"]["count"] == stats["compute_infer"]["count"] == "4"
+    # Durations are there, and a request's whole time holds its compute time.
+    assert int(stats["success"]["ns"]) >= int(stats["compute_infer"]["ns"]) > 0
+    assert int(stats["fail"]["ns"]) > 0
+    # Not measured (compute_input, compute_output) or not kept (the cache's): left out.
+    assert stats.keys() == {"success", "fail", "queue", "compute_infer"}
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in add_sub["batch_stats"]] == [
+        ("1", "1"),
+        ("2", "1"),
+        ("3", "2"),
+    ]
+
+    # Every served model, by name; dense, never called, with zeros.
+    everything = await _in_thread(lambda: client.get_inference_statistics())
+    by_name = {s.name: s for s in everything.model_stats}
+    assert list(by_name) == sorted(EXPECTED_CONFIGS)
+    echo = by_name["echo"]
+    assert (echo.inference_count, echo.execution_count) == (3, 3)
+    assert (echo.inference_stats.success.count, echo.inference_stats.fail.count) == (3, 0)
+    assert [(b.batch_size, b.compute_infer.count) for b in echo.batch_stats] == [(1, 3)]
+    dense = by_name["dense"]
+    assert (dense.last_inference, dense.inference_count, dense.execution_count) == (0, 0, 0)
+    assert dense.inference_stats.success.count == dense.inference_stats.fail.count == 0
+    assert not dense.batch_stats
+    assert by_name["add_sub"].inference_stats.success.count == 4
+
+
+async def test_grpcio_stubs_read_statistics_after_a_decoupled_models_stream(
+    server: RunningServer,
+) -> None:
+    request = pb.ModelInferRequest(model_name="count", id="c")
+    encode_inputs(request, [("n", np.array([3], np.int32))], raw=True)
+    stub = GrpcioClient(server.port)
+    try:
+        responses = await trio.to_thread.run_sync(
+            lambda: list(stub.stub.ModelStreamInfer(iter([request]), timeout=30))
+        )
+        response = await stub.call("ModelStatistics", pb.ModelStatisticsRequest(name="count"))
+    finally:
+        stub.channel.close()
+    assert [r.error_message for r in responses] == ["", "", ""]
+    [count] = response.model_stats
+    assert (count.name, count.inference_count, count.execution_count) == ("count", 1, 1)
+    assert (count.inference_stats.success.count, count.inference_stats.fail.count) == (1, 0)
+
+
+# -- the pure parts -------------------------------------------------------------------------
+
+
+def test_config_messages_pickle_as_their_own_classes() -> None:
+    # model_config_pb2 is in the private pool like the others: its nested messages and map
+    # entries are not in the default symbol database, where protobuf would look them up.
+    device = mc.ModelInstanceGroup.SecondaryDevice(device_id=3)
+    config = mc.ModelConfig(name="m", parameters={"k": mc.ModelParameter(string_value="v")})
+    for message in (device, config, config.parameters["k"], mc.ModelVersionPolicy.Latest()):
+        copied = pickle.loads(pickle.dumps(message))
+        assert type(copied) is type(message)
+        assert copied == message
+
+
+def test_every_datatype_has_its_triton_type() -> None:
+    assert TRITON_DATA_TYPES.keys() == DATATYPES.keys()
+    for datatype, triton_type in TRITON_DATA_TYPES.items():
+        expected = "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+        assert mc.DataType.Name(triton_type) == expected
+
+
+def test_a_model_whose_inputs_have_no_batch_dimension_reports_no_batching() -> None:
+    # max_batch_size above 1, but an input without -1 first: the server does not batch it, so
+    # Triton's config must not say it does (nor cut a dimension off its shapes).
+    settings = ModelSettings(
+        "fixed",
+        "a.B",
+        inputs=(TensorSpec("x", "FP32", (4, 2)),),
+        outputs=(TensorSpec("y", "FP32", (-1, 2)),),
+        max_batch_size=8,
+        max_batch_time=0.0025,
+    )
+    config = model_configuration(settings, instances=3)
+    assert (config.max_batch_size, config.dynamic_batching) == (0, None)
+    assert [spec.shape for spec in (*config.inputs, *config.outputs)] == [(4, 2), (-1, 2)]
+    batching = model_configuration(
+        ModelSettings(
+            "batching",
+            "a.B",
+            inputs=(TensorSpec("x", "FP32", (-1, 2)),),
+            max_batch_size=8,
+            max_batch_time=0.0025,
+        ),
+        instances=3,
+    )
+    assert batching.dynamic_batching is not None
+    assert batching.dynamic_batching.max_queue_delay_microseconds == 2500
+    assert (batching.max_batch_size, batching.inputs[0].shape, batching.instance_count) == (
+        8,
+        (2,),
+        3,
+    )

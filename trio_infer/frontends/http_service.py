@@ -1,0 +1,495 @@
+"""The REST front-end: the Open Inference Protocol's HTTP endpoints, as Triton serves them.
+
+The HTTP transport (:mod:`trio_infer.transport.http_server`) hands over an
+:class:`~trio_infer.transport.http_server.HttpRequest` of bytes; this module routes it by
+method and path, reserves room in the memory budget from its ``Content-Length`` before its
+body is read, decodes it (:mod:`trio_infer.rest.codec`), calls the core, and encodes the answer.
+
+::
+
+    GET  /v2/health/live                              200 (empty)
+    GET  /v2/health/ready                             200 ready, 400 not (Triton's; empty)
+    GET  /v2                                          server metadata
+    GET  /v2/models/{name}[/versions/{v}]             model metadata
+    GET  /v2/models/{name}[/versions/{v}]/ready       200 ready, 400 not
+    POST /v2/models/{name}[/versions/{v}]/infer       inference (JSON, or Triton's binary
+                                                      tensor data extension)
+    POST /v2/repository/index                         the repository extension (Triton's): every
+    POST /v2/repository/models/{name}/load            model and its state; load (``config``
+    POST /v2/repository/models/{name}/unload          parameter: settings JSON); unload
+    GET  /metrics                                     Prometheus metrics (when given a renderer)
+
+An error is ``{"error": "..."}`` with the HTTP status :func:`http_status` gives its status
+code; an unknown path is 404 and a known one asked with the wrong method 405, as in Triton.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+from urllib.parse import unquote
+
+import trio
+
+from trio_infer.core.repository import ModelManager, config_override
+from trio_infer.core.service import RESERVED_PER_BYTE, InferenceCore
+from trio_infer.core.timeouts import TIMED_OUT, take_timeout
+from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
+from trio_infer.errors import InferError, InvalidInput, StatusCode, Unimplemented
+from trio_infer.rest import codec
+from trio_infer.transport.http_server import HttpError, HttpRequest, error_body
+
+__all__ = ["HttpService", "MetricsRenderer", "http_status", "metrics_handler", "serve_metrics"]
+
+logger = logging.getLogger(__name__)
+
+#: The HTTP status of each status code. Triton's where Triton has the code
+#: (``HttpCodeFromError`` in its http_server.cc: INTERNAL 500, NOT_FOUND 404, UNAVAILABLE 503,
+#: UNSUPPORTED 501, and 400 for INVALID_ARG, UNKNOWN, ALREADY_EXISTS and CANCELLED); for the
+#: codes Triton does not have, the HTTP mapping of ``google.rpc.Code`` (grpc-gateway's):
+#: RESOURCE_EXHAUSTED 429, DEADLINE_EXCEEDED 504, and the rest.
+_HTTP_STATUS = {
+    StatusCode.OK: 200,
+    StatusCode.CANCELLED: 400,
+    StatusCode.UNKNOWN: 400,
+    StatusCode.INVALID_ARGUMENT: 400,
+    StatusCode.DEADLINE_EXCEEDED: 504,
+    StatusCode.NOT_FOUND: 404,
+    StatusCode.ALREADY_EXISTS: 400,
+    StatusCode.PERMISSION_DENIED: 403,
+    StatusCode.RESOURCE_EXHAUSTED: 429,
+    StatusCode.FAILED_PRECONDITION: 400,
+    StatusCode.ABORTED: 409,
+    StatusCode.OUT_OF_RANGE: 400,
+    StatusCode.UNIMPLEMENTED: 501,
+    StatusCode.INTERNAL: 500,
+    StatusCode.UNAVAILABLE: 503,
+    StatusCode.DATA_LOSS: 500,
+    StatusCode.UNAUTHENTICATED: 401,
+}
+
+_JSON = ("content-type", "application/json")
+_OCTETS = ("content-type", "application/octet-stream")
+#: Triton's binary tensor data extension: the size of the JSON part of a body (request or
+#: response) followed by binary tensor data.
+_HEADER_LENGTH = "inference-header-content-length"
+#: Requests whose JSON part is larger than this are parsed and decoded in a thread, and
+#: responses with more output elements than this are encoded in one: on the event loop they
+#: would hold it for more than a few milliseconds.
+_OFF_LOOP_JSON = 1 << 20
+_OFF_LOOP_ELEMENTS = 1 << 15
+#: The headers HTTP itself uses, and the binary extension's: not the request's metadata. Left
+#: out of what the model sees, as the gRPC transport leaves out gRPC's own (content-type, te,
+#: user-agent...), and so out of the batch key (which holds the headers): REST requests of
+#: different clients and sizes, and REST and gRPC requests, batch together.
+_PROTOCOL_HEADERS = frozenset(
+    {
+        "accept",
+        "accept-encoding",
+        "connection",
+        "content-length",
+        "content-type",
+        "expect",
+        "host",
+        "keep-alive",
+        "te",
+        "transfer-encoding",
+        "upgrade",
+        "user-agent",
+        _HEADER_LENGTH,
+    }
+)
+#: The largest body of a request that carries no tensors (every route but infer): none is
+#: expected; a larger one is refused before it is read.
+_MAX_SMALL_BODY = 64 * 1024
+
+
+def http_status(code: StatusCode) -> int:
+    """The HTTP status a request that ends with ``code`` is answered with (see the status
+    table in :mod:`trio_infer.errors`)."""
+    return _HTTP_STATUS[code]
+
+
+_Route = Callable[[HttpRequest, str, str], Awaitable[None]]
+
+
+#: Renders the metrics: the body and its content type.
+MetricsRenderer = Callable[[], tuple[bytes, str]]
+
+
+class HttpService:
+    """The HTTP transport's handler: adapts an :class:`HttpRequest` to the core.
+
+    Args:
+        core: The V2 core every front-end calls.
+        models: The model manager, for the repository extension (None: not served).
+        metrics: Renders ``GET /metrics`` (None: no such endpoint).
+        control_header: ``(name, value)`` the repository extension's requests must carry
+            (None: unrestricted).
+    """
+
+    def __init__(
+        self,
+        core: InferenceCore,
+        models: ModelManager | None = None,
+        *,
+        metrics: MetricsRenderer | None = None,
+        control_header: tuple[str, str] | None = None,
+    ) -> None:
+        self.core = core
+        self._models = models
+        self._metrics = metrics
+        self._control_header = control_header
+        # One decode or encode in a thread at a time: each thread that wants the GIL is another
+        # switch interval the event loop may wait for it.
+        self._off_loop = trio.CapacityLimiter(1)
+
+    async def handle(self, request: HttpRequest) -> None:
+        """Serve one request: route it, run it, respond (errors included)."""
+        try:
+            await self._route(request)
+        except InferError as error:
+            await _respond_error(request, http_status(error.code), error.message)
+
+    async def _route(self, request: HttpRequest) -> None:
+        if request.path == "/metrics" and self._metrics is not None:
+            await serve_metrics(request, self._metrics)
+            return
+        segments = request.path.split("/")
+        # "/v2/models/m/versions/1/infer" -> ["", "v2", "models", "m", "versions", "1", "infer"]
+        if len(segments) < 2 or segments[0] or segments[1] != "v2":
+            raise _not_found(request)
+        rest = [unquote(segment) for segment in segments[2:]]
+        if not rest:
+            await self._get(request, self._server_metadata, "", "")
+        elif rest == ["health", "live"]:
+            await self._get(request, self._server_live, "", "")
+        elif rest == ["health", "ready"]:
+            await self._get(request, self._server_ready, "", "")
+        elif rest and rest[0] == "repository" and self._models is not None:
+            await self._repository(request, self._models, rest[1:])
+        elif len(rest) >= 2 and rest[0] == "models" and rest[1]:
+            name, version, action = _model_route(rest[1:])
+            request.subject = name
+            if action is None:
+                raise _not_found(request)
+            if action == "infer":
+                if request.method != "POST":
+                    raise _not_allowed("POST")
+                await self._infer(request, name, version)
+            elif action == "ready":
+                await self._get(request, self._model_ready, name, version)
+            else:
+                await self._get(request, self._model_metadata, name, version)
+        else:
+            raise _not_found(request)
+
+    async def _repository(
+        self, request: HttpRequest, manager: ModelManager, rest: list[str]
+    ) -> None:
+        """The repository extension: ``index``, ``models/{name}/load``, ``.../unload``."""
+        if rest == ["index"]:
+            action, name = "index", ""
+        elif len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
+            action, name = rest[2], rest[1]
+        else:
+            raise _not_found(request)
+        if request.method != "POST":
+            raise _not_allowed("POST")
+        if self._control_header is not None:
+            header, value = self._control_header
+            sent = request.header(header)
+            if sent is None or not hmac.compare_digest(sent, value):
+                raise InferError(
+                    f"the model repository extension is restricted: it needs header '{header}'",
+                    StatusCode.PERMISSION_DENIED,
+                )
+        request.subject = name
+        body = await _small_json(request)
+        parameters = body.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise InvalidInput("'parameters' must be a JSON object")
+        if action == "index":
+            ready = body.get("ready", False)
+            if not isinstance(ready, bool):
+                raise InvalidInput("'ready' must be a boolean")
+            await _respond_json(
+                request,
+                [
+                    {
+                        "name": entry.name,
+                        "version": entry.version,
+                        "state": str(entry.state),
+                        "reason": entry.reason,
+                    }
+                    for entry in manager.index(ready_only=ready)
+                ],
+            )
+            return
+        if action == "load":
+            config = None
+            for key, value in parameters.items():
+                if key != "config":
+                    raise InvalidInput(
+                        f"load parameter '{key[:100]}' is not served (only 'config')"
+                    )
+                if not isinstance(value, str):
+                    raise InvalidInput("load parameter 'config' must be a string of JSON")
+                config = config_override(value)
+            await manager.load(name, config)
+        else:
+            await manager.unload(name)
+        await request.respond(200)
+
+    async def _get(self, request: HttpRequest, route: _Route, name: str, version: str) -> None:
+        """Run a route that takes no body: GET (or HEAD-less) only, a body refused unread."""
+        if request.method != "GET":
+            raise _not_allowed("GET")
+        if request.content_length is None or request.content_length > _MAX_SMALL_BODY:
+            raise HttpError(413, f"a GET request's body may be at most {_MAX_SMALL_BODY} bytes")
+        await route(request, name, version)
+
+    async def _server_live(self, request: HttpRequest, name: str, version: str) -> None:
+        await request.respond(200 if self.core.server_live() else 400)
+
+    async def _server_ready(self, request: HttpRequest, name: str, version: str) -> None:
+        await request.respond(200 if self.core.server_ready() else 400)
+
+    async def _model_ready(self, request: HttpRequest, name: str, version: str) -> None:
+        await request.respond(200 if self.core.model_ready(name, version) else 400)
+
+    async def _server_metadata(self, request: HttpRequest, name: str, version: str) -> None:
+        metadata = self.core.server_metadata()
+        await _respond_json(
+            request,
+            {
+                "name": metadata.name,
+                "version": metadata.version,
+                "extensions": list(metadata.extensions),
+            },
+        )
+
+    async def _model_metadata(self, request: HttpRequest, name: str, version: str) -> None:
+        metadata = self.core.model_metadata(name, version)
+        await _respond_json(
+            request,
+            {
+                "name": metadata.name,
+                "versions": list(metadata.versions),
+                "platform": metadata.platform,
+                "inputs": [_tensor_metadata(spec) for spec in metadata.inputs],
+                "outputs": [_tensor_metadata(spec) for spec in metadata.outputs],
+            },
+        )
+
+    async def _infer(self, request: HttpRequest, name: str, version: str) -> None:
+        """``POST .../infer``: reserve from ``Content-Length``, read, decode, infer, encode.
+
+        A chunked body is reserved as it arrives, each piece before it is kept. What parsing
+        and decoding allocate beyond the body's size is reserved before each step, and the
+        reservation is held until the response has been written.
+        """
+        if self.core.decoupled(name, version):
+            raise Unimplemented(
+                f"model '{name}' is decoupled (0..N responses per request): the HTTP endpoint "
+                "doesn't support models with decoupled transaction policy; call it on a gRPC "
+                "stream (ModelStreamInfer)"
+            )
+        announced = request.content_length
+        async with self.core.reserve(
+            announced or 0, math.inf, request.connection_id
+        ) as reservation:
+            grow = None if announced is not None else _chunk_counter(reservation)
+            body = await request.receive_body(grow)
+            decoded = await self._decoded(body, _header_length(request), reservation)
+            own = take_timeout(decoded.parameters)
+            context = RequestContext(
+                deadline=own, headers=_metadata(request), reservation=reservation
+            )
+            with trio.move_on_at(own) as timed:
+                answer = await self.core.infer(
+                    InferenceRequest(
+                        model_name=name,
+                        model_version=version,
+                        id=decoded.id,
+                        inputs=decoded.inputs,
+                        parameters=decoded.parameters,
+                        input_parameters=decoded.input_parameters,
+                        outputs=decoded.outputs,
+                    ),
+                    context,
+                )
+            if timed.cancelled_caught:
+                raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
+            binary_outputs = decoded.binary_outputs
+            del decoded, body
+            encode = partial(
+                codec.encode_infer_response,
+                answer.model_name,
+                answer.model_version,
+                answer.id,
+                answer.outputs,
+                {},
+                binary_outputs,
+            )
+            if sum(array.size for _, array in answer.outputs) > _OFF_LOOP_ELEMENTS:
+                buffers, json_length = await trio.to_thread.run_sync(
+                    encode, limiter=self._off_loop, abandon_on_cancel=False
+                )
+            else:
+                buffers, json_length = encode()
+            headers = [*answer.headers.items(), *answer.trailers.items()]
+            if json_length is None:
+                headers.append(_JSON)
+            else:
+                headers += [_OCTETS, (_HEADER_LENGTH, str(json_length))]
+            await request.respond(200, headers, buffers)
+
+    async def _decoded(
+        self, body: bytearray, header_length: int | None, reservation: Reservation
+    ) -> codec.RestInferRequest:
+        """The request ``body`` decoded, what parsing and decoding allocate reserved first.
+
+        The reservation holds the body's size once for the decoded inputs; the parsed JSON
+        (Python objects, many times its text) and inputs larger than the body are added before
+        they are made. Large bodies are decoded in a thread, one at a time.
+        """
+        json_length = len(body) if header_length is None else header_length
+        share = reservation.granted // RESERVED_PER_BYTE
+        reservation.grow_nowait(codec.parsing_cost(json_length), "the parsed request JSON")
+        if json_length > _OFF_LOOP_JSON:
+            parsed = await trio.to_thread.run_sync(
+                codec.parse_infer_request,
+                body,
+                header_length,
+                limiter=self._off_loop,
+                abandon_on_cancel=False,
+            )
+        else:
+            parsed = codec.parse_infer_request(body, header_length)
+        extra = parsed.decoded_nbytes - share
+        if extra > 0:
+            reservation.grow_nowait(extra, "the decoded inputs")
+        if json_length > _OFF_LOOP_JSON:
+            return await trio.to_thread.run_sync(
+                codec.decode_inputs, parsed, limiter=self._off_loop, abandon_on_cancel=False
+            )
+        return codec.decode_inputs(parsed)
+
+
+def _model_route(rest: list[str]) -> tuple[str, str, str | None]:
+    """``(name, version, action)`` from what follows ``/v2/models/``: action is ``""`` for
+    metadata, ``"ready"`` or ``"infer"``, and None when the path is none of them."""
+    name, rest = rest[0], rest[1:]
+    version = ""
+    if len(rest) >= 2 and rest[0] == "versions" and rest[1]:
+        version, rest = rest[1], rest[2:]
+    if not rest:
+        return name, version, ""
+    if len(rest) == 1 and rest[0] in ("ready", "infer"):
+        return name, version, rest[0]
+    return name, version, None
+
+
+def _metadata(request: HttpRequest) -> dict[str, str]:
+    """The request's metadata, as its model sees it: its headers but HTTP's own."""
+    return {name: value for name, value in request.headers if name not in _PROTOCOL_HEADERS}
+
+
+def _header_length(request: HttpRequest) -> int | None:
+    """The ``Inference-Header-Content-Length`` of a request: where its JSON ends and its
+    binary tensor data begins (None: all of it is JSON).
+
+    Raises:
+        HttpError: it is not a size within the body (400).
+    """
+    value = request.header(_HEADER_LENGTH)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise HttpError(400, f"{_HEADER_LENGTH} must be a number of bytes, got {value[:40]!r}")
+    return int(value)
+
+
+async def serve_metrics(request: HttpRequest, render: MetricsRenderer) -> None:
+    """Answer ``GET /metrics`` with what ``render`` gives.
+
+    Raises:
+        HttpError: Not a GET (405), or it has a body (413).
+    """
+    if request.method != "GET":
+        raise _not_allowed("GET")
+    if request.content_length != 0:
+        raise HttpError(413, "GET /metrics takes no body")
+    request.subject = "metrics"
+    body, content_type = render()
+    await request.respond(200, [("content-type", content_type)], [body])
+
+
+def metrics_handler(render: MetricsRenderer) -> Callable[[HttpRequest], Awaitable[None]]:
+    """The handler of the metrics port (``--metrics-port``): ``GET /metrics``, and 404 for
+    any other path."""
+
+    async def handle(request: HttpRequest) -> None:
+        if request.path != "/metrics":
+            raise _not_found(request)
+        await serve_metrics(request, render)
+
+    return handle
+
+
+async def _small_json(request: HttpRequest) -> dict[str, Any]:
+    """The body of a request that carries no tensors: at most 64 KiB of JSON object (an empty
+    body is ``{}``).
+
+    Raises:
+        HttpError: The body is larger (413), refused before it is read.
+        InvalidInput: It is not a JSON object.
+    """
+    if request.content_length is None or request.content_length > _MAX_SMALL_BODY:
+        raise HttpError(413, f"this request's body may be at most {_MAX_SMALL_BODY} bytes")
+    body = await request.receive_body()
+    if not body.strip():
+        return {}
+    try:
+        document = json.loads(body)
+    except ValueError as exc:
+        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    return document
+
+
+def _chunk_counter(reservation: Reservation) -> Callable[[int], None]:
+    """What a chunked body calls with each piece's size: the piece is reserved before it is
+    kept, as a body announced whole would have been before it was read."""
+
+    def grow(nbytes: int) -> None:
+        reservation.grow_nowait(RESERVED_PER_BYTE * nbytes, "the request body")
+
+    return grow
+
+
+def _tensor_metadata(spec: TensorSpec) -> dict[str, object]:
+    return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
+
+
+async def _respond_json(request: HttpRequest, document: object) -> None:
+    await request.respond(200, [_JSON], [json.dumps(document).encode()])
+
+
+async def _respond_error(request: HttpRequest, status: int, message: str) -> None:
+    await request.respond(status, [_JSON], [error_body(message)])
+
+
+def _not_found(request: HttpRequest) -> HttpError:
+    return HttpError(404, f"no such endpoint: {request.method} {request.path[:200]}")
+
+
+def _not_allowed(method: str) -> HttpError:
+    return HttpError(405, f"Method Not Allowed (this endpoint takes {method})")

@@ -1,0 +1,2 @@
+import purerpc
+import trio_infer.protobuf._proto.model_config_pb2 as trio_infer_dot_protobuf_dot__proto_dot_model_config__pb2

@@ -1,0 +1,849 @@
+"""Open Inference Protocol REST bodies <-> numpy arrays (pure functions, no I/O).
+
+An inference request's body is a JSON object, followed, when any input is sent binary, by each
+such input's bytes in input order; the ``Inference-Header-Content-Length`` header gives the
+JSON part's length. A JSON input carries its elements in ``data``, row-major, flat or nested as
+the shape; a binary input carries a ``binary_data_size`` parameter and its bytes little-endian,
+BOOL one byte per element, BYTES each element as a 4-byte little-endian length and its bytes.
+Responses are written the same way: an output goes binary when its request output asked for it
+(``binary_data``) or, failing that, when the request did for every output
+(``binary_data_output``).
+
+Decoding runs in two steps so that a server can reserve memory before it allocates:
+:func:`parse_infer_request` parses the JSON part (whose own cost :func:`parsing_cost` bounds
+from its length) and checks every field, and :func:`decode_inputs` then builds the arrays,
+whose size :attr:`ParsedInferRequest.decoded_nbytes` gives first. :func:`decode_infer_request`
+does both.
+
+Every malformed request raises :class:`~trio_infer.errors.InvalidInput` with a message that
+names the tensor and what is wrong; every output that cannot be written raises
+:class:`~trio_infer.errors.ModelFailed` naming the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import numpy as np
+import orjson
+
+from trio_infer.buffers import Buffer
+from trio_infer.datatypes import DATATYPES, datatype_of, shape_text
+from trio_infer.errors import InvalidInput, ModelFailed
+
+__all__ = [
+    "BYTES_ELEMENT_OVERHEAD",
+    "MAX_BYTES_ELEMENTS",
+    "MAX_PARAMETERS",
+    "PARSED_BYTES_PER_JSON_BYTE",
+    "BinaryOutputs",
+    "ParameterValue",
+    "ParsedInferRequest",
+    "RestInferRequest",
+    "decode_infer_request",
+    "decode_inputs",
+    "encode_infer_response",
+    "parse_infer_request",
+    "parsing_cost",
+]
+
+#: A parameter's value: the same union as ``trio_infer.model.ParameterValue``, written out
+#: because the model module imports the repository's settings, which a codec has no use for.
+ParameterValue = bool | int | float | str
+
+#: Memory a parsed JSON document may hold per byte of its text, at worst: ``{},`` is three
+#: bytes and becomes an empty dict (64 bytes) and its slot in a list (8). Numbers cost at most
+#: 8 (``1e1,``: a float of 24 bytes and a slot), strings about 11.
+PARSED_BYTES_PER_JSON_BYTE = 24
+
+#: Parameters one map (a request's, a tensor's) may hold.
+MAX_PARAMETERS = 1024
+#: Elements one BYTES tensor may hold: each becomes a Python ``bytes`` object.
+MAX_BYTES_ELEMENTS = 1 << 20
+#: Bytes one decoded BYTES element holds beyond its payload: a ``bytes`` object's header
+#: (33 bytes, rounded up by the allocator) and its slots in a list and in the object array.
+BYTES_ELEMENT_OVERHEAD = 96
+
+#: numpy 1.x caps arrays at 32 dimensions (2.x at 64); enforce the smaller.
+_MAX_RANK = 32
+#: Binary BYTES elements are prefixed by their length as a little-endian uint32.
+_LENGTH_PREFIX = 4
+_MAX_ELEMENT_BYTES = 2**32 - 1
+#: Bytes per element of the array numpy infers from a JSON list of numbers (int64, uint64 or
+#: float64) before it is converted to the datatype's dtype.
+_INFERRED_ITEMSIZE = 8
+
+_INTP_MAX = int(np.iinfo(np.intp).max)
+
+_VALID_DATATYPES = ", ".join(DATATYPES)
+#: Each integer datatype's smallest and largest value.
+_INTEGER_RANGE: dict[str, tuple[int, int]] = {
+    name: (int(np.iinfo(dtype.name).min), int(np.iinfo(dtype.name).max))
+    for name, dtype in DATATYPES.items()
+    if dtype.kind in "iu"
+}
+_FLOAT_DATATYPES = frozenset(name for name, dtype in DATATYPES.items() if dtype.kind == "f")
+
+#: The parameters the binary tensor data extension defines; taken out of the maps the request
+#: hands on, since they describe the body's layout, not the inference.
+_BINARY_DATA_SIZE = "binary_data_size"
+_BINARY_DATA = "binary_data"
+_BINARY_DATA_OUTPUT = "binary_data_output"
+
+
+# --------------------------------------------------------------------------------------------
+# What a request decodes to
+
+
+@dataclass(frozen=True)
+class BinaryOutputs:
+    """Which outputs a request asked to have back as binary data."""
+
+    default: bool = False
+    """The request's ``binary_data_output``: binary for every output that does not say."""
+    by_name: Mapping[str, bool] | None = None
+    """Each requested output's own ``binary_data``, where given; it overrides the default."""
+
+    def is_binary(self, name: str) -> bool:
+        """Whether output ``name`` is written as binary data after the JSON part."""
+        if self.by_name is not None:
+            chosen = self.by_name.get(name)
+            if chosen is not None:
+                return chosen
+        return self.default
+
+
+@dataclass(frozen=True)
+class RestInferRequest:
+    """A decoded inference request (see :func:`decode_infer_request`)."""
+
+    id: str
+    """The request's ``id``, empty when not given."""
+    inputs: dict[str, np.ndarray]
+    """The input arrays by name, in the request's order, each with its datatype's dtype (see
+    :data:`~trio_infer.datatypes.DATATYPES`) and the declared shape. Binary numeric inputs
+    are read-only views of the body where it is aligned for the dtype."""
+    datatypes: dict[str, str]
+    """Each input's declared datatype (a BYTES input sent empty has no elements to tell)."""
+    parameters: dict[str, ParameterValue]
+    """The request's parameters, without ``binary_data_output``."""
+    input_parameters: dict[str, dict[str, ParameterValue]]
+    """Each input's parameters (every input has an entry), without ``binary_data_size``."""
+    outputs: list[str]
+    """The requested outputs' names, in order; empty when the request names none (all)."""
+    binary_outputs: BinaryOutputs
+    """Which outputs to write binary: pass it to :func:`encode_infer_response`."""
+    output_parameters: dict[str, dict[str, ParameterValue]]
+    """Each requested output's parameters, without ``binary_data``."""
+
+
+@dataclass(frozen=True)
+class _InputSpec:
+    """One input as the JSON part declares it, checked; its data not yet converted."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: list[Any] | None
+    """The JSON ``data`` list as parsed, or ``None`` for a binary input."""
+    binary: memoryview | None
+    """A binary input's bytes, a slice of the body."""
+    copy_nbytes: int
+    """Bytes decoding copies a binary input into: its size where the body is not aligned for
+    the dtype, else 0 (a view)."""
+
+
+@dataclass(frozen=True)
+class ParsedInferRequest:
+    """A request whose JSON part is parsed and checked, its tensors not yet decoded.
+
+    Made by :func:`parse_infer_request`; :func:`decode_inputs` finishes it.
+    """
+
+    id: str
+    parameters: dict[str, ParameterValue]
+    input_parameters: dict[str, dict[str, ParameterValue]]
+    outputs: list[str]
+    binary_outputs: BinaryOutputs
+    output_parameters: dict[str, dict[str, ParameterValue]]
+    decoded_nbytes: int
+    """An upper bound on the bytes :func:`decode_inputs` allocates, from the declared shapes
+    and datatypes: for JSON numbers the array numpy infers and the converted one; for BYTES
+    the elements' objects and payloads; for binary inputs nothing (views of the body) except
+    a copy of those the body does not align."""
+    _inputs: list[_InputSpec]
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding
+
+
+def parsing_cost(json_nbytes: int) -> int:
+    """An upper bound on the memory parsing a JSON part of ``json_nbytes`` bytes holds.
+
+    The parsed document is Python objects (each number in ``data`` one); a server reserves
+    this before :func:`parse_infer_request`, from the header length or the body's.
+    """
+    return json_nbytes * PARSED_BYTES_PER_JSON_BYTE
+
+
+def decode_infer_request(
+    body: bytes | bytearray | memoryview, header_length: int | None
+) -> RestInferRequest:
+    """Decode a whole inference request body: :func:`parse_infer_request`, then
+    :func:`decode_inputs`.
+
+    Raises:
+        InvalidInput: As those two do.
+    """
+    return decode_inputs(parse_infer_request(body, header_length))
+
+
+def parse_infer_request(
+    body: bytes | bytearray | memoryview, header_length: int | None
+) -> ParsedInferRequest:
+    """Parse and check the JSON part of an inference request body, without decoding tensors.
+
+    Args:
+        body: The whole request body. Binary inputs are decoded as views of it, so it must not
+            change while the request is in use.
+        header_length: The ``Inference-Header-Content-Length`` header: the JSON part's length
+            in bytes, the rest being binary input data; ``None`` when the header is absent and
+            the whole body is JSON.
+
+    Returns:
+        The request's fields, each input's declared datatype and shape with its data still as
+        parsed, and what decoding will allocate.
+
+    Raises:
+        InvalidInput: If the header length is negative or beyond the body; the JSON part is not
+            a JSON object; a field is missing or of the wrong type; a name repeats; a datatype
+            is unknown; a shape is negative or too large; an input has both or neither of
+            ``data`` and ``binary_data_size``; binary data overruns the body, does not fill
+            it, or does not match the shape; a parameter is not a bool, number or string.
+    """
+    view = memoryview(body).cast("B")
+    size = view.nbytes
+    has_header = header_length is not None
+    has_binary = has_header and header_length != size
+    if header_length is None:
+        header_length = size
+    elif header_length < 0:
+        raise InvalidInput(f"Inference-Header-Content-Length is negative ({header_length})")
+    elif header_length > size:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length is {header_length} but the body has only {size} bytes"
+        )
+    try:
+        document = orjson.loads(view[:header_length])
+    except orjson.JSONDecodeError as error:
+        raise InvalidInput(f"the request's JSON is malformed: {error}") from None
+    if not isinstance(document, dict):
+        raise InvalidInput(
+            f"the request's JSON is {_json_type(document)}; an inference request is an object"
+        )
+
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidInput(f"the request's 'id' is {_json_type(request_id)}; it is a string")
+    parameters = _parameters("the request", document.get("parameters"))
+    default_binary = parameters.pop(_BINARY_DATA_OUTPUT, False)
+    if not isinstance(default_binary, bool):
+        raise InvalidInput(
+            f"the request's parameter '{_BINARY_DATA_OUTPUT}' is "
+            f"{_json_type(default_binary)}; it is a bool"
+        )
+
+    raw_inputs = document.get("inputs")
+    if not isinstance(raw_inputs, list):
+        problem = "missing" if raw_inputs is None else _json_type(raw_inputs)
+        raise InvalidInput(f"the request's 'inputs' is {problem}; it is a list of inputs")
+    # The address of the body's first byte: a binary input is copied when its place in the
+    # body is not aligned for its dtype, and that is known before anything is decoded.
+    base = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] if has_binary else 0
+    offset = header_length
+    specs: list[_InputSpec] = []
+    input_parameters: dict[str, dict[str, ParameterValue]] = {}
+    decoded_nbytes = 0
+    for index, raw in enumerate(raw_inputs):
+        spec, cost = _input_spec(index, raw, view, offset, base, has_header)
+        if spec.name in input_parameters:
+            raise InvalidInput(f"input '{spec.name}' appears more than once in the request")
+        input_parameters[spec.name] = _parameters(f"input '{spec.name}'", raw.get("parameters"))
+        input_parameters[spec.name].pop(_BINARY_DATA_SIZE, None)
+        if spec.binary is not None:
+            offset += spec.binary.nbytes
+        specs.append(spec)
+        decoded_nbytes += cost
+    if offset != size:
+        raise InvalidInput(
+            f"the body has {size - offset} bytes after the JSON part and the binary data of "
+            "the inputs; each input sent binary declares its size in 'binary_data_size'"
+        )
+
+    outputs, by_name, output_parameters = _requested_outputs(document.get("outputs"))
+    return ParsedInferRequest(
+        id=request_id,
+        parameters=parameters,
+        input_parameters=input_parameters,
+        outputs=outputs,
+        binary_outputs=BinaryOutputs(default_binary, by_name or None),
+        output_parameters=output_parameters,
+        decoded_nbytes=decoded_nbytes,
+        _inputs=specs,
+    )
+
+
+def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
+    """Convert a parsed request's input data to numpy arrays.
+
+    JSON numbers are converted by numpy from the parsed lists, in C; they must be of the
+    datatype's kind (``true``/``false`` for BOOL, integers within range for the integer
+    datatypes, numbers within range for the float ones) and nested exactly as the shape, or
+    flat. BYTES elements are strings, encoded UTF-8. Binary data is checked and viewed.
+
+    Raises:
+        InvalidInput: Naming the input and the first offending element, if the data's
+            structure or count does not match the shape, an element is of the wrong kind or
+            out of range, a BOOL byte is not 0 or 1, or binary BYTES elements are malformed.
+    """
+    inputs: dict[str, np.ndarray] = {}
+    for spec in parsed._inputs:
+        where = f"input '{spec.name}'"
+        if spec.binary is not None:
+            inputs[spec.name] = _decode_binary(where, spec)
+        else:
+            assert spec.data is not None  # _input_spec requires one of the two
+            inputs[spec.name] = _decode_json(where, spec.datatype, spec.shape, spec.data)
+    return RestInferRequest(
+        id=parsed.id,
+        inputs=inputs,
+        datatypes={spec.name: spec.datatype for spec in parsed._inputs},
+        parameters=parsed.parameters,
+        input_parameters=parsed.input_parameters,
+        outputs=parsed.outputs,
+        binary_outputs=parsed.binary_outputs,
+        output_parameters=parsed.output_parameters,
+    )
+
+
+def _input_spec(
+    index: int, raw: object, body: memoryview, offset: int, base: int, has_header: bool
+) -> tuple[_InputSpec, int]:
+    """Check one input's JSON; return it and what decoding it allocates."""
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"the request's inputs[{index}] is {_json_type(raw)}; it is an object")
+    name = raw.get("name")
+    if not isinstance(name, str):
+        problem = "missing" if name is None else _json_type(name)
+        raise InvalidInput(f"the request's inputs[{index}] 'name' is {problem}; it is a string")
+    where = f"input '{name}'"
+    datatype = raw.get("datatype")
+    if not isinstance(datatype, str):
+        problem = "missing" if datatype is None else _json_type(datatype)
+        raise InvalidInput(f"{where}: 'datatype' is {problem}; it is a string")
+    if datatype not in DATATYPES:
+        raise InvalidInput(
+            f"{where}: unknown datatype '{datatype}'; valid datatypes are {_VALID_DATATYPES}"
+        )
+    shape = _shape(where, raw.get("shape"), datatype)
+    count = math.prod(shape)
+    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
+        raise InvalidInput(
+            f"{where}: shape {shape_text(shape)} has {count} BYTES elements; at most "
+            f"{MAX_BYTES_ELEMENTS} are taken"
+        )
+    parameters = raw.get("parameters")
+    size = parameters.get(_BINARY_DATA_SIZE) if isinstance(parameters, dict) else None
+    data = raw.get("data")
+    if size is None:
+        if not isinstance(data, list):
+            problem = "missing" if data is None else _json_type(data)
+            raise InvalidInput(
+                f"{where}: 'data' is {problem}; an input carries a list in 'data' or sends "
+                f"its data binary with a '{_BINARY_DATA_SIZE}' parameter"
+            )
+        if datatype == "BYTES":
+            # Each element a Python bytes object; the payloads are at most the JSON's text.
+            cost = count * BYTES_ELEMENT_OVERHEAD + body.nbytes
+        else:
+            cost = count * (_INFERRED_ITEMSIZE + DATATYPES[datatype].itemsize)
+        return _InputSpec(name, datatype, shape, data, None, 0), cost
+
+    if data is not None:
+        raise InvalidInput(
+            f"{where} has both 'data' and a '{_BINARY_DATA_SIZE}' parameter; send one"
+        )
+    if not has_header:
+        raise InvalidInput(
+            f"{where} has a '{_BINARY_DATA_SIZE}' parameter but the request has no "
+            "Inference-Header-Content-Length header to say where the binary data starts"
+        )
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise InvalidInput(
+            f"{where}: parameter '{_BINARY_DATA_SIZE}' is {size!r}; it is a byte count, an "
+            "integer of at least 0"
+        )
+    left = body.nbytes - offset
+    if size > left:
+        raise InvalidInput(
+            f"{where}: '{_BINARY_DATA_SIZE}' is {size} but only {left} bytes of the body are "
+            "left for it"
+        )
+    binary = body[offset : offset + size]
+    if datatype == "BYTES":
+        # Each element takes at least its prefix: no more fit in the data sent.
+        elements = min(count, size // _LENGTH_PREFIX)
+        return _InputSpec(name, datatype, shape, None, binary, 0), (
+            elements * BYTES_ELEMENT_OVERHEAD + size
+        )
+    itemsize = DATATYPES[datatype].itemsize
+    if size != count * itemsize:
+        if size % itemsize:
+            held = f"{size} bytes, not a whole number of {itemsize}-byte {datatype} elements"
+        else:
+            held = f"{size // itemsize} {datatype} elements ({size} bytes)"
+        raise InvalidInput(
+            f"{where}: shape {shape_text(shape)} has {count} elements but "
+            f"'{_BINARY_DATA_SIZE}' is {held}"
+        )
+    copy_nbytes = size if (base + offset) % itemsize else 0
+    return _InputSpec(name, datatype, shape, None, binary, copy_nbytes), copy_nbytes
+
+
+def _shape(where: str, raw: object, datatype: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(
+        isinstance(dim, int) and not isinstance(dim, bool) for dim in raw
+    ):
+        problem = "missing" if raw is None else f"{raw!r}"
+        raise InvalidInput(f"{where}: 'shape' is {problem}; it is a list of integers")
+    shape = tuple(raw)
+    if any(dim < 0 for dim in shape):
+        raise InvalidInput(
+            f"{where}: shape {shape_text(shape)} has a negative dimension; request shapes "
+            "must be concrete"
+        )
+    if len(shape) > _MAX_RANK:
+        raise InvalidInput(
+            f"{where}: shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
+        )
+    # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
+    # dimension is 0, so bound that product too.
+    nonzero = math.prod(dim for dim in shape if dim)
+    if nonzero * max(DATATYPES[datatype].itemsize, _INFERRED_ITEMSIZE) > _INTP_MAX:
+        raise InvalidInput(f"{where}: shape {shape_text(shape)} is too large")
+    return shape
+
+
+def _requested_outputs(
+    raw: object,
+) -> tuple[list[str], dict[str, bool], dict[str, dict[str, ParameterValue]]]:
+    if raw is None:
+        return [], {}, {}
+    if not isinstance(raw, list):
+        raise InvalidInput(f"the request's 'outputs' is {_json_type(raw)}; it is a list")
+    names: list[str] = []
+    by_name: dict[str, bool] = {}
+    parameters: dict[str, dict[str, ParameterValue]] = {}
+    for index, output in enumerate(raw):
+        if not isinstance(output, dict):
+            raise InvalidInput(
+                f"the request's outputs[{index}] is {_json_type(output)}; it is an object"
+            )
+        name = output.get("name")
+        if not isinstance(name, str):
+            problem = "missing" if name is None else _json_type(name)
+            raise InvalidInput(
+                f"the request's outputs[{index}] 'name' is {problem}; it is a string"
+            )
+        if name in parameters:
+            raise InvalidInput(f"output '{name}' is requested more than once")
+        own = _parameters(f"requested output '{name}'", output.get("parameters"))
+        binary = own.pop(_BINARY_DATA, None)
+        if binary is not None:
+            if not isinstance(binary, bool):
+                raise InvalidInput(
+                    f"requested output '{name}': parameter '{_BINARY_DATA}' is "
+                    f"{_json_type(binary)}; it is a bool"
+                )
+            by_name[name] = binary
+        names.append(name)
+        parameters[name] = own
+    return names, by_name, parameters
+
+
+def _parameters(where: str, raw: object) -> dict[str, ParameterValue]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"{where}: 'parameters' is {_json_type(raw)}; it is an object")
+    if len(raw) > MAX_PARAMETERS:
+        raise InvalidInput(f"{where}: {len(raw)} parameters; at most {MAX_PARAMETERS} are taken")
+    for key, value in raw.items():
+        if not isinstance(value, bool | int | float | str):
+            raise InvalidInput(
+                f"{where}: parameter '{key}' is {_json_type(value)}; parameters are bools, "
+                "numbers or strings"
+            )
+    # orjson builds a fresh dict of exactly those types: it is the result.
+    return raw
+
+
+def _decode_binary(where: str, spec: _InputSpec) -> np.ndarray:
+    assert spec.binary is not None
+    if spec.datatype == "BYTES":
+        return _decode_binary_bytes(where, spec.shape, spec.binary)
+    array = np.frombuffer(spec.binary, dtype=DATATYPES[spec.datatype].newbyteorder("<"))
+    if spec.datatype == "BOOL":
+        # Any other byte would give a bool array whose values compare unequal to True.
+        octets = array.view(np.uint8)
+        if octets.size and octets.max() > 1:
+            position = int(np.argmax(octets > 1))
+            raise InvalidInput(
+                f"{where}: binary BOOL element {position} is byte {int(octets[position])}; "
+                "BOOL elements are 0 or 1"
+            )
+    if spec.copy_nbytes:
+        # Numeric code (numpy's own, and models') may assume aligned elements.
+        array = array.copy()
+    return array.reshape(spec.shape)
+
+
+def _decode_binary_bytes(where: str, shape: tuple[int, ...], data: memoryview) -> np.ndarray:
+    count = math.prod(shape)
+    size = data.nbytes
+    if count * _LENGTH_PREFIX > size:
+        raise InvalidInput(
+            f"{where}: its {size} binary bytes are too few for the {count} length-prefixed "
+            f"BYTES elements of shape {shape_text(shape)}"
+        )
+    elements: list[bytes] = []
+    offset = 0
+    for position in range(count):
+        if offset + _LENGTH_PREFIX > size:
+            raise InvalidInput(
+                f"{where}: the binary data runs out at the 4-byte length of BYTES element "
+                f"{position} (offset {offset} of {size} bytes); shape {shape_text(shape)} "
+                f"declares {count} elements"
+            )
+        length = int.from_bytes(data[offset : offset + _LENGTH_PREFIX], "little")
+        start = offset + _LENGTH_PREFIX
+        end = start + length
+        if end > size:
+            raise InvalidInput(
+                f"{where}: BYTES element {position} declares {length} bytes but only "
+                f"{size - start} remain"
+            )
+        elements.append(bytes(data[start:end]))
+        offset = end
+    if offset != size:
+        raise InvalidInput(
+            f"{where} has {size - offset} binary bytes after the {count} BYTES elements "
+            f"that shape {shape_text(shape)} declares"
+        )
+    return _object_array(elements, shape)
+
+
+def _object_array(elements: Sequence[object], shape: tuple[int, ...]) -> np.ndarray:
+    # np.array(list_of_bytes) would build a fixed-width 'S' array and strip trailing NULs.
+    array = np.empty(len(elements), dtype=np.object_)
+    array[:] = elements
+    return array.reshape(shape)
+
+
+def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[Any]) -> np.ndarray:
+    if datatype == "BYTES":
+        elements: list[bytes] = []
+        for position, element in enumerate(_leaves(where, shape, data)):
+            if not isinstance(element, str):
+                raise InvalidInput(
+                    f"{where}: element {position} is {_json_type(element)}; BYTES elements "
+                    "are strings"
+                )
+            # orjson refuses lone surrogates, so every parsed string encodes.
+            elements.append(element.encode("utf-8"))
+        return _object_array(elements, shape)
+
+    count = math.prod(shape)
+    try:
+        # numpy converts the parsed list in C: an int64, uint64 or float64 array when the
+        # elements are numbers, bool when all are bools, strings or objects otherwise.
+        values = np.array(data)
+    except ValueError:
+        # Lists of unequal lengths: no array has that structure.
+        values = None
+    if values is None or not (values.shape == shape or values.shape == (count,)):
+        _raise_structure_error(where, shape, data)
+    if count == 0:
+        return np.empty(shape, dtype=DATATYPES[datatype])
+
+    target = DATATYPES[datatype]
+    kind = values.dtype.kind
+    if datatype == "BOOL":
+        if kind != "b":
+            _raise_element_error(where, datatype, data, shape)
+        return values.reshape(shape)
+    if datatype in _INTEGER_RANGE:
+        if kind not in "iu":
+            if datatype == "UINT64" and kind == "f":
+                # numpy infers float64 for ints on both sides of INT64's largest value, which
+                # only UINT64 holds: those are checked one by one, then converted exactly.
+                _check_elements(where, datatype, data, shape)
+                return np.array(data, dtype=target).reshape(shape)
+            _raise_element_error(where, datatype, data, shape)
+        low, high = _INTEGER_RANGE[datatype]
+        if values.min() < low or values.max() > high:
+            _raise_element_error(where, datatype, data, shape)
+        return values.astype(target, copy=False).reshape(shape)
+    assert datatype in _FLOAT_DATATYPES
+    if kind not in "iuf":
+        _raise_element_error(where, datatype, data, shape)
+    with np.errstate(over="ignore"):
+        converted = values.astype(target, copy=False)
+    # JSON has no infinities (orjson refuses 1e400), so one here is a value the datatype
+    # cannot hold.
+    if converted.dtype != values.dtype and np.isinf(converted).any():
+        _raise_element_error(where, datatype, data, shape)
+    return converted.reshape(shape)
+
+
+def _leaves(where: str, shape: tuple[int, ...], data: list[Any]) -> Iterator[Any]:
+    """The elements of ``data`` in row-major order, flat or nested exactly as ``shape``."""
+    if not any(isinstance(item, list) for item in data):
+        count = math.prod(shape)
+        if len(data) != count:
+            raise InvalidInput(
+                f"{where}: data holds {len(data)} values but shape {shape_text(shape)} has "
+                f"{count} elements"
+            )
+        return iter(data)
+    _check_nesting(where, shape, data, ())
+    return _nested_leaves(data, len(shape))
+
+
+def _nested_leaves(data: list[Any], depth: int) -> Iterator[Any]:
+    if depth == 1:
+        yield from data
+    else:
+        for item in data:
+            yield from _nested_leaves(item, depth - 1)
+
+
+def _check_nesting(
+    where: str, shape: tuple[int, ...], data: object, index: tuple[int, ...]
+) -> None:
+    """Raise unless ``data`` is nested exactly as ``shape`` (a leaf is anything but a list)."""
+    depth = len(index)
+    path = "data" + "".join(f"[{i}]" for i in index)
+    if depth == len(shape):
+        if isinstance(data, list):
+            raise InvalidInput(
+                f"{where}: {path} is a list, nested deeper than shape {shape_text(shape)}"
+            )
+        return
+    if not isinstance(data, list):
+        raise InvalidInput(
+            f"{where}: {path} is {_json_type(data)} where shape {shape_text(shape)} needs a "
+            f"list of {shape[depth]}"
+        )
+    if len(data) != shape[depth]:
+        flat = f" or {math.prod(shape)} flat" if depth == 0 else ""
+        raise InvalidInput(
+            f"{where}: {path} holds {len(data)} values but shape {shape_text(shape)} needs "
+            f"{shape[depth]}{flat}"
+        )
+    for position, item in enumerate(data):
+        _check_nesting(where, shape, item, (*index, position))
+
+
+def _raise_structure_error(where: str, shape: tuple[int, ...], data: list[Any]) -> NoReturn:
+    """Raise the error that says how ``data`` fails to be ``shape``, flat or nested."""
+    _leaves(where, shape, data)
+    # numpy gives data nested as the shape (or flat, of its count) that shape: only a data
+    # that is neither reaches here, and _leaves has raised.
+    raise AssertionError(f"{where}: data is {shape_text(shape)}")  # pragma: no cover
+
+
+def _raise_element_error(
+    where: str, datatype: str, data: list[Any], shape: tuple[int, ...]
+) -> NoReturn:
+    """Raise the error naming the first element of ``data`` that ``datatype`` cannot hold."""
+    _check_elements(where, datatype, data, shape)
+    raise AssertionError(f"no element of {where} is wrong")  # pragma: no cover
+
+
+def _check_elements(where: str, datatype: str, data: list[Any], shape: tuple[int, ...]) -> None:
+    """Raise naming the first element of ``data`` that ``datatype`` cannot hold, if any."""
+    target = DATATYPES[datatype]
+    for position, element in enumerate(_leaves(where, shape, data)):
+        problem = _element_problem(datatype, target, element)
+        if problem is not None:
+            raise InvalidInput(f"{where}: element {position} is {problem}")
+
+
+def _element_problem(datatype: str, target: np.dtype[Any], element: object) -> str | None:
+    if datatype == "BOOL":
+        if isinstance(element, bool):
+            return None
+        return f"{_json_type(element)}; BOOL elements are true or false"
+    if isinstance(element, bool) or not isinstance(element, int | float):
+        return f"{_json_type(element)}; {datatype} elements are numbers"
+    if datatype in _INTEGER_RANGE:
+        if not isinstance(element, int):
+            return f"{element!r}, not an integer; {datatype} elements are integers"
+        low, high = _INTEGER_RANGE[datatype]
+        if not low <= element <= high:
+            return f"{element}, outside {datatype}'s range [{low}, {high}]"
+        return None
+    largest = float(np.finfo(target.name).max)
+    with np.errstate(over="ignore"):
+        overflows = bool(np.isinf(np.array(element, dtype=target)))
+    if overflows:
+        return f"{element!r}, beyond {datatype}'s largest value {largest!r}"
+    return None
+
+
+def _json_type(value: object) -> str:
+    """How an error names a parsed JSON value's type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a bool ({'true' if value else 'false'})"
+    if isinstance(value, int | float):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value[:32]!r})"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode_infer_response(
+    model_name: str,
+    model_version: str,
+    id: str,
+    outputs: Sequence[tuple[str, np.ndarray]],
+    parameters: Mapping[str, ParameterValue],
+    binary: BinaryOutputs,
+) -> tuple[list[Buffer], int | None]:
+    """Encode an inference response body.
+
+    JSON outputs carry their elements flat, row-major, in ``data`` (BYTES as UTF-8 strings;
+    floats that are NaN or infinite become ``null``, as JSON has no such numbers). Binary
+    outputs carry ``binary_data_size`` in their parameters and follow the JSON part in output
+    order; a contiguous little-endian output is sent from its own memory, without a copy.
+
+    Args:
+        model_name: The response's ``model_name``.
+        model_version: Its ``model_version``.
+        id: The request's id; left out of the response when empty.
+        outputs: The outputs by name, in the order to write them.
+        parameters: The response's parameters; left out when empty.
+        binary: The request's :attr:`RestInferRequest.binary_outputs`.
+
+    Returns:
+        The buffers of the body, to write in order, and the JSON part's length for the
+        ``Inference-Header-Content-Length`` header when any output is binary (``None``: the
+        body is all JSON).
+
+    Raises:
+        ModelFailed: If an output's dtype has no datatype, a BYTES element is neither bytes
+            nor str, a JSON BYTES element is not UTF-8, a binary BYTES element is over 4 GiB,
+            or a parameter is not a bool, int, float or str that fits in 64 bits.
+    """
+    entries: list[dict[str, Any]] = []
+    blobs: list[Buffer] = []
+    for name, array in outputs:
+        where = f"output '{name}'"
+        try:
+            datatype = datatype_of(array)
+        except ModelFailed as error:
+            raise ModelFailed(f"{where}: {error}") from None
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": array.shape}
+        if binary.is_binary(name):
+            blob = _binary_blob(where, datatype, array)
+            entry["parameters"] = {_BINARY_DATA_SIZE: memoryview(blob).nbytes}
+            blobs.append(blob)
+        else:
+            entry["data"] = _json_data(where, datatype, array)
+        entries.append(entry)
+    response: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if id:
+        response["id"] = id
+    if parameters:
+        response["parameters"] = parameters
+    response["outputs"] = entries
+    try:
+        header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    except orjson.JSONEncodeError as error:
+        raise ModelFailed(f"the response cannot be written as JSON: {error}") from None
+    if not blobs:
+        return [header], None
+    return [header, *blobs], len(header)
+
+
+def _json_data(where: str, datatype: str, array: np.ndarray) -> object:
+    if datatype == "BYTES":
+        strings: list[str] = []
+        for position, element in enumerate(array.ravel().tolist()):
+            if isinstance(element, str):
+                strings.append(element)
+            elif isinstance(element, bytes):
+                try:
+                    strings.append(element.decode("utf-8"))
+                except UnicodeDecodeError:
+                    raise ModelFailed(
+                        f"{where}: BYTES element {position} is not UTF-8, so it cannot be "
+                        "written as a JSON string; request the output as binary data"
+                    ) from None
+            else:
+                raise ModelFailed(
+                    f"{where}: BYTES element {position} is {type(element).__name__}; BYTES "
+                    "outputs hold bytes or str"
+                )
+        return strings
+    # orjson writes a C-contiguous native-endian array of numbers without a Python object per
+    # element; ravel gives a contiguous copy of any other layout.
+    flat = array.ravel()
+    if not flat.dtype.isnative:
+        flat = flat.astype(flat.dtype.newbyteorder("="))
+    return flat
+
+
+def _binary_blob(where: str, datatype: str, array: np.ndarray) -> Buffer:
+    if datatype == "BYTES":
+        parts: list[bytes] = []
+        for position, element in enumerate(array.ravel().tolist()):
+            if isinstance(element, str):
+                try:
+                    element = element.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    # Lone surrogates, e.g. from os.fsdecode of undecodable bytes.
+                    raise ModelFailed(
+                        f"{where}: BYTES element {position} is a str that UTF-8 cannot "
+                        f"encode ({error.reason} at index {error.start})"
+                    ) from None
+            elif not isinstance(element, bytes):
+                raise ModelFailed(
+                    f"{where}: BYTES element {position} is {type(element).__name__}; BYTES "
+                    "outputs hold bytes or str"
+                )
+            if len(element) > _MAX_ELEMENT_BYTES:
+                raise ModelFailed(
+                    f"{where}: BYTES element {position} has {len(element)} bytes; a binary "
+                    f"element holds at most {_MAX_ELEMENT_BYTES}"
+                )
+            parts.append(len(element).to_bytes(_LENGTH_PREFIX, "little"))
+            parts.append(element)
+        return b"".join(parts)
+    # BOOL is one byte per element, as numpy stores it; views it as bytes without a copy.
+    dtype = DATATYPES[datatype].newbyteorder("<")
+    contiguous = np.ascontiguousarray(array, dtype=dtype)
+    return contiguous.reshape(-1).view(np.uint8).data

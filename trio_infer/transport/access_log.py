@@ -1,0 +1,99 @@
+"""Request ids and the access log, the same for every transport.
+
+Every call has a request id: the client's ``x-request-id`` when it sent a usable one, else one
+made here. The transport echoes it in the response's ``x-request-id`` header and logs it.
+
+The access log is the ``trio_infer.access`` logger at INFO: one record per call, whose message
+says the call in one line and whose attributes (``protocol``, ``method``, ``model``, ``status``,
+``duration_ms``, ``bytes_in``, ``bytes_out``, ``request_id``) carry the same fields for a JSON
+formatter. It is off unless ``--access-log`` turns it on: a record costs about as much as the
+rest of a small call's protocol work (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+
+__all__ = ["ACCESS_LOGGER", "CallRecord", "log_call", "request_id"]
+
+ACCESS_LOGGER = logging.getLogger("trio_infer.access")
+"""Where the access log goes (one INFO record per call); off unless turned on."""
+
+#: The longest client request id echoed and logged; a longer one is replaced by one made here.
+_MAX_REQUEST_ID = 128
+# Unique across the replicas of a deployment with high probability (the random part) and
+# within this process for sure (the count), at a fraction of uuid4's cost per call.
+_PREFIX = os.urandom(6).hex()
+_count = itertools.count(1)
+
+
+def request_id(sent: str | bytes | None) -> str:
+    """A call's request id: ``sent`` (the client's ``x-request-id``) when it is printable ASCII
+    of at most 128 characters, else a new id, unique to this call.
+
+    A client's id is refused rather than cut or escaped: it is echoed in a header and written
+    to logs, where a control character or megabytes of it would do harm.
+    """
+    if (
+        isinstance(sent, str)
+        and 0 < len(sent) <= _MAX_REQUEST_ID
+        and sent.isascii()
+        and sent.isprintable()
+    ):
+        return sent
+    return f"{_PREFIX}-{next(_count):x}"
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One call, as the access log says it.
+
+    Args:
+        protocol: ``grpc`` or ``http``.
+        method: The gRPC method path, or the HTTP method and path.
+        model: What the call was for, as its front-end names it (a model's name), or ``""``.
+        status: The call's status: a gRPC status name, or an HTTP status code.
+        duration: Seconds from the call's start to its end.
+        bytes_in: Bytes of request messages (gRPC) or body (HTTP) received.
+        bytes_out: Bytes of response messages or body sent.
+        request_id: The call's request id (:func:`request_id`).
+    """
+
+    protocol: str
+    method: str
+    model: str
+    status: str
+    duration: float
+    bytes_in: int
+    bytes_out: int
+    request_id: str
+
+
+def log_call(record: CallRecord) -> None:
+    """Write ``record`` to the access log (callers check ``ACCESS_LOGGER.isEnabledFor(INFO)``
+    first, so that a call pays for nothing while the log is off)."""
+    duration_ms = round(record.duration * 1000, 3)
+    ACCESS_LOGGER.info(
+        "%s %s %s %s %.3fms in=%d out=%d id=%s",
+        record.protocol,
+        record.method,
+        record.model or "-",
+        record.status,
+        duration_ms,
+        record.bytes_in,
+        record.bytes_out,
+        record.request_id,
+        extra={
+            "protocol": record.protocol,
+            "method": record.method,
+            "model": record.model,
+            "status": record.status,
+            "duration_ms": duration_ms,
+            "bytes_in": record.bytes_in,
+            "bytes_out": record.bytes_out,
+            "request_id": record.request_id,
+        },
+    )
