@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 
@@ -175,3 +176,43 @@ def test_without_access_log_no_call_is_logged(
     assert "trio_infer.access" not in loggers
     assert "trio_infer.server" in loggers
 
+
+
+def test_rest_calls_echo_their_id_and_are_in_the_access_log(
+    json_server: Callable[..., tuple[Server, int]],
+) -> None:
+    server, _ = json_server("--access-log")
+    port = int(server.wait_for_line(r"REST on http://127\.0\.0\.1:(\d+)")[1])
+    body = {
+        "inputs": [
+            {"name": name, "datatype": "FP32", "shape": [1, 16], "data": [1.0] * 16}
+            for name in ("INPUT0", "INPUT1")
+        ]
+    }
+    sent = json.dumps(body).encode()
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=TIMEOUT) as client:
+        wait_until(lambda: client.get("/v2/health/ready").status_code == 200, "ready")
+        answer = client.post(
+            "/v2/models/add_sub/infer", content=sent, headers={"x-request-id": "rest-1"}
+        )
+        assert answer.status_code == 200
+        assert answer.headers["x-request-id"] == "rest-1"
+        missing = client.post("/v2/models/nope/infer", json=body)
+        assert missing.status_code == 404
+        made = missing.headers["x-request-id"]
+    server.wait_for_line(r'"request_id": "rest-1"')
+    server.wait_for_line(rf'"request_id": "{made}"')
+    server.wait_exit(server.send(signal.SIGTERM) + GRACE + 1 + EXIT_SLACK)
+    server.assert_clean_exit(0)
+    access = [
+        line
+        for line in map(json.loads, server.stderr().splitlines())
+        if line["logger"] == "trio_infer.access" and line["protocol"] == "http"
+    ]
+    by_id = {line["request_id"]: line for line in access}
+    ok = by_id["rest-1"]
+    assert ok["method"] == "POST /v2/models/add_sub/infer"
+    assert (ok["model"], ok["status"]) == ("add_sub", "200")
+    assert ok["bytes_in"] == len(sent)
+    assert ok["bytes_out"] > 0
+    assert (by_id[made]["model"], by_id[made]["status"]) == ("nope", "404")

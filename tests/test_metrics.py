@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import trio
@@ -305,3 +306,44 @@ def histograms(samples: Samples, name: str) -> dict[str, Any]:
         assert value(samples, f"{metric}_bucket", **model(name, le="+Inf")) == count
         found[kind] = (count, value(samples, f"{metric}_sum", **model(name)))
     return found
+
+
+def parse(body: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+async def test_metrics_are_scraped_over_http_on_the_rest_port_and_the_metrics_port(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start_server(nursery, metrics_port=0)
+    assert server.metrics_port is not None
+    body = {
+        "inputs": [
+            {"name": name, "datatype": "FP32", "shape": [1, 16], "data": [1.0] * 16}
+            for name in ("INPUT0", "INPUT1")
+        ]
+    }
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as rest:
+        for _ in range(3):
+            answer = await rest.post("/v2/models/add_sub/infer", json=body)
+            assert answer.status_code == 200
+        scraped = await rest.get("/metrics")
+        assert scraped.status_code == 200
+        assert scraped.headers["content-type"].startswith("text/plain; version=")
+        # The scrape is a request of the REST port too: it sees the connection it came on.
+        samples = parse(scraped.text)
+        assert value(samples, "trio_infer_requests_total", **model("add_sub", status="OK")) == 3
+        assert value(samples, "trio_infer_connections", protocol="http") >= 1
+        assert (await rest.post("/metrics")).status_code == 405
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.metrics_port}") as port:
+        own = await port.get("/metrics")
+        assert own.status_code == 200
+        ok = model("add_sub", status="OK")
+        assert value(parse(own.text), "trio_infer_requests_total", **ok) == 3
+        # The metrics port serves nothing else: not the protocol, not the models.
+        assert (await port.get("/v2/health/ready")).status_code == 404
+        assert (await port.post("/v2/models/add_sub/infer", json=body)).status_code == 404

@@ -368,3 +368,22 @@ def test_a_model_whose_inputs_have_no_batch_dimension_reports_no_batching() -> N
         (2,),
         3,
     )
+
+
+@pytest.mark.parametrize("rest", [True, False])
+async def test_server_metadata_lists_exactly_the_extensions_served(
+    nursery: trio.Nursery, rest: bool
+) -> None:
+    server = await start_server(nursery, **({} if rest else {"http_port": None}))
+    client = GrpcioClient(server.port)
+    metadata = await client.call("ServerMetadata", pb.ServerMetadataRequest())
+    expected = {
+        "model_configuration",
+        "model_repository",
+        "parameters",
+        "schedule_policy",
+        "sequence",
+        "statistics",
+    }
+    # Triton's binary tensor data is an extension of REST: listed only when REST is served.
+    assert set(metadata.extensions) == (expected | {"binary_tensor_data"} if rest else expected)

@@ -28,6 +28,7 @@ import trio
 
 from trio_infer.logs import LOG_FORMATS
 from trio_infer.logs import configure as configure_logs
+from trio_infer.repository.server_settings import read_server_settings
 from trio_infer.repository.settings import SettingsError
 
 # Worker processes re-import the main script, which for the installed command imports this
@@ -74,7 +75,9 @@ def _restriction(value: str) -> tuple[str, str]:
     return header.lower(), expected
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(option_defaults: dict[str, object] | None = None) -> argparse.ArgumentParser:
+    """The command's parser; ``option_defaults`` replace ``serve``'s own defaults (by option
+    name: an MLServer settings.json's, :mod:`trio_infer.repository.server_settings`)."""
     from trio_infer.core.repository import ControlMode
     from trio_infer.core.service import SERVER_NAME, SERVER_VERSION
     from trio_infer.server import ServerConfig
@@ -85,7 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{SERVER_NAME} {SERVER_VERSION}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a model repository over gRPC and REST")
+    # No abbreviations: "--repository X" must not be taken for --repository-poll-secs.
+    serve = commands.add_parser(
+        "serve", help="serve a model repository over gRPC and REST", allow_abbrev=False
+    )
     defaults = ServerConfig()
     serve.add_argument(
         "repository",
@@ -225,6 +231,24 @@ def _parser() -> argparse.ArgumentParser:
         "%(default)s, gRPC's)",
     )
     serve.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=defaults.max_connection_age,
+        metavar="S",
+        help="seconds (spread by 10%% either way) after which a client connection is retired, "
+        "so that its client reconnects and may reach another replica: gRPC GOAWAY, REST "
+        "Connection: close (default: none)",
+    )
+    serve.add_argument(
+        "--max-connection-age-grace",
+        type=float,
+        default=defaults.max_connection_age_grace,
+        metavar="S",
+        help="with --max-connection-age: seconds the gRPC calls in flight on a retired "
+        "connection get to finish before they end with UNAVAILABLE (default: as long as they "
+        "take)",
+    )
+    serve.add_argument(
         "--tls-cert",
         type=Path,
         metavar="FILE",
@@ -273,6 +297,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="tracebacks in model error messages, and the server's debug logs",
     )
+    if option_defaults:
+        serve.set_defaults(**option_defaults)
     return parser
 
 
@@ -316,8 +342,25 @@ def main(argv: list[str] | None = None) -> int:
     from trio_infer.core.repository import ControlMode
 
     args = _parser().parse_args(argv)
+    try:
+        # MLServer's settings.json, where `mlserver start REPOSITORY` reads it: defaults for
+        # the options it has an equivalent of, so the options given here win.
+        mlserver = read_server_settings(args.repository)
+    except SettingsError as exc:
+        configure_logs(logging.INFO, args.log_format, args.access_log)
+        logger.error("%s", exc)
+        return 2
+    if mlserver is not None:
+        args = _parser(mlserver.options).parse_args(argv)
     level = args.log_level or ("DEBUG" if args.debug else "INFO")
     configure_logs(logging.getLevelNamesMapping()[level], args.log_format, args.access_log)
+    if mlserver is not None:
+        logger.info(
+            "%s: read %s%s",
+            mlserver.file,
+            ", ".join(sorted(mlserver.options)) or "no option",
+            f" (no equivalent here: {', '.join(mlserver.ignored)})" if mlserver.ignored else "",
+        )
     if args.workers < 1:
         logger.error("--workers must be at least 1")
         return 2
@@ -366,6 +409,16 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < seconds < math.inf:  # also catches NaN
             logger.error("%s must be a number of seconds, more than 0", option)
             return 2
+    if args.max_connection_age is not None and not 0 < args.max_connection_age < math.inf:
+        logger.error("--max-connection-age must be a number of seconds, more than 0")
+        return 2
+    if args.max_connection_age_grace is not None:
+        if args.max_connection_age is None:
+            logger.error("--max-connection-age-grace needs --max-connection-age")
+            return 2
+        if not 0 <= args.max_connection_age_grace < math.inf:
+            logger.error("--max-connection-age-grace must be a number of seconds, at least 0")
+            return 2
     if args.tls_cert is None and (args.tls_key is not None or args.tls_client_ca is not None):
         if args.tls_key is not None:
             logger.error("--tls-key needs --tls-cert")
@@ -393,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         handshake_timeout=args.handshake_timeout,
         idle_timeout=args.idle_timeout,
         keepalive_min_interval=args.keepalive_min_interval,
+        max_connection_age=args.max_connection_age,
+        max_connection_age_grace=args.max_connection_age_grace,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,

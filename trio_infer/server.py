@@ -36,7 +36,7 @@ from pathlib import Path
 import trio
 
 from trio_infer.core.repository import ControlMode, ModelManager
-from trio_infer.core.service import InferenceCore
+from trio_infer.core.service import CORE_EXTENSIONS, InferenceCore
 from trio_infer.frontends.grpc_service import GrpcService
 from trio_infer.frontends.http_service import HttpService, metrics_handler
 from trio_infer.observability.metrics import ServerMetrics, TransportCounts
@@ -100,6 +100,13 @@ class ServerConfig:
         keepalive_min_interval: Seconds a client must leave between two PINGs with no answer
             sent between them; more than two sooner ones end its connection (GOAWAY
             ENHANCE_YOUR_CALM "too_many_pings", as gRPC servers do).
+        max_connection_age: Seconds after which a client connection is retired, spread by up
+            to 10 % either way, so that its client reconnects and may reach another replica
+            (gRPC servers' ``max_connection_age``): a gRPC connection gets GOAWAY, a REST one
+            ``Connection: close`` on its first response past the age. None: connections live
+            on.
+        max_connection_age_grace: Seconds the calls in flight on a gRPC connection retired by
+            its age get to finish before they end with UNAVAILABLE; None: as long as they take.
         tls_cert: Serve TLS with this PEM certificate chain (with ``tls_key``); plaintext when
             None.
         tls_key: The PEM private key of ``tls_cert``.
@@ -138,6 +145,8 @@ class ServerConfig:
     idle_timeout: float = 300.0
     keepalive_min_interval: float = 300.0
     send_timeout: float = 30.0
+    max_connection_age: float | None = None
+    max_connection_age_grace: float | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -286,6 +295,9 @@ async def run_server(
                 max_owner_bytes=config.max_connection_bytes,
             ),
             strict_readiness=config.strict_readiness,
+            # Triton's binary tensor data extension is REST's.
+            extensions=CORE_EXTENSIONS
+            + (("binary_tensor_data",) if config.http_port is not None else ()),
         )
         models = ModelManager(
             core,
@@ -302,6 +314,8 @@ async def run_server(
             idle_timeout=config.idle_timeout,
             min_ping_interval=config.keepalive_min_interval,
             send_timeout=config.send_timeout,
+            max_connection_age=config.max_connection_age,
+            max_connection_age_grace=config.max_connection_age_grace,
         )
         grpc = GrpcServer(
             GrpcService(core, models, control_header=config.repository_control_header).handle,
@@ -317,6 +331,7 @@ async def run_server(
             receive_timeout=config.receive_timeout,
             idle_timeout=config.idle_timeout,
             send_timeout=config.send_timeout,
+            max_connection_age=config.max_connection_age,
         )
         http: HttpServer | None = None
         http_listeners: list[trio.SocketListener] = []

@@ -163,10 +163,15 @@ class ModelManager:
         self._ready = trio.Event()
         # Served models that failed to load, with the time of their next attempt and backoff.
         self._retry: dict[str, tuple[float, float]] = {}
+        # The unloads under way, by model: what a second unload of the same model waits for.
+        self._unloading: dict[str, trio.Event] = {}
         # When to load every served model again after an operation crashed (a bug).
         self._retry_all = math.inf
         # What the last poll saw of each folder, to tell a change from none.
         self._seen: dict[str, str | None] = {}
+        # Per model name: held by a load while it loads and switches, and by a drop from the
+        # workers while it decides and drops (see _switch).
+        self._locks: dict[str, trio.Lock] = {}
 
     # -- the lifecycle task ---------------------------------------------------------------------
 
@@ -179,7 +184,7 @@ class ModelManager:
             nursery.start_soon(self._watch_workers)
             if self.mode is ControlMode.POLL:
                 self._seen = {
-                    name: _revision(entry) for name, entry in self._scan_quietly().items()
+                    name: _revision(entry) for name, entry in (await self._scan_quietly()).items()
                 }
                 nursery.start_soon(self._tick, self.poll_interval, self._poll)
             await self._apply(_Operation(self._load_served))
@@ -256,6 +261,9 @@ class ModelManager:
         for settings in list(registry):
             if registry.is_unloading(settings.name):
                 continue
+            # A model not ready yet (at start, or failed) is LOADING in the index meanwhile.
+            loading = not registry.is_ready(settings.name)
+            registry.set_loading(settings.name, loading)
             try:
                 await self.core.pool.warm_up([settings])
             except InferError as error:
@@ -265,6 +273,8 @@ class ModelManager:
                 backoff = min(backoff * 2, _RETRY_MAX)
                 self._retry[settings.name] = (trio.current_time() + backoff, backoff)
                 continue
+            finally:
+                registry.set_loading(settings.name, False)
             self._retry.pop(settings.name, None)
             registry.set_ready(settings.name, True)
         if not self._retry and not self._ready.is_set():
@@ -273,12 +283,12 @@ class ModelManager:
 
     # -- the repository extension -------------------------------------------------------------
 
-    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+    async def index(self, ready_only: bool = False) -> list[IndexEntry]:
         """Every model of the repository folder, and every served model, with its state (and
         why it is not ready), sorted by name."""
         registry = self.core.registry
         entries: dict[str, IndexEntry] = {}
-        for name, entry in self._scan_quietly().items():
+        for name, entry in (await self._scan_quietly()).items():
             state, reason = registry.state(name)
             version = entry.settings.version if entry.settings is not None else ""
             served = registry.served(name)
@@ -342,7 +352,7 @@ class ModelManager:
             )
 
     async def _load(self, name: str, config: Mapping[str, Any] | None) -> None:
-        entry = self._scan().get(name)
+        entry = (await self._scan()).get(name)
         if entry is None:
             raise ModelNotFound(
                 f"no folder of the model repository {self.repository} declares model '{name}'"
@@ -355,6 +365,13 @@ class ModelManager:
                 settings = load_model_settings(entry.folder, config, revision=settings.revision)
             except SettingsError as exc:
                 raise InvalidInput(f"model '{name}' cannot be loaded: {exc}") from None
+            if settings.name != name:
+                # It would serve this folder's code under another model's name (replacing
+                # that model, if served): a load names the model it loads.
+                raise InvalidInput(
+                    f"model '{name}' cannot be loaded: its config renames it to "
+                    f"'{settings.name[:100]}'"
+                )
         await self._switch(settings)
 
     async def _switch(self, settings: ModelSettings) -> None:
@@ -366,24 +383,33 @@ class ModelManager:
         if old == settings and registry.is_ready(name) and not registry.is_unloading(name):
             return  # served as asked already
         registry.set_loading(name, True)
-        try:
+        # The workers' cache keys a model by its settings' value, so a drop of equal settings
+        # (an unload's, or a reload's of the settings it replaced, loaded again now) would drop
+        # what this load puts there. The lock orders them: a drop under way ends first and this
+        # load loads anew; a drop that comes later finds these settings served and keeps them.
+        async with self._lock(name):
             try:
-                await pool.warm_up([settings])
-            except InferError as error:
-                # Workers that loaded it drop it again; the old settings still serve.
-                await pool.unload(settings)
-                if old is None:
-                    registry.set_ready(name, False, error.message)
-                logger.error("loading model '%s' failed: %s", name, error.message)
-                raise
-        finally:
-            registry.set_loading(name, False)
-        registry.serve(settings)
-        await self.core.batching.replace(settings)
-        self._retry.pop(name, None)
-        registry.set_ready(name, True)
+                try:
+                    await pool.warm_up([settings])
+                except InferError as error:
+                    # Workers that loaded it drop it again; the old settings still serve.
+                    # Equal settings are the old ones' cache entry: those must stay.
+                    if settings != old:
+                        await pool.unload(settings)
+                    if old is None:
+                        registry.set_ready(name, False, error.message)
+                    # The message names the model already ("loading model 'x' failed: ...").
+                    logger.error("%s", error.message)
+                    raise
+            finally:
+                registry.set_loading(name, False)
+            registry.serve(settings)
+            await self.core.batching.replace(settings)
+            self._retry.pop(name, None)
+            registry.set_ready(name, True)
         logger.info("model '%s' loaded%s", name, " (reloaded)" if old is not None else "")
-        if old is not None and old is not settings:
+        if old is not None and old != settings:
+            # Equal settings are the same model in the workers' cache: never dropped here.
             assert self._nursery is not None
             self._nursery.start_soon(self._drop_when_idle, old)
 
@@ -392,11 +418,14 @@ class ModelManager:
         done beside the lifecycle task: the grace period holds no other change back."""
         registry = self.core.registry
         settings = registry.served(name)
-        if settings is None or registry.is_unloading(name):
+        unloading = self._unloading.get(name)
+        if unloading is not None and registry.is_unloading(name):
+            return unloading  # a second unload waits for the first one's end
+        if settings is None:
             raise ModelNotFound(f"model '{name}' is not loaded")
         registry.start_unloading(name)
         self._retry.pop(name, None)
-        finished = trio.Event()
+        finished = self._unloading[name] = trio.Event()
         assert self._nursery is not None
         self._nursery.start_soon(self._finish_unload, settings, finished)
         return finished
@@ -404,11 +433,15 @@ class ModelManager:
     async def _finish_unload(self, settings: ModelSettings, finished: trio.Event) -> None:
         await self._drop_when_idle(settings)
         registry = self.core.registry
-        # Unless a load came meanwhile and serves it again.
-        if registry.is_unloading(settings.name):
-            self.core.batching.remove(settings.name)
-            registry.withdraw(settings.name, "unloaded")
-            logger.info("model '%s' unloaded", settings.name)
+        name = settings.name
+        # Unless a load came meanwhile and serves it again (these settings or others, which a
+        # later unload of them withdraws in its turn).
+        if registry.is_unloading(name) and registry.served(name) is settings:
+            self.core.batching.remove(name)
+            registry.withdraw(name, "unloaded")
+            logger.info("model '%s' unloaded", name)
+        if self._unloading.get(name) is finished:
+            del self._unloading[name]
         finished.set()
 
     async def _drop_when_idle(self, settings: ModelSettings) -> None:
@@ -416,7 +449,21 @@ class ModelManager:
         passed (a call still running then keeps its worker until its own deadline)."""
         with trio.move_on_after(self.grace_period):
             await self.core.admission.wait_idle(settings)
-        await self.core.pool.unload(settings)
+        registry = self.core.registry
+        name = settings.name
+        # Done beside the lifecycle task, not in it: the workers drop the model after the calls
+        # they hold, and one of those may run long. Only a load of this model waits (_switch).
+        async with self._lock(name):
+            if registry.served(name) == settings and not registry.is_unloading(name):
+                # Loaded again meanwhile with equal settings: the workers' entry is served.
+                return
+            await self.core.pool.unload(settings)
+
+    def _lock(self, name: str) -> trio.Lock:
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = trio.Lock()
+        return lock
 
     # -- polling -------------------------------------------------------------------------------
 
@@ -424,7 +471,7 @@ class ModelManager:
         """Apply what changed in the folder since the last poll: added models are loaded,
         changed ones reloaded, removed ones unloaded. A model whose new settings cannot be read
         or loaded keeps serving as it was."""
-        found = self._scan_quietly()
+        found = await self._scan_quietly()
         registry = self.core.registry
         for name, entry in found.items():
             revision = _revision(entry)
@@ -443,15 +490,17 @@ class ModelManager:
                 self._seen.pop(settings.name, None)
                 await self._unload(settings.name)
 
-    def _scan(self) -> dict[str, RepositoryEntry]:
+    async def _scan(self) -> dict[str, RepositoryEntry]:
+        # In a thread: reading every settings file and the size and time of every file of every
+        # model folder would hold the event loop, and every call with it, for a large repository.
         try:
-            return scan_repository(self.repository)
+            return await trio.to_thread.run_sync(scan_repository, self.repository)
         except SettingsError as exc:
             raise Unavailable(f"the model repository cannot be read: {exc}") from None
 
-    def _scan_quietly(self) -> dict[str, RepositoryEntry]:
+    async def _scan_quietly(self) -> dict[str, RepositoryEntry]:
         try:
-            return self._scan()
+            return await self._scan()
         except Unavailable as exc:
             logger.error("%s", exc.message)
             return {}
@@ -459,4 +508,3 @@ class ModelManager:
 
 def _revision(entry: RepositoryEntry) -> str | None:
     return entry.settings.revision if entry.settings is not None else entry.error
-

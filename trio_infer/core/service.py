@@ -45,13 +45,32 @@ from trio_infer.scheduling.sequences import SequenceFlags, sequence_of
 from trio_infer.scheduling.statistics import ModelRecorder, RequestTiming, StatisticsRecorder
 from trio_infer.workers.pool import CALLS_PER_WORKER, WorkerPool
 
-__all__ = ["SERVER_NAME", "SERVER_VERSION", "InferenceCore"]
+__all__ = ["CORE_EXTENSIONS", "LIVENESS_SERVICE", "SERVER_NAME", "SERVER_VERSION", "InferenceCore"]
 
 SERVER_NAME = "trio-infer"
+#: The health service that is SERVING whenever the server answers at all, draining or not, with
+#: its models ready or not: V2's ServerLive for ``grpc.health.v1``, which is all a Kubernetes
+#: gRPC probe can call. A liveness probe on ``""`` (readiness) would restart a replica for a
+#: broken model, or in the middle of its drain.
+LIVENESS_SERVICE = "liveness"
 try:
     SERVER_VERSION = version("trio-infer")
 except PackageNotFoundError:  # running from a source tree that was never installed
     SERVER_VERSION = "0+unknown"
+
+#: The protocol extensions every front-end serves, by Triton's names: ``model_configuration``
+#: (ModelConfig), ``model_repository`` (index, load, unload), ``parameters`` (request and
+#: response parameters), ``schedule_policy`` (the ``priority`` and ``timeout`` request
+#: parameters), ``sequence`` (sequences) and ``statistics`` (ModelStatistics). Not served:
+#: ``classification``, the shared-memory ones, ``trace``, ``logging``.
+CORE_EXTENSIONS = (
+    "model_configuration",
+    "model_repository",
+    "parameters",
+    "schedule_policy",
+    "sequence",
+    "statistics",
+)
 
 #: How many times its announced size a request reserves before its body is read: the message,
 #: its decoded tensors and an answer as large.
@@ -67,6 +86,8 @@ class InferenceCore:
         admission: The memory budget and the per-model queue bounds.
         strict_readiness: Whether the server is ready only when every model is (Triton's
             ``--strict-readiness``); with False, whenever it runs and is not shutting down.
+        extensions: The protocol extensions served, as ServerMetadata lists them
+            (:data:`CORE_EXTENSIONS` and those of the front-ends that run).
     """
 
     def __init__(
@@ -76,9 +97,11 @@ class InferenceCore:
         admission: Admission,
         *,
         strict_readiness: bool = True,
+        extensions: tuple[str, ...] = CORE_EXTENSIONS,
     ) -> None:
         self.registry = registry
         self.strict_readiness = strict_readiness
+        self.extensions = tuple(sorted(extensions))
         self.pool = pool
         self.admission = admission
         workers = pool.statistics().workers
@@ -111,9 +134,12 @@ class InferenceCore:
 
     def health(self, service: str) -> bool | None:
         """The readiness a health check reports for ``service``: ``""`` (or the V2 service's
-        name) is the server, a model's name that model; None for a name that is neither."""
+        name) is the server, :data:`LIVENESS_SERVICE` its liveness (always true), a model's name
+        that model; None for a name that is none of these. The server's names come first."""
         if service in ("", "inference.GRPCInferenceService"):
             return self.server_ready()
+        if service == LIVENESS_SERVICE:
+            return True
         try:
             return self.model_ready(service)
         except ModelNotFound:
@@ -135,17 +161,21 @@ class InferenceCore:
         self.registry.notify()
 
     def model_ready(self, name: str, version: str = "") -> bool:
-        """Whether a model can take requests now.
+        """Whether a model can take requests now: False also for a model of the repository that
+        is not served (unloaded, or its load failed), as Triton answers.
 
         Raises:
-            ModelNotFound: No such model (or version) is served.
+            ModelNotFound: No such model (or version) is served, or ever was.
         """
-        settings = self.registry.lookup(name, version)
+        try:
+            settings = self.registry.lookup(name, version)
+        except Unavailable:
+            return False
         return not self.draining and self.registry.is_ready(settings.name)
 
     def server_metadata(self) -> ServerMetadata:
         """The server's name, version and extensions."""
-        return ServerMetadata(name=SERVER_NAME, version=SERVER_VERSION, extensions=())
+        return ServerMetadata(name=SERVER_NAME, version=SERVER_VERSION, extensions=self.extensions)
 
     def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         """A model's name, versions, platform and declared tensors.

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError, Message
 from trio_infer.buffers import Buffer
 from trio_infer.core.repository import ModelManager, config_override
 from trio_infer.core.service import RESERVED_PER_BYTE, InferenceCore
+from trio_infer.core.timeouts import TIMED_OUT, take_timeout
 from trio_infer.core.types import (
     InferenceRequest,
     InferenceResponse,
@@ -42,7 +43,7 @@ from trio_infer.errors import (
     Unimplemented,
 )
 from trio_infer.frontends.grpc_triton import model_config_response, model_statistics_response
-from trio_infer.model import MAX_RESPONSE_METADATA
+from trio_infer.model import MAX_RESPONSE_METADATA, ParameterValue
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import health_pb2
 from trio_infer.protobuf.codec import (
@@ -83,7 +84,6 @@ _STREAM_INFER = _V2 + "ModelStreamInfer"
 #: Messages of one stream in flight at once (admitted and not yet answered); the next is not
 #: read until one ends.
 _STREAM_IN_FLIGHT = 64
-_TIMED_OUT = "deadline exceeded (the request's timeout parameter)"
 _TRAILERS_FULL = (
     f"the model's response metadata would take the stream's trailers past "
     f"{MAX_RESPONSE_METADATA} bytes"
@@ -470,7 +470,7 @@ class GrpcService:
                 await send(held, True)
             return
         assert timed.cancelled_caught
-        raise InferError(_TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
+        raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
     async def _infer_in_time(self, request: Any, context: RequestContext) -> _Answer:
         """:meth:`_infer`, ended with DEADLINE_EXCEEDED at the request's own ``timeout``
@@ -480,7 +480,7 @@ class GrpcService:
         with trio.move_on_at(own) as timed:
             return await self._infer(request, context)
         assert timed.cancelled_caught
-        raise InferError(_TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
+        raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
     async def _infer(self, request: Any, context: RequestContext) -> _Answer:
         """Decode ``request`` (a WireInferRequest: a ModelInferRequest whose inputs' contents
@@ -616,7 +616,7 @@ class GrpcService:
                 pb.RepositoryIndexResponse.ModelIndex(
                     name=entry.name, version=entry.version, state=entry.state, reason=entry.reason
                 )
-                for entry in manager.index(ready_only=request.ready)
+                for entry in await manager.index(ready_only=request.ready)
             ]
         )
 
@@ -870,9 +870,8 @@ def _parsed(route: _Route, data: bytes | bytearray) -> Any:
 
 
 def _own_deadline(request: Any) -> float:
-    """When the request's ``timeout`` parameter (microseconds, Triton's name; tritonclient's
-    ``timeout=`` sends it; 0 is none) says it must end, on the Trio clock (``math.inf``: it
-    sets none). The parameter is taken out of those the model sees.
+    """:func:`~trio_infer.core.timeouts.take_timeout` for a request still in protobuf: read
+    before its tensors are decoded, so that its deadline bounds the decoding too.
 
     Raises:
         InvalidInput: ``timeout`` is not an int64 of microseconds, at least 0.
@@ -880,11 +879,11 @@ def _own_deadline(request: Any) -> float:
     if "timeout" not in request.parameters:
         return math.inf
     parameter = request.parameters["timeout"]
-    if parameter.WhichOneof("parameter_choice") != "int64_param" or parameter.int64_param < 0:
-        raise InvalidInput("parameter 'timeout' must be an int64 of microseconds, at least 0")
-    microseconds = parameter.int64_param
+    kind = parameter.WhichOneof("parameter_choice")
+    # Any other kind is refused by take_timeout, as a REST request's would be.
+    value: ParameterValue = parameter.int64_param if kind == "int64_param" else "not an int64"
     del request.parameters["timeout"]
-    return trio.current_time() + microseconds / 1e6 if microseconds else math.inf
+    return take_timeout({"timeout": value})
 
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:

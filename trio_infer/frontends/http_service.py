@@ -195,8 +195,10 @@ class HttpService:
         """The repository extension: ``index``, ``models/{name}/load``, ``.../unload``."""
         if rest == ["index"]:
             action, name = "index", ""
-        elif len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
-            action, name = rest[2], rest[1]
+        elif len(rest) >= 3 and rest[0] == "models" and rest[-1] in ("load", "unload"):
+            # Every segment between is the name: tritonclient leaves a '/' in a name unquoted,
+            # and such a name must be refused as one (INVALID_ARGUMENT), not be a 404.
+            action, name = rest[-1], "/".join(rest[1:-1])
         else:
             raise _not_found(request)
         if request.method != "POST":
@@ -227,7 +229,7 @@ class HttpService:
                         "state": str(entry.state),
                         "reason": entry.reason,
                     }
-                    for entry in manager.index(ready_only=ready)
+                    for entry in await manager.index(ready_only=ready)
                 ],
             )
             return

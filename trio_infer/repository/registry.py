@@ -61,7 +61,8 @@ class ModelRegistry:
             InvalidInput: ``version`` is not declared by the model and is not an integer
                 string of at most 2**63 - 1.
             ModelNotFound: no such model, or it is served at another version.
-            Unavailable: the model was unloaded (Triton's code for it).
+            Unavailable: the model was unloaded, or its load failed and it was never served
+                (Triton's code for it); the message says which.
         """
         settings = self._models.get(name)
         if version and (settings is None or version not in (settings.version, *settings.versions)):
@@ -77,10 +78,12 @@ class ModelRegistry:
                     f"(served version: {served})"
                 )
         if settings is None:
-            if name in self._withdrawn:
+            # A model unloaded, or never served because its load failed: its callers learn why.
+            reason = self._reasons.get(name, "")
+            if name in self._withdrawn or reason:
+                why = "it was unloaded" if reason in ("", "unloaded") else f"not ready: {reason}"
                 raise Unavailable(
-                    f"Request for unknown model: '{name}' has no available versions (it was "
-                    "unloaded)"
+                    f"Request for unknown model: '{name}' has no available versions ({why})"
                 )
             raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
         return settings
@@ -151,10 +154,11 @@ class ModelRegistry:
 
     def state(self, name: str) -> tuple[ModelState, str]:
         """Model ``name``'s state for the index and the reason when it is not READY."""
-        if name in self._unloading:
-            return ModelState.UNLOADING, "unloading"
+        # A load that comes while an unload waits for calls is the newer change: it wins.
         if name in self._loading:
             return ModelState.LOADING, ""
+        if name in self._unloading:
+            return ModelState.UNLOADING, "unloading"
         if name in self._ready:
             return ModelState.READY, ""
         return ModelState.UNAVAILABLE, self._reasons.get(name, "not loaded")

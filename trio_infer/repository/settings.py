@@ -36,6 +36,7 @@ from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from trio_infer.datatypes import DATATYPES
+from trio_infer.repository.runtime_names import PLATFORM_RUNTIMES, built_in_implementation
 
 __all__ = [
     "EXAMPLES",
@@ -159,6 +160,9 @@ class ModelSettings:
 
     ``path`` is the model's folder (set by the loader, never read from JSON); worker processes put
     it on ``sys.path`` so a folder's own ``model.py`` can be named ``"model.MyModel"``.
+    ``implementation`` names a built-in runtime (:mod:`trio_infer.runtimes`) when it names one of
+    MLServer's (``mlserver_sklearn.SKLearnModel``...), or when it is not set and ``platform`` names
+    a format one serves (``onnxruntime_onnx``...): :mod:`trio_infer.repository.runtime_names`.
     ``max_batch_time`` and ``timeout`` are in seconds; ``timeout`` bounds a model call for callers
     that have no deadline of their own.
 
@@ -183,7 +187,10 @@ class ModelSettings:
     """
 
     name: _Name
-    implementation: Annotated[str, Strict(), AfterValidator(_import_path)]
+    # "" (not set) only when platform names a built-in runtime: __post_init__ fills it in.
+    implementation: Annotated[
+        str, Strict(), AfterValidator(_import_path), AfterValidator(built_in_implementation)
+    ] = ""
     path: Path | None = None
     platform: _String = ""
     versions: tuple[_String, ...] = ()
@@ -206,6 +213,18 @@ class ModelSettings:
     again, for settings of another revision, so a reload sees changed code and weights."""
 
     def __post_init__(self) -> None:
+        if not self.implementation:
+            runtime = PLATFORM_RUNTIMES.get(self.platform)
+            if runtime is None:
+                raise PydanticCustomError(
+                    "implementation_missing",
+                    "implementation: Field required: name the model's class "
+                    "('package.module.Class'), or a platform served by a built-in runtime "
+                    "({platforms})",
+                    {"platforms": ", ".join(PLATFORM_RUNTIMES)},
+                )
+            # Frozen: set as the dataclass's own __init__ sets fields.
+            object.__setattr__(self, "implementation", runtime)
         if self.decoupled and self.max_batch_size > 1:
             raise PydanticCustomError(
                 "decoupled_batching",
@@ -417,7 +436,9 @@ _UNKNOWN_FIELD = frozenset({"unexpected_keyword_argument", "extra_forbidden"})
 
 # Errors whose input is not the offending value (a missing field's input is the object that
 # lacks it; a repeated name's is the whole list, and the message names the name).
-_NO_GIVEN_VALUE = frozenset({"missing", "duplicate_tensor_name", "decoupled_batching"})
+_NO_GIVEN_VALUE = frozenset(
+    {"missing", "duplicate_tensor_name", "decoupled_batching", "implementation_missing"}
+)
 
 
 def _first_problem(exc: ValidationError) -> ErrorDetails:

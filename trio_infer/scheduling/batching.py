@@ -817,6 +817,9 @@ class Batching:
                 for batcher in self._models.values():
                     await nursery.start(self._run_batcher, batcher)
                 task_status.started()
+                # Open until stop(), batchers or not: a model loaded later (replace) starts its
+                # batcher here, also after the last one was retired or when none served at start.
+                await trio.sleep_forever()
 
     async def replace(self, settings: ModelSettings) -> None:
         """Serve model ``settings.name`` with these settings from now on: its requests go to a

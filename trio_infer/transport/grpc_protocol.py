@@ -308,6 +308,12 @@ class ProtocolLimits:
             the connection with GOAWAY ENHANCE_YOUR_CALM "too_many_pings" (gRPC's keepalive
             enforcement, with its defaults).
         max_ping_strikes: PINGs too early that are forgiven.
+        max_connection_age: Seconds after which a connection gets GOAWAY, spread by up to 10 %
+            either way (:mod:`~trio_infer.transport.connection_age`), so that its client
+            reconnects and may reach another replica; None: connections live on.
+        max_connection_age_grace: Seconds the calls in flight on a connection retired by its
+            age get to finish; the rest then end with UNAVAILABLE and the connection closes.
+            None: as long as they take.
     """
 
     max_message_size: int = 64 * 1024 * 1024
@@ -320,6 +326,8 @@ class ProtocolLimits:
     max_unsent_bytes: int = 4 * 1024 * 1024
     min_ping_interval: float = 300.0
     max_ping_strikes: int = 2
+    max_connection_age: float | None = None
+    max_connection_age_grace: float | None = None
 
 
 @dataclass(frozen=True)

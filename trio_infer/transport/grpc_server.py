@@ -8,6 +8,8 @@ Ownership, top to bottom::
         │                             (a call alone on its connection sends its own answer)
         ├── reader                    bytes -> events; cancels the calls they orphan
         ├── watchdog                  closes it after the handshake or the idle timeout
+        ├── retirement                with a maximum age: GOAWAY at that age, UNAVAILABLE for
+        │                             the calls still in flight after its grace
         └── call (one per stream)     CancelScope(deadline = arrival + grpc-timeout)
             └── handler(call)         the service: reads, works, sends
 
@@ -43,6 +45,7 @@ import trio
 from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
 from trio_infer.errors import InferError, StatusCode
 from trio_infer.transport.access_log import ACCESS_LOGGER, CallRecord, log_call, request_id
+from trio_infer.transport.connection_age import retirement_time
 from trio_infer.transport.grpc_protocol import (
     BY_REFERENCE_BYTES,
     CallRejected,
@@ -413,6 +416,8 @@ class Connection:
         self._handshake = trio.Event()
         #: Set when the last call in flight ends, for a reader waiting on a half-closed socket.
         self._no_calls: trio.Event | None = None
+        #: When the connection reaches its maximum age (Trio clock; inf: never).
+        self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
 
     def flush(self) -> None:
         """Ask the writer to send whatever the protocol has queued."""
@@ -457,6 +462,8 @@ class Connection:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
                 nursery.start_soon(self._watchdog)
+                if self._retire_at < math.inf:
+                    nursery.start_soon(self._retire)
                 try:
                     await self._reader()
                 finally:
@@ -512,6 +519,24 @@ class Connection:
         logger.debug("closing a connection idle for %g s", limits.idle_timeout)
         self.drain("connection idle")
         self.close()
+
+    async def _retire(self) -> None:
+        """At the connection's maximum age: GOAWAY (as a drain sends it), so that its client
+        opens a new connection, which may reach another replica; the calls in flight finish,
+        for up to the grace if there is one, the rest then end with UNAVAILABLE; the connection
+        closes once they have ended."""
+        await trio.sleep_until(self._retire_at)
+        logger.debug("retiring a connection at its maximum age")
+        self.drain("connection reached its maximum age")
+        self.close()
+        grace = self.protocol.limits.max_connection_age_grace
+        if grace is None:
+            return
+        await trio.sleep(grace)
+        self.cancel_calls(
+            StatusCode.UNAVAILABLE,
+            "the connection reached its maximum age and the call outlived its grace period",
+        )
 
     def cancel_calls(self, status: StatusCode, message: str) -> None:
         """End every call in flight with ``status`` (e.g. UNAVAILABLE at the end of a drain)."""

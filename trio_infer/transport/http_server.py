@@ -48,6 +48,7 @@ import trio
 
 from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
 from trio_infer.transport.access_log import ACCESS_LOGGER, CallRecord, log_call, request_id
+from trio_infer.transport.connection_age import retirement_time
 from trio_infer.transport.listening import CallCounter, accept_loop
 
 __all__ = [
@@ -97,6 +98,13 @@ class HttpLimits:
         idle_timeout: Seconds a keep-alive connection may wait for its next request.
         send_timeout: Seconds a response may wait for a client that reads none of it; the
             client is then taken as gone.
+        max_connection_age: Seconds after which a keep-alive connection ends, spread by up to
+            10 % either way (:mod:`~trio_infer.transport.connection_age`), so that its client
+            reconnects and may reach another replica: its first response past the age says
+            ``Connection: close`` (nginx's ``keepalive_time``). A connection waiting for its
+            next request is not closed at the age: that would race with a request the client
+            is sending (HTTP/1.1 cannot tell it not to), and an idle connection carries no
+            load to rebalance. None: connections live on.
     """
 
     max_body_size: int = 64 * 1024 * 1024
@@ -105,6 +113,7 @@ class HttpLimits:
     receive_timeout: float = 30.0
     idle_timeout: float = 300.0
     send_timeout: float = 30.0
+    max_connection_age: float | None = None
 
 
 class HttpError(Exception):
@@ -276,9 +285,11 @@ class HttpRequest:
         self.bytes_out = sum(len(view) for view in views)
         head_fields.append((b"content-length", str(self.bytes_out).encode()))
         head_fields.append((b"x-request-id", self.request_id.encode("ascii")))
+        connection.retire_if_due()
         if connection.closing or not connection.skip_unread_body():
-            # Closed after this response: the server drains, or the body was not read whole
-            # (what is left of it cannot be told from the next request).
+            # Closed after this response: the server drains, the connection is past its age,
+            # or the body was not read whole (what is left of it cannot be told from the next
+            # request).
             head_fields.append(_CLOSE)
         head = protocol.send(
             h11.Response(status_code=status, headers=head_fields, reason=_REASONS.get(status, b""))
@@ -334,7 +345,8 @@ class HttpConnection:
         self.protocol = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_size)
         """h11's state machine for the connection."""
         self.closing = False
-        """Set when the server drains: the request in flight is the connection's last."""
+        """Set when the server drains or the connection is past its maximum age: the request
+        in flight is the connection's last."""
         self.at_end = False
         """Set once the client's input has ended (or the socket broke)."""
         self._stream = stream
@@ -353,6 +365,8 @@ class HttpConnection:
         self._waiting = trio.CancelScope()
         #: Requests whose heads were received on this connection.
         self._served = 0
+        #: When the connection reaches its maximum age (Trio clock; inf: never).
+        self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
 
     async def run(self) -> None:
         """Serve requests one after the other until the connection ends; then close it."""
@@ -381,6 +395,11 @@ class HttpConnection:
         its next request, or once its response is written."""
         self.closing = True
         self._waiting.cancel()
+
+    def retire_if_due(self) -> None:
+        """Past its maximum age, make the response about to be sent the connection's last."""
+        if trio.current_time() >= self._retire_at:
+            self.closing = True
 
     def cancel_request(self, message: str) -> None:
         """Cancel the request in flight, which is answered 503 with ``message`` if it has not
@@ -528,6 +547,7 @@ class HttpConnection:
             request.status = status
             request.bytes_out = len(body)
             fields.append((b"x-request-id", request.request_id.encode("ascii")))
+        self.retire_if_due()
         if self.closing or not self.skip_unread_body():
             fields.append(_CLOSE)
         response = h11.Response(
