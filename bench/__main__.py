@@ -4,10 +4,11 @@ Every server is installed (first use) and started, then each scenario is measure
 server after the other: the servers being compared are measured within seconds of each other,
 not minutes, on a shared machine whose speed drifts. The load scenarios (live, dense, sleep)
 run in rounds, the servers taking turns in alternating order, and each row is the median of
-its rounds. Only the server being measured has work: the others sit idle. The overload and
-batching scenarios (trio-infer only) then start a server of their own each, once the shared
-ones have stopped. Results go to ``bench/results/<timestamp>/`` (and ``bench/results/latest``):
-``table.md``, ``results.jsonl``, ``chart.png``, ``rss.png`` and the servers' logs.
+its rounds. Only the server being measured has work: the others sit idle. The scenarios on
+trio-infer alone (overload, batching, hostile, repository) then start a server of their own
+each, once the shared ones have stopped. Results go to ``bench/results/<timestamp>/`` (and
+``bench/results/latest``): ``table.md``, ``results.jsonl``, ``chart.png``, ``rss.png`` and the
+servers' logs.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         "--scenarios",
         default="all",
         help="comma-separated scenario names or prefixes: live, dense, dense-n64, sleep, "
-        "kill, storm, overload, batching, hostile, dense-n1-raw-c25, batching-on, "
-        "hostile-rapid-reset, ... (default: all)",
+        "kill, storm, overload, batching, hostile, repository, rest, rest-dense-n64, "
+        "dense-n1-raw-c25, batching-on, hostile-rapid-reset, ... (default: all)",
     )
     parser.add_argument(
         "--duration",
@@ -112,14 +113,15 @@ def run_all(
     for kind, python in pythons.items():
         for scenario in (s for s in chosen if s.own_server and s.kind in kind.serves):
             try:
-                result = scenarios.run_on_own_server(
+                rows = scenarios.run_on_own_server(
                     kind, python, workers, run_dir, scenario, timing, log
                 )
             except PeerUnavailable as error:
                 log(f"{kind.name} for {scenario.name} did not start: {error}")
-                result = Result(kind.name, scenario.name, "crash", 0, notes=f"no server: {error}")
-            results.append(result)
-            log(_summary_line(result))
+                rows = [Result(kind.name, scenario.name, "crash", 0, notes=f"no server: {error}")]
+            for result in rows:
+                results.append(result)
+                log(_summary_line(result))
 
 
 def _missing(kind: ServerKind, why: str) -> Result:
@@ -147,7 +149,8 @@ def _run_shared(
             except PeerUnavailable as error:
                 results.append(_missing(kind, str(error)))
                 continue
-            log(f"{kind.name} ready on {server.target} in {took:.1f} s (pid {server.pid})")
+            rest = f", REST on port {server.http_port}" if server.http_port else ""
+            log(f"{kind.name} ready on {server.target}{rest} in {took:.1f} s (pid {server.pid})")
             running[kind] = server
         degraded: set[ServerKind] = set()
         for scenario in shared:

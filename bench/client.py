@@ -1,9 +1,10 @@
-"""The one load generator used for every server: grpc.aio, closed loop.
+"""The one load generator used for every server: grpc.aio, or HTTP/1.1 for REST; closed loop.
 
 ``concurrency`` coroutines share one channel (one HTTP/2 connection); each sends a call, waits
 for its answer, and sends the next, so exactly ``concurrency`` calls are in flight. Calls that
 end during the warm-up are discarded. Requests are built once per scenario, so the client's own
-cost is the same for every server.
+cost is the same for every server. REST calls (:class:`RestClient`) run through the same loop,
+on keep-alive HTTP/1.1 connections, one per call in flight.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
+import orjson
 
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -123,6 +125,8 @@ def status_of(error: BaseException) -> str:
     """The status name a failed call ends with, as the table shows it."""
     if isinstance(error, grpc.aio.AioRpcError):
         return str(error.code().name)
+    if isinstance(error, HttpStatusError):
+        return f"HTTP_{error.status}"
     return f"CLIENT_{type(error).__name__}"
 
 
@@ -180,11 +184,18 @@ def infer_request(
     return request
 
 
-def check_dense(response: object, x: np.ndarray) -> str:
-    """``ok`` when a dense response holds ``tanh(x @ W)``, else what is wrong."""
+def outputs_of(response: object) -> dict[str, np.ndarray]:
+    """The output tensors of a gRPC or a REST (:class:`RestInferResponse`) inference response."""
+    if isinstance(response, RestInferResponse):
+        return response.outputs()
     assert isinstance(response, pb.ModelInferResponse)
+    return decode_outputs(response)
+
+
+def check_dense(response: object, x: np.ndarray) -> str:
+    """``ok`` when a dense response (gRPC or REST) holds ``tanh(x @ W)``, else what is wrong."""
     try:
-        y = decode_outputs(response)["y"]
+        y = outputs_of(response)["y"]
     except Exception as error:
         return f"undecodable: {error}"
     expected = np.tanh(x @ WEIGHTS)
@@ -210,9 +221,8 @@ def add_sub_request(a: np.ndarray, b: np.ndarray) -> pb.ModelInferRequest:
 
 def check_output(response: object, name: str, expected: np.ndarray) -> str:
     """``ok`` when output ``name`` of a response holds ``expected`` (FP32 tolerance)."""
-    assert isinstance(response, pb.ModelInferResponse)
     try:
-        outputs = decode_outputs(response)
+        outputs = outputs_of(response)
     except Exception as error:
         return f"undecodable: {error}"
     if name not in outputs:
@@ -234,9 +244,8 @@ def check_add_sub(response: object, a: np.ndarray, b: np.ndarray) -> str:
 
 def check_echo(response: object, x: np.ndarray) -> str:
     """``ok`` when a sleep response echoes ``x`` as output ``x``."""
-    assert isinstance(response, pb.ModelInferResponse)
     try:
-        outputs = decode_outputs(response)
+        outputs = outputs_of(response)
     except Exception as error:
         return f"undecodable: {error}"
     if "x" not in outputs or not np.array_equal(outputs["x"].reshape(x.shape), x):
@@ -493,3 +502,288 @@ async def stream_window(
         for start, first_at in pending.values():
             record(start, first_at or now, now, status)
     return done, first
+
+
+# ------------------------------------------------------------------------------------------
+# REST
+#
+# HTTP/1.1 written and read by hand on asyncio's protocol callbacks, not an HTTP library, so
+# that the client is not the ceiling of the rows it measures: against a server that answers at
+# once, several times the calls/s of aiohttp, and hundreds of times httpx's (bench/README.md,
+# "REST"). Only what the servers benchmarked send is read: a status line, headers and a
+# Content-Length or chunked body (KServe's binary responses are chunked); no 1xx responses.
+
+#: The header of Triton's binary tensor extension: the length of the message's JSON part,
+#: followed by the tensors' raw bytes.
+JSON_LENGTH_HEADER = "Inference-Header-Content-Length"
+#: The V2 REST datatypes the benchmark's models answer with, as little-endian numpy dtypes.
+REST_DTYPES = {"FP32": "<f4", "FP64": "<f8", "INT32": "<i4", "INT64": "<i8"}
+
+
+class HttpStatusError(Exception):
+    """A REST call answered with a status other than 200 (:func:`status_of`: ``HTTP_<code>``)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:200]!r}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    """One HTTP response: its status, headers (names in lower case) and body."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def _parse_head(head: bytes) -> tuple[int, dict[str, str], int | None]:
+    """Status, headers and body length of a response head (without its blank line); the
+    length is None for a chunked body."""
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    status = int(status_line.split(" ", 2)[1])
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return status, headers, None
+    if "content-length" in headers:
+        return status, headers, int(headers["content-length"])
+    if status in (204, 304):
+        return status, headers, 0
+    raise ValueError(f"response without Content-Length: {status_line} {headers}")
+
+
+def _take_chunked(buffer: bytearray) -> bytes | None:
+    """A whole chunked body from the start of ``buffer`` (removed from it, trailers dropped),
+    or None while some of it has not arrived."""
+    parts = []
+    position = 0
+    while (line_end := buffer.find(b"\r\n", position)) >= 0:
+        size = int(bytes(buffer[position:line_end]).partition(b";")[0], 16)
+        if size == 0:
+            end = buffer.find(b"\r\n\r\n", line_end)  # after the trailers, if any
+            if end < 0:
+                return None
+            del buffer[: end + 4]
+            return b"".join(parts)
+        start = line_end + 2
+        if len(buffer) < start + size + 2:
+            return None
+        parts.append(bytes(buffer[start : start + size]))
+        position = start + size + 2
+    return None
+
+
+class _HttpConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection carrying one request at a time (no pipelining)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._buffer = bytearray()
+        self._head: tuple[int, dict[str, str], int | None] | None = None
+        self._waiter: asyncio.Future[HttpResponse] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Keep the transport to write requests to."""
+        # uvloop's transports have the methods but are not asyncio.Transport subclasses.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Fail the request in flight, if any: its response will not come."""
+        self.closed = True
+        self._fail(exc or ConnectionResetError("the server closed the connection"))
+
+    def send(self, message: bytes) -> asyncio.Future[HttpResponse]:
+        """Write a whole request; the future is its response."""
+        assert self.transport is not None
+        assert self._waiter is None
+        self._waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(message)
+        return self._waiter
+
+    def close(self) -> None:
+        """Close the connection (a request in flight fails)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        """Collect the response: its head, then its body; a response this client cannot read
+        fails its call and closes the connection."""
+        self._buffer += data
+        try:
+            response = self._take_response()
+        except ValueError as error:
+            self._fail(error)
+            self.close()
+            return
+        if response is None:
+            return
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+
+    def _take_response(self) -> HttpResponse | None:
+        """The response at the start of the buffer once it is whole (removed from it)."""
+        if self._head is None:
+            end = self._buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return None
+            self._head = _parse_head(bytes(self._buffer[:end]))
+            del self._buffer[: end + 4]
+        status, headers, length = self._head
+        if length is None:
+            body = _take_chunked(self._buffer)
+            if body is None:
+                return None
+        elif len(self._buffer) < length:
+            return None
+        else:
+            body = bytes(self._buffer[:length])
+            del self._buffer[:length]
+        self._head = None
+        return HttpResponse(status, headers, body)
+
+    def _fail(self, error: BaseException) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
+
+class RestClient:
+    """Keep-alive HTTP/1.1 connections to one server, as a REST load balancer's pool keeps them.
+
+    A call takes an idle connection, or opens one when none is idle, and gives it back once its
+    response is read: ``C`` closed-loop clients keep ``C`` connections, each with one request in
+    flight. A connection whose call failed or timed out is closed, never reused (its response
+    may still come); so is one the server marks ``Connection: close``.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self._idle: list[_HttpConnection] = []
+
+    async def __aenter__(self) -> RestClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every idle connection (every one, once no call is in flight)."""
+        for connection in self._idle:
+            connection.close()
+        self._idle.clear()
+
+    async def request(self, message: bytes, time_limit: float) -> HttpResponse:
+        """Send ``message`` (a whole request, :func:`http_request`) and read its response.
+
+        Raises:
+            TimeoutError: No response within ``time_limit`` seconds (connecting included).
+            OSError: The connection failed or the server closed it.
+            ValueError: The response is not one this client reads (no Content-Length).
+        """
+        connection = None
+        while self._idle and connection is None:
+            idle = self._idle.pop()
+            connection = None if idle.closed else idle
+        try:
+            async with asyncio.timeout(time_limit):
+                if connection is None:
+                    _, connection = await asyncio.get_running_loop().create_connection(
+                        _HttpConnection, self.host, self.port
+                    )
+                response = await connection.send(message)
+        except BaseException:
+            if connection is not None:
+                connection.close()
+            raise
+        if connection.closed or response.headers.get("connection", "").lower() == "close":
+            connection.close()
+        else:
+            self._idle.append(connection)
+        return response
+
+
+def http_request(
+    method: str, path: str, port: int, body: bytes = b"", headers: Mapping[str, str] | None = None
+) -> bytes:
+    """A whole HTTP/1.1 request to 127.0.0.1:``port``, built once and sent as it is."""
+    lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}"]
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    if body or method != "GET":
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def rest_infer_body(x: np.ndarray, *, binary: bool) -> tuple[bytes, dict[str, str]]:
+    """A V2 REST inference request's body with FP32 input ``x``, and its headers.
+
+    JSON: the tensor's values as a flat ``data`` list (orjson writes each float32's shortest
+    form). ``binary``: Triton's binary tensor extension, as ``tritonclient.http`` sends it: the
+    input's ``binary_data_size`` in the JSON, its raw little-endian bytes after it, the JSON's
+    length in :data:`JSON_LENGTH_HEADER`, and ``binary_data_output`` asking for every output
+    in binary too.
+    """
+    tensor: dict[str, Any] = {"name": "x", "datatype": "FP32", "shape": list(x.shape)}
+    if not binary:
+        tensor["data"] = x.astype(np.float32).ravel()
+        body = orjson.dumps({"inputs": [tensor]}, option=orjson.OPT_SERIALIZE_NUMPY)
+        return body, {"Content-Type": "application/json"}
+    raw = x.astype("<f4").tobytes()
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    header = orjson.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}})
+    return header + raw, {
+        "Content-Type": "application/octet-stream",
+        JSON_LENGTH_HEADER: str(len(header)),
+    }
+
+
+@dataclass(frozen=True)
+class RestInferResponse:
+    """A V2 REST inference response: its JSON, parsed, and the raw bytes after it (the binary
+    extension's output tensors; empty for a JSON response)."""
+
+    header: dict[str, Any]
+    binary: memoryview
+
+    @classmethod
+    def parse(cls, response: HttpResponse) -> RestInferResponse:
+        """Split and parse a response body (orjson), as a client reading every answer does."""
+        body = memoryview(response.body)
+        length = response.headers.get(JSON_LENGTH_HEADER.lower())
+        if length is None:
+            return cls(orjson.loads(body), body[len(body) :])
+        return cls(orjson.loads(body[: int(length)]), body[int(length) :])
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        """The output tensors by name, from their ``data`` or their binary part."""
+        outputs = {}
+        offset = 0
+        for output in self.header["outputs"]:
+            dtype = np.dtype(REST_DTYPES[output["datatype"]])
+            size = (output.get("parameters") or {}).get("binary_data_size")
+            if size is None:
+                array = np.asarray(output["data"], dtype=dtype)
+            else:
+                array = np.frombuffer(self.binary[offset : offset + size], dtype=dtype)
+                offset += size
+            outputs[output["name"]] = array.reshape(output["shape"])
+        return outputs
+
+
+def rest_call(rest: RestClient, message: bytes, *, infer: bool) -> Call:
+    """A REST call sending ``message``; it fails (:class:`HttpStatusError`) unless answered
+    200, and returns the response, parsed as a :class:`RestInferResponse` when ``infer``."""
+
+    async def call(time_limit: float) -> object:
+        response = await rest.request(message, time_limit)
+        if response.status != 200:
+            raise HttpStatusError(response.status, response.body)
+        return RestInferResponse.parse(response) if infer else response
+
+    return call

@@ -276,15 +276,78 @@ def _hostile_section(rows: Sequence[Result]) -> list[str]:
     return lines
 
 
+def _repository_section(rows: Sequence[Result]) -> list[str]:
+    """Per server: ``dense`` quiet and churned side by side (with each round), the ratios
+    churned / quiet, and the churn's operations: how many, how long, which failed."""
+    churned = [r for r in rows if r.extra["condition"] == "churn"]
+    first = (churned or rows)[0].extra
+    lines = [
+        "",
+        f"### Repository: `dense` 1 row, raw, C={rows[0].concurrency}, quiet and beside the "
+        f"churn of `{first['churn_model']}` (cycles of unload and load, and once every "
+        f"{first['reload_every']} cycles a reload with `config` "
+        f"`{json.dumps(first['churn_config'])}`), {first['window_s']:g} s windows",
+        "",
+        "| server | condition | req/s | p50 ms | p99 ms | errors | req/s per round "
+        "| p99 ms per round | req/s x | p50 x | p99 x |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    quiet = {r.server: r for r in rows if r.extra["condition"] == "quiet"}
+    for r in sorted(rows, key=lambda r: (r.server, r.extra["condition"] == "churn")):
+        base = quiet.get(r.server) if r.extra["condition"] == "churn" else None
+        ratios = [
+            _number(getattr(r, name) / getattr(base, name), 2)
+            if base is not None and getattr(r, name) and getattr(base, name)
+            else "-"
+            for name in ("throughput", "p50_ms", "p99_ms")
+        ]
+        rounds = r.extra.get("rounds") or [
+            {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms}
+        ]
+        lines.append(
+            f"| {r.server} | {r.extra['condition']} | {_number(r.throughput, 0)} "
+            f"| {_number(r.p50_ms, 2)} | {_number(r.p99_ms, 2)} | {_errors(r.errors)} "
+            f"| {' / '.join(_number(x['throughput'], 0) for x in rounds)} "
+            f"| {' / '.join(_number(x['p99_ms'], 2) for x in rounds)} | {' | '.join(ratios)} |"
+        )
+    for r in churned:
+        lines += [
+            "",
+            f"{r.server}: operations on `{r.extra['churn_model']}` that ended in the windows",
+            "",
+            "| operation | per window | p50 ms | p99 ms | failed |",
+            "| --- | --- | ---: | ---: | --- |",
+        ]
+        for op, t in r.extra["operations"].items():
+            lines.append(
+                f"| {op} | {' / '.join(str(n) for n in t['per_round'])} "
+                f"| {_number(t['p50_ms'], 1)} | {_number(t['p99_ms'], 1)} "
+                f"| {_errors(t['errors'])} |"
+            )
+        if r.extra["failed"]:
+            lines += ["", f"Repository calls that failed ({r.extra['failed']}, first 20):", ""]
+            lines += [f"- {failure}" for failure in r.extra["failures"]]
+    lines += [
+        "",
+        "Rows: the median of the rounds; the two conditions alternate (quiet first in even "
+        "rounds) on one server started for them. x: churned / quiet. An operation's latency is "
+        "the RepositoryModelLoad or RepositoryModelUnload call's, one at a time on a channel of "
+        "its own.",
+    ]
+    return lines
+
+
 def details(results: Sequence[Result]) -> str:
-    """The overload, batching and hostile sections (empty when none ran)."""
+    """The overload, batching, hostile and repository sections (empty when none ran)."""
     overload = [r for r in results if r.kind == "overload" and r.extra]
     batching = [r for r in results if r.kind == "batching" and r.extra]
     hostile = [r for r in results if r.kind == "hostile" and r.extra]
+    repository = [r for r in results if r.kind == "repository" and r.extra]
     lines = (
         (_overload_section(overload) if overload else [])
         + (_batching_section(batching) if batching else [])
         + (_hostile_section(hostile) if hostile else [])
+        + (_repository_section(repository) if repository else [])
     )
     return "\n".join(lines)
 

@@ -9,6 +9,9 @@
                     ``dense`` 1 row): messages/s and per-message latency.
 ``decoupled-*``     ``ticks`` (8 responses 2 ms apart) one request at a time on one stream:
                     time to first response (and to the last).
+``rest-live-c25``   REST ``GET /v2/health/live`` at concurrency 25: the HTTP stack's floor.
+``rest-dense-nN-F`` REST ``dense`` with N rows (1 or 64), F = ``json`` or ``bin`` (Triton's
+                    binary tensor extension), concurrency 25, a connection per call in flight.
 ``kill``            ``sleep`` 10 ms at C=25; one worker gets SIGKILL: failed calls and the time
                     until throughput is back to 90 % of what it was before.
 ``storm``           25 clients send ``sleep`` 100 ms with a 50 ms deadline; then the time until
@@ -32,14 +35,19 @@
                     alone, then beside attack A (:mod:`bench.attacks`, a process of its own):
                     its latency, throughput and errors both times, the server's peak RSS and
                     CPU, and what the attacker saw.
+``repository-c25``  trio-infer in ``--model-control-mode explicit``; ``dense`` 1 row at C=25,
+                    quiet and beside a loop that unloads, loads and now and then reloads (with
+                    a ``config``) a copy of ``dense`` under another name, in alternating
+                    rounds: two rows (``repository-quiet-c25``, ``repository-churn-c25``), the
+                    churn's operations counted and timed.
 =================  ========================================================================
 
 Scenarios always run in this order, each on every server before the next; ``kill`` and
 ``storm`` come last because they can leave a server degraded (it is restarted when they do).
-``live``, ``dense``, ``sleep``, ``add_sub``, ``stream`` and ``decoupled`` run in rounds
-(``--rounds``), the servers taking turns.
-``overload``, ``batching`` and ``hostile`` (trio-infer only) each start a server of their own,
-after the shared ones stopped.
+``live``, ``dense``, ``sleep``, ``add_sub``, ``stream``, ``decoupled`` and the REST scenarios run
+in rounds (``--rounds``), the servers taking turns.
+``overload``, ``batching``, ``hostile`` and ``repository`` (trio-infer only) each start a server
+of their own, after the shared ones stopped.
 """
 
 from __future__ import annotations
@@ -59,15 +67,23 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from bench import attacks, batch_probe, client
-from bench.servers import REPO, CpuSnapshot, MemorySampler, ServerKind, ServerProcess
+from bench.servers import (
+    REPO,
+    REST_KINDS,
+    CpuSnapshot,
+    MemorySampler,
+    ServerKind,
+    ServerProcess,
+)
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.repository.settings import EXAMPLES, SETTINGS_FILE
 
@@ -95,7 +111,7 @@ BATCHING_CONCURRENCY = (25, 100)
 #: priority: of the ``sleep`` scenario's clients, how many send priority 1.
 PRIORITY_CLIENTS = 5
 #: Scenario kinds that run on a server of their own, started with their own settings.
-OWN_SERVER_KINDS = frozenset({"overload", "batching", "hostile"})
+OWN_SERVER_KINDS = frozenset({"overload", "batching", "hostile", "repository"})
 #: hostile: the bystander's concurrency, and each of its calls' deadline in seconds (short
 #: enough that a bystander kept waiting shows as DEADLINE_EXCEEDED within the window).
 HOSTILE_CONCURRENCY = 4
@@ -107,20 +123,40 @@ STREAM_WINDOW = 25
 #: decoupled: responses ``ticks`` sends per request, and the sleep between two, ms.
 TICKS_COUNT = 8
 TICKS_DELAY_MS = 2
+#: rest: concurrency, as many keep-alive connections (one per call in flight).
+REST_CONCURRENCY = 25
+#: repository: the concurrency of the ``dense`` calls measured (as the ``dense-n1-raw-c25`` row).
+REPOSITORY_CONCURRENCY = 25
+#: repository: the model the churn unloads and loads, a copy of ``dense`` under this name
+#: (another model than the one measured, so that only the churn's side effects are seen).
+CHURN_MODEL = "dense_churn"
+#: repository: every CHURN_RELOAD_EVERY-th cycle of the churn ends with a reload of the loaded
+#: model with ``config`` CHURN_CONFIG (settings that differ from the folder's, so that the
+#: reload loads new settings and drops the old ones instead of answering "served already").
+CHURN_RELOAD_EVERY = 3
+CHURN_CONFIG: dict[str, Any] = {"max_batch_size": 16}
+#: repository: the churn's operations, in the order a cycle runs them.
+CHURN_OPERATIONS = ("unload", "load", "reload")
+#: repository: each load or unload's deadline, seconds (a load into both workers, behind the
+#: measured calls, takes tens of milliseconds here; one taking this long is a failure to see).
+CHURN_TIMEOUT = 30.0
 #: Scenario kinds measured in several rounds, the servers taking turns (see :func:`merge_rounds`).
-ROUND_KINDS = frozenset({"live", "dense", "sleep", "add_sub", "stream", "decoupled"})
+ROUND_KINDS = frozenset({"live", "dense", "sleep", "add_sub", "stream", "decoupled"}) | REST_KINDS
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """One measured situation; ``kind`` is one of live, dense, sleep, kill, storm, overload,
-    batching."""
+    """One measured situation; ``kind`` is one of live, dense, sleep, add_sub, stream,
+    decoupled, rest-live, rest-dense, priority, kill, storm, overload, batching, hostile,
+    repository."""
 
     name: str
     kind: str
     concurrency: int
     rows: int = 1
     raw: bool = True
+    """dense: tensors in ``raw_input_contents``, else typed contents; rest-dense: in Triton's
+    binary tensor extension, else JSON."""
     delay_ms: int = 0
     load: int = 0
     """overload: clients as a multiple of the requests the memory budget admits at once."""
@@ -160,6 +196,19 @@ def all_scenarios() -> list[Scenario]:
         for name, model in (("add_sub", "add_sub"), ("dense-n1", "dense"))
     ]
     scenarios.append(Scenario("decoupled-ticks-c1", "decoupled", 1, delay_ms=TICKS_DELAY_MS))
+    rest = REST_CONCURRENCY
+    scenarios.append(Scenario(f"rest-live-c{rest}", "rest-live", rest))
+    scenarios += [
+        Scenario(
+            f"rest-dense-n{rows}-{'bin' if binary else 'json'}-c{rest}",
+            "rest-dense",
+            rest,
+            rows=rows,
+            raw=binary,
+        )
+        for binary in (False, True)
+        for rows in (1, 64)
+    ]
     scenarios.append(Scenario("priority", "priority", 25, delay_ms=10))
     scenarios.append(Scenario("kill", "kill", 25, delay_ms=10))
     scenarios.append(Scenario("storm", "storm", 25, delay_ms=100))
@@ -205,6 +254,8 @@ def all_scenarios() -> list[Scenario]:
         Scenario(f"hostile-{attack}", "hostile", HOSTILE_CONCURRENCY, attack=attack)
         for attack in attacks.ATTACKS
     ]
+    c = REPOSITORY_CONCURRENCY
+    scenarios.append(Scenario(f"repository-c{c}", "repository", c))
     return scenarios
 
 
@@ -313,10 +364,11 @@ def merge_rounds(rounds: Sequence[Result]) -> Result:
     The servers take turns within each round, so every server's rounds are spread over the
     same minutes; the median keeps one round that the shared machine slowed down from moving
     the row. Rounds that crashed are left out of the medians and counted in ``check``. Errors
-    are those of every round, and ``extra["rounds"]`` keeps each round's numbers.
+    are those of every round, and ``extra["rounds"]`` keeps each round's numbers. A scenario
+    the server cannot run (``n/a``: no number in any round) keeps its first round's row.
     """
     measured = [r for r in rounds if r.kind != "crash"]
-    if len(rounds) == 1 or not measured:
+    if len(rounds) == 1 or not measured or all(r.throughput is None for r in rounds):
         return rounds[0]
     merged = dataclasses.replace(measured[0], errors={}, notes="", extra={})
     for name in ("throughput", "p50_ms", "p99_ms"):
@@ -423,10 +475,50 @@ async def _checked_first_call(call: client.Call, check: Callable[[object], str])
         return f"first call failed: {client.status_of(error)}"
 
 
+def _rest_calls(
+    rest: client.RestClient, scenario: Scenario
+) -> tuple[client.Call, Callable[[object], str]]:
+    """A REST scenario's call (its request built once) and the check of one response."""
+    if scenario.kind == "rest-live":
+        message = client.http_request("GET", "/v2/health/live", rest.port)
+        return client.rest_call(rest, message, infer=False), lambda response: "ok"
+    x = client.dense_input(scenario.rows)
+    body, headers = client.rest_infer_body(x, binary=scenario.raw)
+    message = client.http_request("POST", "/v2/models/dense/infer", rest.port, body, headers)
+    return client.rest_call(rest, message, infer=True), lambda r: client.check_dense(r, x)
+
+
+def _rest_missing(server: ServerProcess, scenario: Scenario) -> str:
+    """Why ``server`` cannot run a REST ``scenario`` (the row says ``n/a``); empty if it can."""
+    if server.http_port is None:
+        return "this version has no REST (no --http-port)"
+    if scenario.kind == "rest-dense" and scenario.raw:
+        return server.kind.no_binary_rest
+    return ""
+
+
+@contextlib.asynccontextmanager
+async def _connected(
+    server: ServerProcess, scenario: Scenario
+) -> AsyncIterator[tuple[client.Call, Callable[[object], str]]]:
+    """A load scenario's call and check, on one gRPC channel (one HTTP/2 connection), or for
+    REST on a :class:`client.RestClient` (a keep-alive connection per call in flight)."""
+    if scenario.kind in REST_KINDS:
+        assert server.http_port is not None
+        async with client.RestClient("127.0.0.1", server.http_port) as rest:
+            yield _rest_calls(rest, scenario)
+    else:
+        async with client.open_channel(server.target) as channel:
+            yield _calls(client.stub_for(channel), scenario)
+
+
 async def _load(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
     result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
-    async with client.open_channel(server.target) as channel:
-        call, check = _calls(client.stub_for(channel), scenario)
+    missing = _rest_missing(server, scenario) if scenario.kind in REST_KINDS else ""
+    if missing:
+        result.notes = f"n/a: {missing}"
+        return result
+    async with _connected(server, scenario) as (call, check):
         result.check = await _checked_first_call(call, check)
         samples = await client.closed_loop(
             call,
@@ -830,15 +922,22 @@ def cpu_note(split: dict[str, float]) -> str:
 # batching: dense N=1 with max_batch_size 0 or the example's
 
 
-def _batching_repository(root: Path, on: bool) -> Path:
-    """A copy of the example repository under ``root``; ``dense`` counts its calls
-    (:mod:`bench.batch_probe`) and, when ``on`` is false, has ``max_batch_size`` 0."""
+def _example_repository(root: Path) -> Path:
+    """A copy of the example repository (every model folder of ``trio_infer/examples`` with
+    its settings) in ``root/repository``, for a scenario's own server to serve."""
     repository = root / "repository"
     for folder in sorted(EXAMPLES.iterdir()):
         if (folder / SETTINGS_FILE).is_file():
             shutil.copytree(
                 folder, repository / folder.name, ignore=shutil.ignore_patterns("__pycache__")
             )
+    return repository
+
+
+def _batching_repository(root: Path, on: bool) -> Path:
+    """A copy of the example repository under ``root``; ``dense`` counts its calls
+    (:mod:`bench.batch_probe`) and, when ``on`` is false, has ``max_batch_size`` 0."""
+    repository = _example_repository(root)
     dense = repository / "dense"
     settings = json.loads((dense / SETTINGS_FILE).read_text())
     settings["implementation"] = f"bench_batch_probe.{batch_probe.CountingDense.__name__}"
@@ -1108,18 +1207,196 @@ async def _hostile(server: ServerProcess, scenario: Scenario, timing: Timing) ->
     return result
 
 
+# ------------------------------------------------------------------------------------------
+# repository: dense calls, quiet and beside models being loaded and unloaded
+
+
+def _churn_repository(root: Path) -> Path:
+    """A copy of the example repository under ``root`` with a copy of ``dense`` named
+    :data:`CHURN_MODEL` (the same code and settings, in a folder of its own)."""
+    repository = _example_repository(root)
+    folder = repository / CHURN_MODEL
+    shutil.copytree(repository / "dense", folder)
+    settings = json.loads((folder / SETTINGS_FILE).read_text())
+    settings["name"] = CHURN_MODEL
+    (folder / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    return repository
+
+
+@dataclass
+class _Churn:
+    """What the churn did in one window: per operation (:data:`CHURN_OPERATIONS`), the ones
+    that ended in it (times from the window's start, as :class:`client.Samples` has them), and
+    the status and message of each that failed (whenever it ended)."""
+
+    operations: dict[str, client.Samples]
+    failures: list[str] = field(default_factory=list)
+
+
+async def _churn(stub: Any, origin: float, stop: float, churn: _Churn) -> None:
+    """Unload and load CHURN_MODEL back to back (one operation at a time, as one operator's
+    tool would), and reload it with a ``config`` every CHURN_RELOAD_EVERY-th cycle, until
+    ``stop`` on ``time.perf_counter()``'s clock. A cycle that has begun is finished, so the
+    model is served again when the loop ends (the next round's churn begins with an unload);
+    an operation that ends after ``stop`` is not counted in the window."""
+    # The reload's ``config`` is the field tritonclient's ``load_model(config=)`` sends.
+    reload = pb.RepositoryModelLoadRequest(model_name=CHURN_MODEL)
+    reload.parameters["config"].string_param = json.dumps(CHURN_CONFIG)
+    plan: list[tuple[str, Any, Any]] = [
+        (
+            "unload",
+            stub.RepositoryModelUnload,
+            pb.RepositoryModelUnloadRequest(model_name=CHURN_MODEL),
+        ),
+        ("load", stub.RepositoryModelLoad, pb.RepositoryModelLoadRequest(model_name=CHURN_MODEL)),
+        ("reload", stub.RepositoryModelLoad, reload),
+    ]
+    cycle = 0
+    while time.perf_counter() < stop:
+        cycle += 1
+        for name, method, request in plan:
+            if name == "reload" and cycle % CHURN_RELOAD_EVERY:
+                continue
+            started = time.perf_counter()
+            try:
+                await method(request, timeout=CHURN_TIMEOUT)
+                status = "OK"
+            except Exception as error:
+                status = client.status_of(error)
+                details = error.details() if isinstance(error, grpc.aio.AioRpcError) else error
+                churn.failures.append(f"{name} (cycle {cycle}): {status} {details}")
+            ended = time.perf_counter()
+            samples = churn.operations[name]
+            if origin <= ended < stop:
+                samples.starts.append(started - origin)
+                samples.ends.append(ended - origin)
+                samples.statuses.append(status)
+                samples.firsts.append(started - origin)
+
+
+async def _repository_round(
+    server: ServerProcess, scenario: Scenario, timing: Timing, call: client.Call, admin: Any,
+    churned: bool,
+) -> tuple[Result, _Churn | None]:  # fmt: skip
+    """One window of the measured ``dense`` calls, quiet or with the churn running from the
+    warm-up's start to the window's end; its row and what the churn did."""
+    condition = "churn" if churned else "quiet"
+    name = scenario.name.replace("repository-", f"repository-{condition}-", 1)
+    result = Result(server.kind.name, name, scenario.kind, scenario.concurrency)
+    origin = time.perf_counter() + timing.warmup
+    churn = _Churn({op: client.Samples(timing.duration) for op in CHURN_OPERATIONS})
+    async with asyncio.TaskGroup() as group:
+        if churned:
+            group.create_task(_churn(admin, origin, origin + timing.duration, churn))
+        samples = await client.closed_loop(
+            call,
+            concurrency=scenario.concurrency,
+            origin=origin,
+            duration=timing.duration,
+            call_timeout=timing.timeout,
+        )
+    result.absorb(samples.summary())
+    return result, churn if churned else None
+
+
+def _churn_totals(churns: Sequence[_Churn]) -> dict[str, Any]:
+    """The churn's operations over every round: per operation, how many ended in a window
+    (per round, and in all), their p50/p99 over all rounds and their failed statuses."""
+    totals: dict[str, Any] = {}
+    for op in CHURN_OPERATIONS:
+        rounds = [churn.operations[op] for churn in churns]
+        pooled = functools.reduce(lambda a, b: a + b, rounds)
+        summary = pooled.summary()
+        totals[op] = {
+            "per_round": [len(samples.ends) for samples in rounds],
+            "count": summary.requests,
+            "p50_ms": summary.p50_ms if summary.requests else None,
+            "p99_ms": summary.p99_ms if summary.requests else None,
+            "errors": summary.errors,
+        }
+    return totals
+
+
+async def _repository(server: ServerProcess, scenario: Scenario, timing: Timing) -> list[Result]:
+    """``dense`` 1 row, raw, at the scenario's concurrency, for ``timing.rounds`` rounds of two
+    windows each, quiet and churned, in alternating order (a drift of the machine's speed then
+    favours neither); a row per condition, the median of its rounds (:func:`merge_rounds`).
+    The churn runs on a channel of its own, as an operator's tool would."""
+    x = client.dense_input(1)
+    request = client.infer_request("dense", x, raw=True)
+    rounds: dict[bool, list[Result]] = {False: [], True: []}
+    churns: list[_Churn] = []
+    async with (
+        client.open_channel(server.target) as channel,
+        client.open_channel(server.target) as admin_channel,
+    ):
+        call = _infer(client.stub_for(channel), request)
+        admin = client.stub_for(admin_channel)
+        check = await _checked_first_call(call, lambda r: client.check_dense(r, x))
+        # Loaded at start (--load-model '*'); a load of a served model answers at once, and
+        # checks that the server takes repository calls before any window counts them.
+        load = pb.RepositoryModelLoadRequest(model_name=CHURN_MODEL)
+        loaded = await _checked_first_call(
+            lambda t: admin.RepositoryModelLoad(load, timeout=t), lambda r: "ok"
+        )
+        for index in range(timing.rounds):
+            for churned in (False, True) if index % 2 == 0 else (True, False):
+                result, churn = await _repository_round(
+                    server, scenario, timing, call, admin, churned
+                )
+                result.check = check if loaded == "ok" else f"{CHURN_MODEL}: {loaded}"
+                rounds[churned].append(result)
+                if churn is not None:
+                    churns.append(churn)
+    quiet, churned_row = merge_rounds(rounds[False]), merge_rounds(rounds[True])
+    totals = _churn_totals(churns)
+    failures = [f for churn in churns for f in churn.failures]
+    ops = "; ".join(
+        f"{op} {'/'.join(str(n) for n in t['per_round'])} (p50 {t['p50_ms'] or math.nan:.1f}, "
+        f"p99 {t['p99_ms'] or math.nan:.1f} ms)"
+        for op, t in totals.items()
+    )
+    for row in (quiet, churned_row):
+        row.extra.update(
+            condition="churn" if row is churned_row else "quiet",
+            churn_model=CHURN_MODEL,
+            churn_config=CHURN_CONFIG,
+            reload_every=CHURN_RELOAD_EVERY,
+            window_s=timing.duration,
+        )
+    churned_row.extra.update(operations=totals, failures=failures[:20], failed=len(failures))
+    churned_row.notes = "; ".join(
+        filter(
+            None,
+            [
+                f"{CHURN_MODEL} operations ended per window: {ops}",
+                f"REPOSITORY CALLS FAILED ({len(failures)}): {failures[0]}" if failures else "",
+                churned_row.notes,
+            ],
+        )
+    )
+    quiet.notes = "; ".join(filter(None, ["no load or unload", quiet.notes]))
+    return [quiet, churned_row]
+
+
+async def _rows(rows: Awaitable[Result | list[Result]]) -> list[Result]:
+    """A scenario's rows: its one row, or (``repository``) one per condition."""
+    done = await rows
+    return [done] if isinstance(done, Result) else done
+
+
 def run_on_own_server(
     kind: ServerKind, python: Path, workers: int, run_dir: Path, scenario: Scenario,
     timing: Timing, log: Callable[[str], None],
-) -> Result:  # fmt: skip
+) -> list[Result]:  # fmt: skip
     """Start a server for ``scenario`` alone (its memory budget, or its copy of the example
-    repository), run the scenario, stop the server.
+    repository), run the scenario, stop the server; its rows (one, or ``repository``'s two).
 
     Raises:
         PeerUnavailable: The server did not start.
     """
     with tempfile.TemporaryDirectory(prefix=f"bench-{scenario.name}-") as tmp:
-        runner: Callable[[ServerProcess, Scenario, Timing], Awaitable[Result]]
+        runner: Callable[[ServerProcess, Scenario, Timing], Awaitable[Result | list[Result]]]
         if scenario.kind == "overload":
             args: tuple[str, ...] = ("--memory-budget", str(OVERLOAD_BUDGET))
             if kind.name == "trio-infer":
@@ -1133,6 +1410,11 @@ def run_on_own_server(
         elif scenario.kind == "hostile":
             args = ("--memory-budget", str(attacks.BUDGET))
             runner = _hostile
+        elif scenario.kind == "repository":
+            # Every model loaded at start, then loaded and unloaded by the scenario's calls.
+            repository = _churn_repository(Path(tmp))
+            args = ("--model-control-mode", "explicit", "--load-model", "*", str(repository))
+            runner = _repository
         else:
             repository = _batching_repository(Path(tmp), scenario.batching)
             args = (str(repository),)
@@ -1141,15 +1423,16 @@ def run_on_own_server(
         try:
             took = server.start()
             log(f"{kind.name} for {scenario.name} ready in {took:.1f} s (pid {server.pid})")
-            result = asyncio.run(runner(server, scenario, timing))
+            results = asyncio.run(_rows(runner(server, scenario, timing)))
         finally:
             server.stop()
     if scenario.kind == "batching":
+        result = results[0]
         from_log = server_log_batching(server.log_path, "dense")
         result.extra["server_log"] = from_log
         if from_log is not None and from_log["mean_requests"] is not None:
             result.notes += f"; server log: mean {from_log['mean_requests']:.2f} requests per batch"
-    return result
+    return results
 
 
 def run(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:

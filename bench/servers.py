@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import http.client
 import math
 import os
 import signal
@@ -51,7 +53,8 @@ class PeerUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Ports:
-    """The ports one server instance listens on (only ``grpc`` is benchmarked)."""
+    """The ports one server instance listens on: gRPC and REST are benchmarked (REST when the
+    server has it: :attr:`ServerProcess.http_port`), metrics only where a server needs one."""
 
     grpc: int
     http: int
@@ -66,7 +69,7 @@ class ServerKind:
         name: The name used in ``--servers`` and the table.
         requirements: pip requirements of its own venv; empty to run in this interpreter.
         serves: Scenario kinds it can run (``live``, ``dense``, ``sleep``, ``priority``, ``storm``,
-            ``kill``).
+            ``kill``, ``rest-live``, ``rest-dense``, ...).
         command: Builds the command line from (python, ports, workers).
         environment: Extra environment variables from (ports, workers).
         find_workers: Worker pids from the server's pid; None when it has no worker processes.
@@ -78,6 +81,9 @@ class ServerKind:
         venv: The venv's folder under ``bench/.venvs`` (kinds with the same requirements may
             share one); ``name`` when empty.
         by_default: Whether it runs when ``--servers`` is not given.
+        has_rest: Whether the server started with this Python serves REST on ``Ports.http``.
+        no_binary_rest: Why its REST does not take Triton's binary tensor extension (its binary
+            REST rows then show ``-`` with this note); empty when it does.
     """
 
     name: str
@@ -94,6 +100,8 @@ class ServerKind:
     shared_args: tuple[str, ...] = ()
     """Appended to the command line of the server the shared scenarios run on (not of a
     scenario's own server): trio-infer's model repository with the decoupled ``ticks``."""
+    has_rest: Callable[[Path], bool] = lambda python: True
+    no_binary_rest: str = ""
 
 
 # ------------------------------------------------------------------------------------------
@@ -377,12 +385,29 @@ def _thread_env(workers: int) -> dict[str, str]:
     }
 
 
-def _trio_infer_command(python: Path, ports: Ports, workers: int) -> list[str]:
+def _trio_infer_start(python: Path) -> list[str]:
     script = python.parent / "trio-infer"
-    start = [str(script)] if script.exists() else [str(python), "-m", "trio_infer"]
+    return [str(script)] if script.exists() else [str(python), "-m", "trio_infer"]
+
+
+@functools.cache
+def trio_infer_has_rest(python: Path) -> bool:
+    """Whether the trio-infer installed for ``python`` serves REST (has ``--http-port``): a
+    ``--baseline`` commit from before it has no REST rows."""
+    done = subprocess.run(
+        [*_trio_infer_start(python), "serve", "--help"],
+        # Not the checkout: `python -m trio_infer` would import its trio_infer from there.
+        cwd=python.parent, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return "--http-port" in done.stdout
+
+
+def _trio_infer_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    # Always a port of its own when it has REST: its default, 8080, may be taken.
+    rest = ["--http-port", str(ports.http)] if trio_infer_has_rest(python) else []
     return [
-        *start, "serve", "--host", "127.0.0.1", "--grpc-port", str(ports.grpc),
-        "--workers", str(workers), "--grace-period", "2",
+        *_trio_infer_start(python), "serve", "--host", "127.0.0.1",
+        "--grpc-port", str(ports.grpc), *rest, "--workers", str(workers), "--grace-period", "2",
     ]  # fmt: skip
 
 
@@ -411,7 +436,10 @@ def _kserve_command(python: Path, ports: Ports, workers: int) -> list[str]:
 
 
 def _triton_command(python: Path, ports: Ports, workers: int) -> list[str]:
-    return [str(python), str(PEERS / "triton_server.py"), str(ports.grpc), str(workers)]
+    return [
+        str(python), str(PEERS / "triton_server.py"), str(ports.grpc), str(ports.http),
+        str(workers),
+    ]  # fmt: skip
 
 
 def _triton_nobatch_command(python: Path, ports: Ports, workers: int) -> list[str]:
@@ -423,19 +451,22 @@ def _triton_env(ports: Ports, workers: int) -> dict[str, str]:
 
 
 def _grpcio_command(python: Path, ports: Ports, workers: int) -> list[str]:
-    return [str(python), "-m", "bench.peers.grpcio_server", str(ports.grpc)]
+    return [str(python), "-m", "bench.peers.grpcio_server", str(ports.grpc), str(ports.http)]
 
 
 def _no_env(ports: Ports, workers: int) -> dict[str, str]:
     return {}
 
 
-ALL_KINDS = frozenset({"live", "dense", "sleep", "priority", "storm", "kill"})
+#: REST (HTTP/1.1): ``GET /v2/health/live`` and ``dense`` in JSON or Triton's binary extension.
+REST_KINDS = frozenset({"rest-live", "rest-dense"})
+ALL_KINDS = frozenset({"live", "dense", "sleep", "priority", "storm", "kill"}) | REST_KINDS
 #: Unary ``add_sub``, ModelStreamInfer and a decoupled model: trio-infer and Triton only
 #: (MLServer streams only with parallel workers off; KServe's V2 gRPC has no ModelStreamInfer).
 STREAM_KINDS = frozenset({"add_sub", "stream", "decoupled"})
-#: trio-infer alone also runs the scenarios that start it with its own settings.
-TRIO_INFER_KINDS = ALL_KINDS | STREAM_KINDS | {"overload", "batching", "hostile"}
+#: trio-infer alone also runs the scenarios that start it with its own settings (not a
+#: ``--baseline``: its ``serves`` is ALL_KINDS, as an older tree may lack their options).
+TRIO_INFER_KINDS = ALL_KINDS | STREAM_KINDS | {"overload", "batching", "hostile", "repository"}
 #: trio-infer's repository for the shared scenarios: the examples' settings plus ``ticks``.
 TRIO_MODELS = PEERS / "trio_models"
 STREAM_MODELS = ("dense", "sleep", "add_sub", "ticks")
@@ -455,6 +486,7 @@ SERVERS: dict[str, ServerKind] = {
             workers_note="children of the multiprocessing fork server",
             models=STREAM_MODELS,
             shared_args=(str(TRIO_MODELS),),
+            has_rest=trio_infer_has_rest,
         ),
         ServerKind(
             name="mlserver",
@@ -466,6 +498,8 @@ SERVERS: dict[str, ServerKind] = {
             environment=_mlserver_env,
             find_workers=mlserver_workers,
             workers_note="children started by multiprocessing spawn (parallel_workers)",
+            # Its REST reads the body as JSON only (no Inference-Header-Content-Length).
+            no_binary_rest="MLServer's REST has no binary tensor extension (JSON only)",
         ),
         ServerKind(
             name="kserve",
@@ -502,11 +536,11 @@ SERVERS: dict[str, ServerKind] = {
         ServerKind(
             name="grpcio",
             requirements=(),
-            serves=frozenset({"live"}),
+            serves=frozenset({"live"}) | REST_KINDS,
             command=_grpcio_command,
             environment=_no_env,
             find_workers=None,
-            workers_note="bare grpc.aio server, ServerLive only",
+            workers_note="bare grpc.aio server (ServerLive) and canned HTTP/1.1 answers",
             models=(),
         ),
     )
@@ -615,6 +649,11 @@ class ServerProcess:
         return f"127.0.0.1:{self.ports.grpc}"
 
     @property
+    def http_port(self) -> int | None:
+        """The REST port on 127.0.0.1; None when this server has no REST."""
+        return self.ports.http if self.kind.has_rest(self.python) else None
+
+    @property
     def pid(self) -> int:
         """The server's process id (also its process group id)."""
         assert self.process is not None
@@ -681,15 +720,21 @@ class ServerProcess:
         return time.monotonic() - launched
 
     def _wait_ready(self, deadline: float) -> None:
+        """Until ServerLive and ModelReady of every model say so, and REST is live too (its
+        listener may open after gRPC's: KServe's uvicorn processes start on their own)."""
         with grpc.insecure_channel(self.target) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             while time.monotonic() < deadline:
                 if not self.alive():
                     raise PeerUnavailable(f"exited at start: {_tail(self.log_path)}")
                 try:
-                    if stub.ServerLive(pb.ServerLiveRequest(), timeout=1.0).live and all(
-                        stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=1.0).ready
-                        for name in self.models
+                    if (
+                        stub.ServerLive(pb.ServerLiveRequest(), timeout=1.0).live
+                        and all(
+                            stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=1.0).ready
+                            for name in self.models
+                        )
+                        and (self.http_port is None or _rest_live(self.http_port))
                     ):
                         return
                 except grpc.RpcError:
@@ -720,6 +765,18 @@ class ServerProcess:
             if current is not None and current.start_ticks == info.start_ticks:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(info.pid, signal.SIGKILL)
+
+
+def _rest_live(port: int) -> bool:
+    """Whether ``GET /v2/health/live`` on 127.0.0.1:``port`` answers 200."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+    try:
+        connection.request("GET", "/v2/health/live")
+        return connection.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
 
 
 def _signal_group(pgid: int, signum: int) -> None:

@@ -1,9 +1,11 @@
-"""Helpers for tests: a server on a free loopback port, a grpcio client, polling, and an h2
-client facing a ServerProtocol without a socket."""
+"""Helpers for tests: a model repository written from its settings, a server on a free
+loopback port, a grpcio client, polling, and an h2 client facing a ServerProtocol without a
+socket."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,19 @@ def client_and_server() -> tuple[h2.connection.H2Connection, ServerProtocol]:
     server = ServerProtocol(ProtocolLimits())
     server.initiate_connection()
     return client, server
+
+
+def write_repository(
+    root: Path, models: Mapping[str, Mapping[str, Any]], module: str, source: str
+) -> Path:
+    """Write a model repository at ``root``: a folder per model, named after it, holding its
+    ``model-settings.json`` (``models[name]``) and the module ``module`` (``source``) that the
+    settings' ``implementation`` names. Returns ``root``."""
+    for name, settings in models.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "model-settings.json").write_text(json.dumps(settings))
+        (root / name / f"{module}.py").write_text(source)
+    return root
 
 
 async def start_server(

@@ -17,7 +17,7 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.probe import process_exists
-from tests.support import GrpcioClient, eventually, start_server
+from tests.support import GrpcioClient, eventually, start_server, write_repository
 from trio_infer.errors import InferError
 from trio_infer.model import Parameters
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
@@ -82,11 +82,7 @@ def _repository(root: Path) -> Path:
         "steps": {"implementation": "decoupled_models.Steps", "decoupled": True},
         "async_steps": {"implementation": "decoupled_models.AsyncSteps", "decoupled": True},
     }
-    for name, settings in models.items():
-        (root / name).mkdir(parents=True)
-        (root / name / "model-settings.json").write_text(json.dumps(settings))
-        (root / name / "decoupled_models.py").write_text(MODELS)
-    return root
+    return write_repository(root, models, "decoupled_models", MODELS)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ tests/test_coexistence.py), called from a thread so Trio keeps running.
 
 from __future__ import annotations
 
-import json
 import pickle
 import textwrap
 import time
@@ -23,7 +22,7 @@ import trio
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.support import GrpcioClient, start_server
+from tests.support import GrpcioClient, start_server, write_repository
 from trio_infer.core.model_config import model_configuration
 from trio_infer.datatypes import DATATYPES
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
@@ -77,11 +76,7 @@ def _repository(root: Path) -> Path:
         (root / name / "model-settings.json").write_text(
             (EXAMPLES / name / "model-settings.json").read_text()
         )
-    for name, settings in _EXTRA.items():
-        (root / name).mkdir(parents=True)
-        (root / name / "model-settings.json").write_text(json.dumps(settings))
-        (root / name / "extra_models.py").write_text(MODELS)
-    return root
+    return write_repository(root, _EXTRA, "extra_models", MODELS)
 
 
 @pytest.fixture

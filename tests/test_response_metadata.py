@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import trio
 
-from tests.support import GrpcioClient, start_server
+from tests.support import GrpcioClient, start_server, write_repository
 from trio_infer.client import InferenceClient
 from trio_infer.model import MAX_RESPONSE_METADATA
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
@@ -70,11 +70,7 @@ def _repository(root: Path) -> Path:
         },
         "tagged_steps": {"implementation": "tagged_models.TaggedSteps", "decoupled": True},
     }
-    for name, settings in models.items():
-        (root / name).mkdir(parents=True)
-        (root / name / "model-settings.json").write_text(json.dumps(settings))
-        (root / name / "tagged_models.py").write_text(MODELS)
-    return root
+    return write_repository(root, models, "tagged_models", MODELS)
 
 
 @pytest.fixture

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+from typing import Any, Literal
 
 import numpy as np
 import orjson
 import pytest
+import simdjson
 import tritonclient.http as triton_http
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +18,7 @@ from tritonclient.http._utils import _get_inference_request
 
 from trio_infer.datatypes import DATATYPES
 from trio_infer.errors import InvalidInput, ModelFailed
+from trio_infer.rest import codec
 from trio_infer.rest.codec import (
     BYTES_ELEMENT_OVERHEAD,
     BinaryOutputs,
@@ -731,3 +734,291 @@ def test_a_header_length_outside_the_body_is_refused(header_length: int, message
     with pytest.raises(InvalidInput) as caught:
         decode_infer_request(body, header_length)
     assert str(caught.value).startswith(message)
+
+
+# --------------------------------------------------------------------------------------------
+# The fast path: large numeric JSON tensors read by simdjson, no Python object per element
+
+LARGE = codec.FAST_JSON_MIN_ELEMENTS
+FAST_NUMERIC = [name for name in NUMERIC if name != "BOOL"]
+
+
+class FastPathSpy:
+    """Wraps codec._fast_json_array: records whether each call decided (returned an array)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.decided: list[bool] = []
+        original = codec._fast_json_array
+
+        def spy(datatype: str, shape: tuple[int, ...], data: simdjson.Array) -> Any:
+            result = original(datatype, shape, data)
+            self.decided.append(result is not None)
+            return result
+
+        monkeypatch.setattr(codec, "_fast_json_array", spy)
+
+
+def decode_both(body: bytes) -> tuple[Any, Any]:
+    """The request decoded as it is, and with every tensor on the orjson path."""
+    fast = decode_infer_request(body, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "FAST_JSON_MIN_ELEMENTS", 2**62)
+        slow = decode_infer_request(body, None)
+    return fast, slow
+
+
+def assert_identical(fast: np.ndarray, slow: np.ndarray) -> None:
+    assert fast.dtype == slow.dtype
+    assert fast.shape == slow.shape
+    # Bit for bit: -0.0 and 0.0 differ here.
+    assert fast.tobytes() == slow.tobytes()
+
+
+def random_values(datatype: str, count: int, seed: int) -> np.ndarray:
+    """``count`` values of ``datatype`` over the range the fast path decodes, its edge values
+    among them: all of an integer datatype's; floats below 2**53 in magnitude (the fast path
+    leaves larger FP16/FP32 values to orjson), down to the smallest normal."""
+    rng = np.random.default_rng(seed)
+    dtype = DATATYPES[datatype]
+    edges: list[Any]
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype.name)
+        values = rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+        edges = [info.min, info.max, 0]
+    else:
+        finfo = np.finfo(dtype.name)
+        top = float(finfo.max) if datatype == "FP64" else min(float(finfo.max), 2.0**53 - 2**30)
+        top = float(np.array(top).astype(dtype))
+        # Magnitudes over the datatype's exponent range, and small integers (JSON ints).
+        exponents = rng.uniform(np.log10(float(finfo.tiny)), np.log10(top), count)
+        with np.errstate(over="ignore"):
+            values = (rng.standard_normal(count) * 10.0**exponents).astype(dtype)
+        values[::7] = rng.integers(-1000, 1000, len(values[::7]))
+        values[~(np.abs(values.astype(np.float64)) <= top)] = 1.5
+        edges = [top, -top, float(finfo.tiny), -0.0, 0.0]
+    values[rng.choice(count, len(edges), replace=False)] = edges
+    return values
+
+
+@given(
+    datatype=st.sampled_from(FAST_NUMERIC),
+    rows=st.integers(1, 4),
+    nested=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_fast_path_decodes_exactly_as_the_orjson_path(
+    datatype: str, rows: int, nested: bool, seed: int
+) -> None:
+    shape = (rows, LARGE // rows + 1)
+    values = random_values(datatype, math.prod(shape), seed).reshape(shape)
+    body, _ = triton_body([("x", values, False)])
+    if nested:
+        document = orjson.loads(body)
+        document["inputs"][0]["data"] = values.tolist()
+        body = orjson.dumps(document)
+
+    with pytest.MonkeyPatch.context() as patch:
+        spy = FastPathSpy(patch)
+        fast, slow = decode_both(body)
+
+    assert spy.decided == [True]
+    assert_identical(fast.inputs["x"], slow.inputs["x"])
+    np.testing.assert_array_equal(fast.inputs["x"], values)
+
+
+@given(cases().filter(lambda case: case[0] in FAST_NUMERIC))
+@settings(max_examples=200, deadline=None)
+def test_with_the_threshold_at_one_any_array_decodes_as_on_the_orjson_path(
+    case: tuple[str, np.ndarray, bool],
+) -> None:
+    _, array, _ = case
+    body, _ = triton_body([("x", array, False)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "FAST_JSON_MIN_ELEMENTS", 1)
+        fast, slow = decode_both(body)
+    assert_identical(fast.inputs["x"], slow.inputs["x"])
+
+
+@pytest.mark.parametrize("datatype", FAST_NUMERIC)
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_large_numeric_tensors_take_the_fast_path(
+    datatype: str, nested: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = FastPathSpy(monkeypatch)
+    values = sample(datatype, (2, LARGE // 2))
+    if DATATYPES[datatype].kind == "f" and datatype != "FP64":
+        # The fast path leaves magnitudes of 2**53 and more (FP32's largest) to orjson.
+        values[np.abs(values.astype(np.float64)) > 2**52] = 1.25
+    document = {
+        "inputs": [
+            {
+                "name": "x",
+                "datatype": datatype,
+                "shape": list(values.shape),
+                "data": values.tolist() if nested else values.ravel().tolist(),
+            },
+            {"name": "small", "datatype": "INT8", "shape": [2], "data": [1, 2]},
+            {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["gr\u00fc\u00dfe"]},
+        ],
+        "id": "r",
+        "parameters": {"p": 1.5},
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+    }
+
+    request = decode_infer_request(*body_of(document))
+
+    assert spy.decided == [True]
+    assert_identical(request.inputs["x"], values)
+    assert request.inputs["small"].tolist() == [1, 2]
+    assert request.inputs["text"].tolist() == ["gr\u00fc\u00dfe".encode()]
+    assert (request.id, request.parameters, request.outputs) == ("r", {"p": 1.5}, ["y"])
+    assert request.binary_outputs.is_binary("y")
+
+
+def test_small_tensors_and_bool_and_bytes_stay_on_the_orjson_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spy = FastPathSpy(monkeypatch)
+    document = {
+        "inputs": [
+            {"name": "b", "datatype": "BOOL", "shape": [LARGE], "data": [True] * LARGE},
+            {"name": "s", "datatype": "BYTES", "shape": [LARGE], "data": ["a"] * LARGE},
+            {"name": "f", "datatype": "FP32", "shape": [LARGE - 1], "data": [0.5] * (LARGE - 1)},
+        ]
+    }
+    request = decode_infer_request(*body_of(document))
+    assert spy.decided == []
+    assert request.inputs["f"].shape == (LARGE - 1,)
+
+
+BAD = LARGE - 3
+
+
+def large(datatype: str, bad: Any, position: int = BAD) -> Any:
+    data: list[Any] = [1] * LARGE
+    data[position] = bad
+    return numbers(datatype, data)
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (large("FP32", "2"), f"element {BAD} is a string ('2'); FP32 elements are numbers"),
+        (large("FP64", None), f"element {BAD} is null; FP64 elements are numbers"),
+        # Only bools: numpy's inference takes a bool among numbers as a number (a known gap).
+        (numbers("FP32", [True] * LARGE), "element 0 is a bool (true); FP32 elements are numbers"),
+        (large("INT16", {}), f"element {BAD} is an object; INT16 elements are numbers"),
+        (large("INT32", 2.5), f"element {BAD} is 2.5, not an integer; INT32 elements are integers"),
+        (large("INT64", 1.0), f"element {BAD} is 1.0, not an integer; INT64 elements are integers"),
+        (large("UINT8", 256), f"element {BAD} is 256, outside UINT8's range [0, 255]"),
+        (large("UINT64", -1), f"element {BAD} is -1, outside UINT64's range"),
+        (large("INT64", 2**63), f"element {BAD} is 9223372036854775808, outside INT64's range"),
+        (large("INT8", -129), f"element {BAD} is -129, outside INT8's range [-128, 127]"),
+        (large("FP16", 70000.0), f"element {BAD} is 70000.0, beyond FP16's largest value 65504.0"),
+        (large("FP32", 1e39), f"element {BAD} is 1e+39, beyond FP32's largest value"),
+        (
+            numbers("FP32", [0.5] * (LARGE - 1), [LARGE]),
+            f"data holds {LARGE - 1} values but shape [{LARGE}] has {LARGE} elements",
+        ),
+        (
+            numbers("INT32", [[1] * (LARGE // 2), [1] * (LARGE // 2 - 1)], [2, LARGE // 2]),
+            f"data[1] holds {LARGE // 2 - 1} values but shape [2, {LARGE // 2}] needs {LARGE // 2}",
+        ),
+        (
+            numbers("FP64", [[1.0] * LARGE, [1.0]], [2, LARGE]),
+            f"data[1] holds 1 values but shape [2, {LARGE}] needs {LARGE}",
+        ),
+    ],
+)
+def test_the_fast_path_refuses_what_the_orjson_path_refuses_with_its_message(
+    document: Any, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = FastPathSpy(monkeypatch)
+    got = refused(document)
+    assert spy.decided == [False]
+    assert got.startswith(f"input 'x': {message}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "FAST_JSON_MIN_ELEMENTS", 2**62)
+        assert refused(document) == got
+
+
+def test_what_the_fast_path_cannot_decide_the_orjson_path_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spy = FastPathSpy(monkeypatch)
+    # A bool among integers (numpy's inference takes it as 1), and an integer beyond 2**53
+    # for FP32 (rounded once by the orjson path, twice through a double).
+    document = {
+        "inputs": [
+            {
+                "name": "a",
+                "datatype": "INT32",
+                "shape": [LARGE],
+                "data": [True, *[2] * (LARGE - 1)],
+            },
+            {"name": "b", "datatype": "FP32", "shape": [LARGE], "data": [2**60 + 1] * LARGE},
+        ]
+    }
+    fast, slow = decode_both(body_of(document)[0])
+    assert spy.decided == [False, False]
+    for name in ("a", "b"):
+        assert_identical(fast.inputs[name], slow.inputs[name])
+
+
+def test_data_nested_any_way_is_flattened_on_the_fast_path_as_triton_does() -> None:
+    # Triton's JSON reader walks any nesting and counts the values; so does the fast path.
+    # (Below the threshold the orjson path still requires the shape's nesting, or flat.)
+    half = LARGE // 2
+    data = [[list(range(half - 1)), [half - 1]], list(range(half, LARGE))]
+    document = numbers("INT32", data, [2, half])
+    request = decode_infer_request(*body_of(document))
+    np.testing.assert_array_equal(request.inputs["x"].ravel(), np.arange(LARGE))
+
+
+def test_repeated_keys_keep_their_last_value_as_orjson_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spy = FastPathSpy(monkeypatch)
+    values = ",".join(["0.5"] * LARGE)
+    tensor = f'{{"name": "x", "datatype": "BYTES", "datatype": "FP32", "shape": [{LARGE}]'
+    body = f'{{"id": "a", "inputs": [{tensor}, "data": [{values}]}}], "id": "b"}}'.encode()
+    fast, slow = decode_both(body)
+    # simdjson's lookup finds a repeated key's first value: such a document goes to orjson.
+    assert spy.decided == []
+    assert fast.id == slow.id == "b"
+    assert_identical(fast.inputs["x"], slow.inputs["x"])
+
+
+@pytest.mark.parametrize("of_type", ["d", "i", "u"])
+@pytest.mark.parametrize(
+    ("element", "error"),
+    [
+        (b'"1"', TypeError),
+        (b"null", TypeError),
+        (b"true", TypeError),
+        (b"{}", TypeError),
+        (b"1.0", TypeError),
+        (b"-1", ValueError),
+        (b"9223372036854775808", ValueError),
+    ],
+)
+def test_simdjson_as_buffer_refuses_rather_than_converts(
+    of_type: Literal["d", "i", "u"], element: bytes, error: type[Exception]
+) -> None:
+    """What the fast path relies on: as_buffer raises on any element its type cannot hold
+    exactly (a number into doubles: any number, integers rounded beyond 2**53)."""
+    array = simdjson.Parser().parse(b"[1, [2], " + element + b"]")
+    assert isinstance(array, simdjson.Array)
+    numeric = element not in (b'"1"', b"null", b"true", b"{}")
+    fits = {
+        "d": numeric,
+        "i": element in (b"-1",),
+        "u": element in (b"9223372036854775808",),
+    }[of_type]
+    if fits:
+        buffer = array.as_buffer(of_type=of_type)
+        assert len(np.frombuffer(buffer, dtype=np.uint64)) == 3
+    else:
+        with pytest.raises(error if of_type != "d" or not numeric else TypeError):
+            array.as_buffer(of_type=of_type)

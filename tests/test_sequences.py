@@ -5,7 +5,6 @@ requests ran in order on the worker that holds the sequence's state."""
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -19,7 +18,7 @@ import trio
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.support import GrpcioClient, eventually, start_server
+from tests.support import GrpcioClient, eventually, start_server, write_repository
 from trio_infer.errors import InvalidInput
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
@@ -72,11 +71,7 @@ def _repository(root: Path) -> Path:
         "accumulate": {**spec, "max_sequence_idle_microseconds": 600_000_000},
         "forgetful": {**spec, "max_sequence_idle_microseconds": 50_000},
     }
-    for name, settings in models.items():
-        (root / name).mkdir(parents=True)
-        (root / name / "model-settings.json").write_text(json.dumps(settings))
-        (root / name / "accumulate.py").write_text(MODEL)
-    return root
+    return write_repository(root, models, "accumulate", MODEL)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ checks.
 
 from __future__ import annotations
 
-import json
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import trio
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.support import GrpcioClient, start_server
+from tests.support import GrpcioClient, start_server, write_repository
 from trio_infer.core.validation import validate_batch, validate_outputs
 from trio_infer.errors import InvalidInput, ModelFailed
 from trio_infer.protobuf import wire
@@ -104,11 +103,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture
 async def server(nursery: trio.Nursery, tmp_path: Path) -> RunningServer:
-    root = tmp_path / "repository"
-    for name, settings in SETTINGS.items():
-        (root / name).mkdir(parents=True)
-        (root / name / "model-settings.json").write_text(json.dumps(settings))
-        (root / name / "triton_models.py").write_text(MODELS)
+    root = write_repository(tmp_path / "repository", SETTINGS, "triton_models", MODELS)
     return await start_server(nursery, root, workers=1)
 
 

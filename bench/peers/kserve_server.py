@@ -4,6 +4,9 @@ Usage: ``python kserve_server.py --grpc_port P --http_port Q --workers N`` (KSer
 command line). KServe serves V2 gRPC from its main process: ``--workers`` starts more REST
 (uvicorn) processes only, so every gRPC call runs its model on the main event loop. The models'
 ``predict`` is synchronous, as in KServe's own examples, so a blocking model blocks that loop.
+Each response carries the request's ``use_binary_outputs``, as KServe's own
+``get_predict_response`` does: without it, REST answers in JSON whatever the request's
+``binary_data_output`` asked (gRPC is unchanged: raw in, raw out).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Dense(kserve.Model):
             response_id=payload.id or str(uuid.uuid4()),
             model_name=self.name,
             infer_outputs=[_output("y", y, payload.use_binary_outputs)],
+            use_binary_outputs=payload.use_binary_outputs,
         )
 
 
@@ -80,6 +84,7 @@ class Sleep(kserve.Model):
                 _output(tensor.name, tensor.as_numpy(), payload.use_binary_outputs)
                 for tensor in payload.inputs
             ],
+            use_binary_outputs=payload.use_binary_outputs,
         )
 
 

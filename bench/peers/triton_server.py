@@ -2,7 +2,7 @@
 ``sleep``, ``add_sub`` and ``ticks`` (decoupled) on its Python backend (runs in Triton's venv:
 ``bench/.venvs/triton``).
 
-Usage: ``python triton_server.py GRPC_PORT WORKERS [--no-batching]``.
+Usage: ``python triton_server.py GRPC_PORT HTTP_PORT WORKERS [--no-batching]``.
 
 The wheel ships Triton (2.51.0 in ``nvidia-pytriton`` 0.7.0) under ``pytriton/tritonserver``:
 ``bin/tritonserver``, ``backends/python`` and one Python backend stub per Python version. As
@@ -118,6 +118,7 @@ def main() -> None:
     """Prepare, then exec ``tritonserver``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("grpc_port", type=int)
+    parser.add_argument("http_port", type=int, help="REST (HTTP/1.1) port")
     parser.add_argument("workers", type=int, help="instances of each model (stub processes)")
     parser.add_argument("--no-batching", action="store_true", help="dense without its batcher")
     args = parser.parse_args()
@@ -144,8 +145,10 @@ def main() -> None:
         f"--backend-config=python,shm-region-prefix-name={PREFIX}{os.getpid()}_",
         "--grpc-address=127.0.0.1",
         f"--grpc-port={args.grpc_port}",
-        "--allow-http=false",  # the benchmark speaks gRPC only; MLServer's metrics are off too
-        "--allow-metrics=false",
+        "--allow-http=true",  # its HTTP threads at their default (--http-thread-count)
+        "--http-address=127.0.0.1",
+        f"--http-port={args.http_port}",
+        "--allow-metrics=false",  # as MLServer's
         "--exit-timeout-secs=2",  # as trio-infer's --grace-period 2
         "--log-verbose=0",
     ]

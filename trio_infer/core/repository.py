@@ -54,7 +54,14 @@ from trio_infer.repository.settings import (
     scan_repository,
 )
 
-__all__ = ["ControlMode", "IndexEntry", "ModelManager", "check_model_name", "config_override"]
+__all__ = [
+    "ControlMode",
+    "IndexEntry",
+    "ModelManager",
+    "check_model_name",
+    "config_override",
+    "json_object",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +97,25 @@ def config_override(text: str) -> dict[str, Any]:
     Raises:
         InvalidInput: It is not valid JSON, or not an object.
     """
+    return json_object(text, "load parameter 'config'", "a JSON object of settings fields")
+
+
+def json_object(
+    text: str | bytes | bytearray, what: str, kind: str = "a JSON object"
+) -> dict[str, Any]:
+    """``text`` parsed as a JSON object: a load's ``config``, a REST request's body.
+
+    Raises:
+        InvalidInput: It is not valid JSON, or not an object; the message calls it ``what``
+            and says it must be ``kind``.
+    """
     try:
-        config = json.loads(text)
+        document = json.loads(text)
     except ValueError as exc:
-        raise InvalidInput(f"load parameter 'config' is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise InvalidInput("load parameter 'config' must be a JSON object of settings fields")
-    return config
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidInput(f"{what} must be {kind}")
+    return document
 
 
 def check_model_name(name: str) -> None:

@@ -36,7 +36,7 @@ from urllib.parse import unquote
 
 import trio
 
-from trio_infer.core.repository import ModelManager, config_override
+from trio_infer.core.repository import ModelManager, config_override, json_object
 from trio_infer.core.service import RESERVED_PER_BYTE, InferenceCore
 from trio_infer.core.timeouts import TIMED_OUT, take_timeout
 from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
@@ -458,13 +458,7 @@ async def _small_json(request: HttpRequest) -> dict[str, Any]:
     body = await request.receive_body()
     if not body.strip():
         return {}
-    try:
-        document = json.loads(body)
-    except ValueError as exc:
-        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(document, dict):
-        raise InvalidInput("the request body must be a JSON object")
-    return document
+    return json_object(body, "the request body")
 
 
 def _chunk_counter(reservation: Reservation) -> Callable[[int], None]:

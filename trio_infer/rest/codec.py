@@ -15,6 +15,13 @@ from its length) and checks every field, and :func:`decode_inputs` then builds t
 whose size :attr:`ParsedInferRequest.decoded_nbytes` gives first. :func:`decode_infer_request`
 does both.
 
+JSON numbers become arrays one of two ways. A large numeric tensor (:data:`FAST_JSON_MIN_ELEMENTS`
+elements or more, any datatype but BOOL and BYTES) is read from a simdjson parse of the JSON part
+straight into a buffer of doubles or 64-bit integers, with no Python object per element; every
+other tensor, and any large one the fast path cannot decide, goes through orjson's Python
+objects and numpy, whose checks and messages are the reference. The fast path flattens nested
+data as Triton does: only the values, their row-major order and their count matter there.
+
 Every malformed request raises :class:`~trio_infer.errors.InvalidInput` with a message that
 names the tensor and what is wrong; every output that cannot be written raises
 :class:`~trio_infer.errors.ModelFailed` naming the output.
@@ -25,10 +32,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 import orjson
+
+try:
+    import simdjson
+except ImportError:  # pragma: no cover - no wheel for this Python: every tensor takes orjson
+    _HAVE_SIMDJSON = False
+else:
+    _HAVE_SIMDJSON = True
 
 from trio_infer.buffers import Buffer
 from trio_infer.datatypes import DATATYPES, datatype_of, shape_text
@@ -36,6 +50,7 @@ from trio_infer.errors import InvalidInput, ModelFailed
 
 __all__ = [
     "BYTES_ELEMENT_OVERHEAD",
+    "FAST_JSON_MIN_ELEMENTS",
     "MAX_BYTES_ELEMENTS",
     "MAX_PARAMETERS",
     "PARSED_BYTES_PER_JSON_BYTE",
@@ -67,6 +82,14 @@ MAX_BYTES_ELEMENTS = 1 << 20
 #: (33 bytes, rounded up by the allocator) and its slots in a list and in the object array.
 BYTES_ELEMENT_OVERHEAD = 96
 
+#: Elements from which a numeric JSON tensor is decoded without a Python object per element.
+#: The paths cross near 512 elements (FP32; fewer for integers); above it the fast path is
+#: 1.7-4x faster. The margin keeps off a parse that finds no such tensor, which costs about
+#: half of orjson's time (docs/performance.md).
+FAST_JSON_MIN_ELEMENTS = 2048
+
+_COMMA = ord(",")
+
 #: numpy 1.x caps arrays at 32 dimensions (2.x at 64); enforce the smaller.
 _MAX_RANK = 32
 #: Binary BYTES elements are prefixed by their length as a little-endian uint32.
@@ -86,6 +109,24 @@ _INTEGER_RANGE: dict[str, tuple[int, int]] = {
     if dtype.kind in "iu"
 }
 _FLOAT_DATATYPES = frozenset(name for name, dtype in DATATYPES.items() if dtype.kind == "f")
+#: The datatypes the fast path reads, and the 64-bit buffer each is read into: simdjson converts
+#: an integer to a double (exactly up to 2**53) and reads integers into int64/uint64 exactly,
+#: refusing a float, a string, null, a bool or an object (TypeError) and a value out of the
+#: 64-bit type's range (ValueError) instead of converting them.
+_BUFFER_OF_KIND: dict[str, tuple[Literal["d", "i", "u"], type[np.generic]]] = {
+    "f": ("d", np.float64),
+    "i": ("i", np.int64),
+    "u": ("u", np.uint64),
+}
+_FAST_BUFFER = {
+    name: _BUFFER_OF_KIND[dtype.kind]
+    for name, dtype in DATATYPES.items()
+    if dtype.kind in _BUFFER_OF_KIND
+}
+#: Integers beyond this magnitude are not all exact as doubles: a float64 that large may be an
+#: integer that simdjson rounded once to a double and numpy would round again to FP32, where
+#: the orjson path rounds it once from int64.
+_EXACT_DOUBLE_LIMIT = 2.0**53
 
 #: The parameters the binary tensor data extension defines; taken out of the maps the request
 #: hands on, since they describe the body's layout, not the inference.
@@ -141,14 +182,26 @@ class RestInferRequest:
 
 
 @dataclass(frozen=True)
+class _LazyNumbers:
+    """A large numeric tensor's JSON data, left in simdjson's parsed document."""
+
+    array: simdjson.Array
+    json: memoryview
+    """The request's JSON part, parsed again by orjson only if the fast path cannot decide."""
+    index: int
+    """The input's position in the request's ``inputs``."""
+
+
+@dataclass(frozen=True)
 class _InputSpec:
     """One input as the JSON part declares it, checked; its data not yet converted."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
-    data: list[Any] | None
-    """The JSON ``data`` list as parsed, or ``None`` for a binary input."""
+    data: list[Any] | _LazyNumbers | None
+    """The JSON ``data`` list as parsed (left unconverted for the fast path), or ``None`` for a
+    binary input."""
     binary: memoryview | None
     """A binary input's bytes, a slice of the body."""
     copy_nbytes: int
@@ -237,10 +290,10 @@ def parse_infer_request(
         raise InvalidInput(
             f"Inference-Header-Content-Length is {header_length} but the body has only {size} bytes"
         )
-    try:
-        document = orjson.loads(view[:header_length])
-    except orjson.JSONDecodeError as error:
-        raise InvalidInput(f"the request's JSON is malformed: {error}") from None
+    json_part = view[:header_length]
+    document = _parse_lazily(json_part)
+    if document is None:
+        document = _parse(json_part)
     if not isinstance(document, dict):
         raise InvalidInput(
             f"the request's JSON is {_json_type(document)}; an inference request is an object"
@@ -300,10 +353,12 @@ def parse_infer_request(
 def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
     """Convert a parsed request's input data to numpy arrays.
 
-    JSON numbers are converted by numpy from the parsed lists, in C; they must be of the
-    datatype's kind (``true``/``false`` for BOOL, integers within range for the integer
-    datatypes, numbers within range for the float ones) and nested exactly as the shape, or
-    flat. BYTES elements are strings, encoded UTF-8. Binary data is checked and viewed.
+    JSON numbers are converted by numpy from the parsed lists, in C, or for a large numeric
+    tensor from simdjson's buffer of them; they must be of the datatype's kind (``true``/
+    ``false`` for BOOL, integers within range for the integer datatypes, numbers within range
+    for the float ones) and nested exactly as the shape, or flat (a large numeric tensor:
+    nested any way, as Triton takes it). BYTES elements are strings, encoded UTF-8. Binary data
+    is checked and viewed.
 
     Raises:
         InvalidInput: Naming the input and the first offending element, if the data's
@@ -315,6 +370,8 @@ def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
         where = f"input '{spec.name}'"
         if spec.binary is not None:
             inputs[spec.name] = _decode_binary(where, spec)
+        elif isinstance(spec.data, _LazyNumbers):
+            inputs[spec.name] = _decode_lazy(where, spec.datatype, spec.shape, spec.data)
         else:
             assert spec.data is not None  # _input_spec requires one of the two
             inputs[spec.name] = _decode_json(where, spec.datatype, spec.shape, spec.data)
@@ -328,6 +385,94 @@ def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
         binary_outputs=parsed.binary_outputs,
         output_parameters=parsed.output_parameters,
     )
+
+
+def _parse(json_part: memoryview) -> Any:
+    try:
+        return orjson.loads(json_part)
+    except orjson.JSONDecodeError as error:
+        raise InvalidInput(f"the request's JSON is malformed: {error}") from None
+
+
+def _parse_lazily(json_part: memoryview) -> dict[str, Any] | None:
+    """The JSON part as orjson would give it, but with each large numeric input's ``data`` left
+    in simdjson's document (a :class:`_LazyNumbers`); ``None`` when no input is such, or when
+    simdjson cannot tell (then orjson parses, and names any error)."""
+    if not _HAVE_SIMDJSON or json_part.nbytes < 2 * FAST_JSON_MIN_ELEMENTS:
+        # Each JSON number takes two bytes at least ("0,"): no tensor here is large.
+        return None
+    if np.count_nonzero(np.frombuffer(json_part, dtype=np.uint8) == _COMMA) < (
+        FAST_JSON_MIN_ELEMENTS - 1
+    ):
+        # Nor here, and this count (0.2 ns a byte) is cheaper than a parse to find out.
+        return None
+    try:
+        # A parser per request: a document lives until its request is decoded, possibly on
+        # another thread, and a parser's next parse would invalidate it.
+        document = simdjson.Parser().parse(json_part)
+    except (ValueError, RuntimeError):
+        # Malformed, or what orjson takes and simdjson does not (integers beyond 64 bits).
+        return None
+    fields = _fields(document)
+    if fields is None:
+        return None
+    raw_inputs = fields.get("inputs")
+    if not isinstance(raw_inputs, simdjson.Array):
+        return None
+    inputs: list[Any] = []
+    lazy = False
+    for index, raw in enumerate(raw_inputs):
+        entry = _fields(raw)
+        if entry is None:
+            if isinstance(raw, simdjson.Object):
+                return None
+            inputs.append(_unbox(raw))
+            continue
+        data = entry.pop("data", None)
+        converted = {key: _unbox(value) for key, value in entry.items()}
+        if isinstance(data, simdjson.Array) and _is_large_numeric(converted):
+            converted["data"] = _LazyNumbers(data, json_part, index)
+            lazy = True
+        elif data is not None:
+            converted["data"] = _unbox(data)
+        inputs.append(converted)
+    if not lazy:
+        return None
+    return {key: inputs if key == "inputs" else _unbox(value) for key, value in fields.items()}
+
+
+def _fields(value: object) -> dict[str, Any] | None:
+    """A simdjson object's fields, their values unconverted (its ``items`` would convert
+    them all); ``None`` if it is not an object or repeats a key, whose last value orjson
+    keeps where simdjson's lookup finds the first."""
+    if not isinstance(value, simdjson.Object):
+        return None
+    keys = list(value)
+    if len(set(keys)) != len(keys):
+        return None
+    return {key: value[key] for key in keys}
+
+
+def _unbox(value: object) -> Any:
+    """A simdjson value as orjson parses it: dicts, lists, str, int, float, bool, None."""
+    if isinstance(value, simdjson.Object):
+        return value.as_dict()
+    if isinstance(value, simdjson.Array):
+        return value.as_list()
+    return value
+
+
+def _is_large_numeric(raw: dict[str, Any]) -> bool:
+    """Whether an input's fields declare a numeric tensor large enough for the fast path
+    (a field that is wrong just leaves it to the checks of :func:`_input_spec`)."""
+    if raw.get("datatype") not in _FAST_BUFFER:
+        return False
+    shape = raw.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape
+    ):
+        return False
+    return math.prod(shape) >= FAST_JSON_MIN_ELEMENTS
 
 
 def _input_spec(
@@ -360,7 +505,7 @@ def _input_spec(
     size = parameters.get(_BINARY_DATA_SIZE) if isinstance(parameters, dict) else None
     data = raw.get("data")
     if size is None:
-        if not isinstance(data, list):
+        if not isinstance(data, list | _LazyNumbers):
             problem = "missing" if data is None else _json_type(data)
             raise InvalidInput(
                 f"{where}: 'data' is {problem}; an input carries a list in 'data' or sends "
@@ -370,6 +515,10 @@ def _input_spec(
             # Each element a Python bytes object; the payloads are at most the JSON's text.
             cost = count * BYTES_ELEMENT_OVERHEAD + body.nbytes
         else:
+            # Either path holds an 8-byte element per number and then the converted array.
+            # simdjson's buffer also has a slot per nested list; each list is at least two
+            # bytes of JSON, for which parsing_cost's 24 bytes a byte leave room beside
+            # simdjson's own parse (about 14 bytes a byte).
             cost = count * (_INFERRED_ITEMSIZE + DATATYPES[datatype].itemsize)
         return _InputSpec(name, datatype, shape, data, None, 0), cost
 
@@ -552,6 +701,60 @@ def _object_array(elements: Sequence[object], shape: tuple[int, ...]) -> np.ndar
     array = np.empty(len(elements), dtype=np.object_)
     array[:] = elements
     return array.reshape(shape)
+
+
+def _decode_lazy(
+    where: str, datatype: str, shape: tuple[int, ...], data: _LazyNumbers
+) -> np.ndarray:
+    array = _fast_json_array(datatype, shape, data.array)
+    if array is not None:
+        return array
+    # Not decidable without the elements as objects: orjson's path converts or refuses, with
+    # the message it gives any tensor.
+    document = _parse(data.json)
+    return _decode_json(where, datatype, shape, document["inputs"][data.index]["data"])
+
+
+def _fast_json_array(
+    datatype: str, shape: tuple[int, ...], data: simdjson.Array
+) -> np.ndarray | None:
+    """The array of a numeric JSON ``data`` list, read by simdjson with no Python object per
+    element; ``None`` if anything is wrong with it or cannot be decided this way.
+
+    Takes nothing the orjson path refuses, but for nesting: data nested any way whose values
+    in order are the shape's count is taken, as Triton takes it. ``None`` for a string,
+    null, bool or object among the numbers, a float for an integer datatype, a value outside
+    the datatype's range, a count other than the shape's, an FP16/FP32 value that overflows,
+    and FP16/FP32 values of magnitude 2**53 or more (maybe integers, which the orjson path
+    rounds once and this one twice).
+    """
+    of_type, buffer_dtype = _FAST_BUFFER[datatype]
+    try:
+        buffer = data.as_buffer(of_type=of_type)
+    except (TypeError, ValueError, RuntimeError):
+        # simdjson refused an element (TypeError for the wrong type, ValueError for a
+        # 64-bit overflow); it converts none.
+        return None
+    values = np.frombuffer(buffer, dtype=buffer_dtype)
+    if values.size != math.prod(shape):
+        return None
+    target = DATATYPES[datatype]
+    if datatype in _INTEGER_RANGE:
+        if target.itemsize < values.itemsize:
+            low, high = _INTEGER_RANGE[datatype]
+            if values.min() < low or values.max() > high:
+                return None
+        return values.astype(target, copy=False).reshape(shape)
+    if target == values.dtype:
+        # JSON has no infinities and simdjson refuses numbers beyond a double's range.
+        return values.reshape(shape)
+    if np.abs(values).max() >= _EXACT_DOUBLE_LIMIT:
+        return None
+    with np.errstate(over="ignore"):
+        converted = values.astype(target)
+    if np.isinf(converted).any():
+        return None
+    return converted.reshape(shape)
 
 
 def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[Any]) -> np.ndarray:

@@ -1,5 +1,6 @@
 """What the built-in runtimes share: finding the model file, reading ``parameters.extra``, the
-errors a load fails with, and the one-tensor feature matrix.
+errors a load fails with, and the one-tensor feature matrix (with :class:`FeatureMatrixModel`,
+the shape of the scikit-learn and XGBoost runtimes).
 
 Every error here is an ``InferError``, so the worker passes its message to the server as it is
 (no exception type in front): it is what a client reads after ``model '<name>' is not ready:``.
@@ -9,15 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from trio_infer.errors import InvalidInput, ModelFailed
+from trio_infer.model import Model, Parameters
 from trio_infer.repository.settings import ModelSettings
 
 __all__ = [
     "ExtraSettings",
+    "FeatureMatrixModel",
     "feature_matrix",
     "missing_library",
     "model_file",
@@ -156,3 +159,62 @@ def feature_matrix(inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         )
     (matrix,) = inputs.values()
     return matrix
+
+
+class FeatureMatrixModel(Model):
+    """A runtime that reads one model file and predicts the rows of a feature matrix with the
+    method ``parameters.extra.predict_fn`` names, its one output tensor named after it (as
+    MLServer's scikit-learn and XGBoost runtimes do).
+
+    A subclass names its runtime and what it accepts (the class attributes), reads its own
+    settings and the file in :meth:`_load`, and predicts in :meth:`_predict_rows`.
+    """
+
+    #: The runtime's name, for messages.
+    RUNTIME: ClassVar[str]
+    #: The methods ``parameters.extra.predict_fn`` may name; the first is the default.
+    PREDICT_FUNCTIONS: ClassVar[Sequence[str]]
+    #: The file names looked for in the model's folder, or the folder ``parameters.uri`` names.
+    WELLKNOWN_FILES: ClassVar[Sequence[str]]
+    #: The keys of ``parameters.extra`` the runtime reads besides ``predict_fn``.
+    EXTRA_SETTINGS: ClassVar[Sequence[str]] = ()
+
+    def load(self) -> None:
+        """Check ``parameters.extra``, then read the model file (:meth:`_load`).
+
+        Raises:
+            ModelFailed: ``parameters.extra`` has an unknown key or an unknown ``predict_fn``,
+                or :meth:`_load` failed; the message says which.
+        """
+        extra = ExtraSettings(self.settings, self.RUNTIME, ("predict_fn", *self.EXTRA_SETTINGS))
+        self.method = extra.choice("predict_fn", self.PREDICT_FUNCTIONS, self.PREDICT_FUNCTIONS[0])
+        """The method ``parameters.extra.predict_fn`` names, and the output tensor's name."""
+        self._load(extra)
+
+    def _load(self, extra: ExtraSettings) -> None:
+        """Read the runtime's other settings, import its library, then read the model file
+        (:meth:`_model_file`).
+
+        Raises:
+            ModelFailed: The library is missing, the file is missing or unreadable, or it
+                cannot serve :attr:`method`.
+        """
+        raise NotImplementedError
+
+    def _model_file(self) -> Path:
+        """The file to read (:func:`model_file`)."""
+        return model_file(self.settings, self.WELLKNOWN_FILES, self.RUNTIME)
+
+    def _predict_rows(self, features: np.ndarray) -> np.ndarray:
+        """What :attr:`method` gives for the rows of ``features``."""
+        raise NotImplementedError
+
+    def predict(
+        self, inputs: dict[str, np.ndarray], parameters: Parameters
+    ) -> dict[str, np.ndarray]:
+        """Predict the feature matrix's rows with :attr:`method`.
+
+        Raises:
+            trio_infer.errors.InvalidInput: The request has more than one input tensor.
+        """
+        return {self.method: self._predict_rows(feature_matrix(inputs))}

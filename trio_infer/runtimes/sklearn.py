@@ -37,12 +37,10 @@ from typing import Any
 import numpy as np
 
 from trio_infer.errors import ModelFailed
-from trio_infer.model import Model, Parameters
 from trio_infer.runtimes._common import (
     ExtraSettings,
-    feature_matrix,
+    FeatureMatrixModel,
     missing_library,
-    model_file,
     unreadable,
 )
 
@@ -63,10 +61,15 @@ WELLKNOWN_FILES = ("model.joblib", "model.pickle", "model.pkl", "model.skops")
 _RUNTIME = "scikit-learn"
 
 
-class SKLearnModel(Model):
+class SKLearnModel(FeatureMatrixModel):
     """Serves a scikit-learn estimator; see the module's docstring for its settings."""
 
-    def load(self) -> None:
+    RUNTIME = _RUNTIME
+    PREDICT_FUNCTIONS = PREDICT_FUNCTIONS
+    WELLKNOWN_FILES = WELLKNOWN_FILES
+    EXTRA_SETTINGS = ("skops_trusted_types",)
+
+    def _load(self, extra: ExtraSettings) -> None:
         """Read the estimator and pick its method.
 
         Raises:
@@ -74,8 +77,6 @@ class SKLearnModel(Model):
                 unreadable, holds types skops does not trust, or the estimator has no
                 ``predict_fn`` method; the message says which.
         """
-        extra = ExtraSettings(self.settings, _RUNTIME, ("predict_fn", "skops_trusted_types"))
-        method = extra.choice("predict_fn", PREDICT_FUNCTIONS, "predict")
         trusted = extra.names("skops_trusted_types")
         try:
             # Imported before the file is read: unpickling an estimator imports scikit-learn,
@@ -83,7 +84,7 @@ class SKLearnModel(Model):
             import sklearn  # noqa: F401
         except ImportError as exc:
             raise missing_library(_RUNTIME, "scikit-learn", "sklearn", exc) from None
-        path = model_file(self.settings, WELLKNOWN_FILES, _RUNTIME)
+        path = self._model_file()
         if path.suffix == ".skops":
             estimator = _load_skops(path, trusted)
         elif trusted:
@@ -94,29 +95,21 @@ class SKLearnModel(Model):
         else:
             estimator = _load_joblib(path)
         # A pipeline hides the methods its last step lacks (AttributeError): getattr's default.
-        function = getattr(estimator, method, None)
+        function = getattr(estimator, self.method, None)
         if not callable(function):
             has = [name for name in PREDICT_FUNCTIONS if callable(getattr(estimator, name, None))]
             raise ModelFailed(
-                f"{type(estimator).__name__} from {path} has no {method}() "
+                f"{type(estimator).__name__} from {path} has no {self.method}() "
                 f"(parameters.extra.predict_fn); it has: {', '.join(has) or 'none of them'}"
             )
         self._function: Callable[[np.ndarray], Any] = function
-        self._output = method
 
-    def predict(
-        self, inputs: dict[str, np.ndarray], parameters: Parameters
-    ) -> dict[str, np.ndarray]:
-        """Call the estimator's method on the feature matrix.
-
-        Raises:
-            trio_infer.errors.InvalidInput: The request has more than one input tensor.
-        """
-        result = self._function(feature_matrix(inputs))
+    def _predict_rows(self, features: np.ndarray) -> np.ndarray:
+        result = self._function(features)
         # transform() of some estimators gives a scipy sparse matrix; the protocol is dense.
         if hasattr(result, "toarray"):
             result = result.toarray()
-        return {self._output: np.asarray(result)}
+        return np.asarray(result)
 
 
 def _load_joblib(path: Path) -> Any:

@@ -34,12 +34,10 @@ from typing import Any
 import numpy as np
 
 from trio_infer.errors import ModelFailed
-from trio_infer.model import Model, Parameters
 from trio_infer.runtimes._common import (
     ExtraSettings,
-    feature_matrix,
+    FeatureMatrixModel,
     missing_library,
-    model_file,
     unreadable,
 )
 
@@ -54,24 +52,27 @@ WELLKNOWN_FILES = ("model.bst", "model.json", "model.ubj")
 _RUNTIME = "XGBoost"
 
 
-class XGBoostModel(Model):
+class XGBoostModel(FeatureMatrixModel):
     """Serves an XGBoost booster; see the module's docstring for its settings."""
 
-    def load(self) -> None:
+    RUNTIME = _RUNTIME
+    PREDICT_FUNCTIONS = PREDICT_FUNCTIONS
+    WELLKNOWN_FILES = WELLKNOWN_FILES
+    EXTRA_SETTINGS = ("nthread",)
+
+    def _load(self, extra: ExtraSettings) -> None:
         """Read the booster and what kind of estimator saved it.
 
         Raises:
             ModelFailed: XGBoost is not installed, the file is missing or unreadable, or
                 ``predict_proba`` is asked of a model that is not a classifier.
         """
-        extra = ExtraSettings(self.settings, _RUNTIME, ("predict_fn", "nthread"))
-        self._method = extra.choice("predict_fn", PREDICT_FUNCTIONS, "predict")
         threads = extra.count("nthread", 1)
         try:
             import xgboost
         except ImportError as exc:
             raise missing_library(_RUNTIME, "xgboost", "xgboost", exc) from None
-        path = model_file(self.settings, WELLKNOWN_FILES, _RUNTIME)
+        path = self._model_file()
         try:
             booster = xgboost.Booster(model_file=path)
             config = json.loads(booster.save_config())
@@ -90,29 +91,19 @@ class XGBoostModel(Model):
         # The estimator class that saved the file, if one did (XGBModel.save_model).
         saved_by = json.loads(booster.attr("scikit_learn") or "{}").get("_estimator_type")
         self._classifier = saved_by == "classifier"
-        if self._method == "predict_proba" and not self._classifier:
+        if self.method == "predict_proba" and not self._classifier:
             kind = "a regressor" if saved_by else "a booster with no estimator type"
             raise ModelFailed(
                 f"predict_proba needs a classifier saved by XGBClassifier.save_model; {path} "
                 f"holds {kind} (parameters.extra.predict_fn: use predict)"
             )
 
-    def predict(
-        self, inputs: dict[str, np.ndarray], parameters: Parameters
-    ) -> dict[str, np.ndarray]:
-        """Predict the feature matrix's rows.
-
-        Raises:
-            trio_infer.errors.InvalidInput: The request has more than one input tensor.
-        """
-        features = feature_matrix(inputs)
-        if self._method == "predict_proba":
-            result = self._probabilities(features)
-        elif self._classifier:
-            result = self._labels(features)
-        else:
-            result = self._values(features, "value")
-        return {self._method: result}
+    def _predict_rows(self, features: np.ndarray) -> np.ndarray:
+        if self.method == "predict_proba":
+            return self._probabilities(features)
+        if self._classifier:
+            return self._labels(features)
+        return self._values(features, "value")
 
     def _values(self, features: np.ndarray, kind: str) -> np.ndarray:
         result: np.ndarray = self._booster.inplace_predict(

@@ -62,7 +62,7 @@ from trio_infer.transport.grpc_protocol import (
     StreamReset,
     WindowUpdated,
 )
-from trio_infer.transport.listening import CallCounter, accept_loop
+from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
     "Call",
@@ -337,8 +337,6 @@ def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
 
 def _size(buffers: Sequence[Buffer]) -> int:
     return sum(memoryview(part).nbytes for part in buffers)
-
-
 
 
 @dataclass
@@ -895,10 +893,10 @@ class TransportStatistics:
     largest_unsent_bytes: int
 
 
-
-
-class GrpcServer:
-    """Accepts connections and runs each in its own nursery, for the life of :meth:`serve`.
+class GrpcServer(ConnectionServer[Connection]):
+    """Accepts connections and runs each in its own nursery, for the life of :meth:`serve`
+    (:class:`~trio_infer.transport.listening.ConnectionServer`): a drain sends GOAWAY, and
+    the calls still running at the end of a shutdown's grace period end with UNAVAILABLE.
 
     Args:
         handler: Runs each call.
@@ -917,13 +915,12 @@ class GrpcServer:
         ssl_context: ssl.SSLContext | None = None,
         access_log: bool = False,
     ) -> None:
+        super().__init__(ssl_context)
         self._handler = handler
         self._limits = limits or ProtocolLimits()
-        self._ssl_context = ssl_context
         self._access_log = access_log
-        self._connections: set[Connection] = set()
-        self._accepting = trio.CancelScope()
-        self.calls_in_flight = CallCounter()
+        self.calls_in_flight = self._in_flight
+        """Calls in flight, across connections."""
 
     def statistics(self) -> TransportStatistics:
         """Return a snapshot of the open connections."""
@@ -935,80 +932,15 @@ class GrpcServer:
             largest_unsent_bytes=max((c.unsent_bytes() for c in self._connections), default=0),
         )
 
-    async def serve(
-        self,
-        listeners: list[trio.SocketListener],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Accept connections on ``listeners`` until :meth:`stop_accepting`; then wait for the
-        open connections to close."""
-        async with trio.open_nursery() as nursery:
-            try:
-                with self._accepting:
-                    async with trio.open_nursery() as accept_nursery:
-                        for listener in listeners:
-                            accept_nursery.start_soon(
-                                accept_loop, listener, nursery, self._serve_connection
-                            )
-                        task_status.started()
-            finally:
-                for listener in listeners:
-                    await trio.aclose_forcefully(listener)
-
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        transport: trio.SocketStream | trio.SSLStream[trio.SocketStream] = stream
-        if self._ssl_context is not None:
-            # The handshake is left to the connection's first read and write, so that its
-            # handshake timeout bounds the TLS handshake and the HTTP/2 preface together.
-            # https_compatible: HTTP/2 ends a connection with GOAWAY, and gRPC clients may
-            # close without a close_notify; that is an end of stream, not a broken one.
-            transport = trio.SSLStream(
-                stream, self._ssl_context, server_side=True, https_compatible=True
-            )
-        connection = Connection(
+    def _connect(self, transport: Transport) -> Connection:
+        return Connection(
             transport, self._handler, self._limits, self.calls_in_flight, self._access_log
         )
-        if self._accepting.cancel_called:
-            connection.drain()
-            connection.close()
-        self._connections.add(connection)
-        try:
-            await connection.run()
-        except Exception:
-            # A bug met by one connection must not take the others down: it is logged and
-            # that connection is closed.
-            logger.exception("connection failed; closing it")
-        finally:
-            self._connections.discard(connection)
-        if isinstance(transport, trio.SSLStream) and not _handshake_completed(transport):
-            # A plaintext client, a client certificate missing or refused, a scanner: the
-            # client is told by the TLS alert or the closed socket; the server has no fault
-            # to report.
-            logger.debug("closed a connection whose TLS handshake did not complete")
 
-    def stop_accepting(self) -> None:
-        """Close the listeners and send GOAWAY on every connection; calls in flight go on."""
-        self._accepting.cancel()
-        for connection in self._connections:
-            connection.drain()
+    def _drain_late(self, connection: Connection) -> None:
+        connection.drain()
+        connection.close()
 
-    async def shutdown(self, grace_period: float) -> None:
-        """Stop accepting, let calls in flight finish for up to ``grace_period`` seconds, end
-        the rest with UNAVAILABLE, then close every connection once its statuses are sent."""
-        self.stop_accepting()
-        with trio.move_on_after(grace_period):
-            await self.calls_in_flight.wait_idle()
-        for connection in self._connections:
-            connection.cancel_calls(
-                StatusCode.UNAVAILABLE, "server shut down before the call finished"
-            )
-            connection.close()
-
-
-def _handshake_completed(stream: trio.SSLStream[trio.SocketStream]) -> bool:
-    try:
-        stream.selected_alpn_protocol()
-    except trio.NeedHandshakeError:
-        return False
-    return True
+    def _end_calls(self, connection: Connection) -> None:
+        connection.cancel_calls(StatusCode.UNAVAILABLE, "server shut down before the call finished")
+        connection.close()

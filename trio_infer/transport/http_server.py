@@ -49,7 +49,7 @@ import trio
 from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
 from trio_infer.transport.access_log import ACCESS_LOGGER, CallRecord, log_call, request_id
 from trio_infer.transport.connection_age import retirement_time
-from trio_infer.transport.listening import CallCounter, accept_loop
+from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
     "HttpConnection",
@@ -646,8 +646,6 @@ class HttpConnection:
                 received += len(data)
 
 
-
-
 @dataclass(frozen=True)
 class HttpStatistics:
     """A snapshot of the HTTP connections.
@@ -663,9 +661,11 @@ class HttpStatistics:
     requests_started: int
 
 
-class HttpServer:
+class HttpServer(ConnectionServer[HttpConnection]):
     """Accepts HTTP/1.1 connections and serves each in its own task, for the life of
-    :meth:`serve`.
+    :meth:`serve` (:class:`~trio_infer.transport.listening.ConnectionServer`): on shutdown,
+    idle keep-alive connections close at once, and a request still running at the end of the
+    grace period is cancelled and answered 503.
 
     Args:
         handler: Runs each request.
@@ -683,13 +683,11 @@ class HttpServer:
         ssl_context: ssl.SSLContext | None = None,
         access_log: bool = False,
     ) -> None:
+        super().__init__(ssl_context)
         self._handler = handler
         self._access_log = access_log
         self._limits = limits or HttpLimits()
-        self._ssl_context = ssl_context
-        self._connections: set[HttpConnection] = set()
-        self._accepting = trio.CancelScope()
-        self.requests_in_flight = CallCounter()
+        self.requests_in_flight = self._in_flight
         """Requests being served, across connections."""
 
     def statistics(self) -> HttpStatistics:
@@ -700,60 +698,10 @@ class HttpServer:
             requests_started=self.requests_in_flight.started,
         )
 
-    async def serve(
-        self,
-        listeners: list[trio.SocketListener],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Accept connections on ``listeners`` until :meth:`stop_accepting`; then wait for the
-        open connections to close."""
-        async with trio.open_nursery() as nursery:
-            try:
-                with self._accepting:
-                    async with trio.open_nursery() as accept_nursery:
-                        for listener in listeners:
-                            accept_nursery.start_soon(
-                                accept_loop, listener, nursery, self._serve_connection
-                            )
-                        task_status.started()
-            finally:
-                for listener in listeners:
-                    await trio.aclose_forcefully(listener)
-
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        transport: trio.SocketStream | trio.SSLStream[trio.SocketStream] = stream
-        if self._ssl_context is not None:
-            # https_compatible: HTTP/1.1 clients commonly close without a close_notify.
-            transport = trio.SSLStream(
-                stream, self._ssl_context, server_side=True, https_compatible=True
-            )
-        connection = HttpConnection(
+    def _connect(self, transport: Transport) -> HttpConnection:
+        return HttpConnection(
             transport, self._handler, self._limits, self.requests_in_flight, self._access_log
         )
-        if self._accepting.cancel_called:
-            connection.drain()
-        self._connections.add(connection)
-        try:
-            await connection.run()
-        except Exception:
-            # A bug met by one connection must not take the others down.
-            logger.exception("HTTP connection failed; closing it")
-        finally:
-            self._connections.discard(connection)
 
-    def stop_accepting(self) -> None:
-        """Close the listeners and every idle connection; requests in flight go on, and their
-        connections close after their responses."""
-        self._accepting.cancel()
-        for connection in self._connections:
-            connection.drain()
-
-    async def shutdown(self, grace_period: float) -> None:
-        """Stop accepting, let requests in flight finish for up to ``grace_period`` seconds,
-        then cancel the rest, which are answered 503; every connection then closes."""
-        self.stop_accepting()
-        with trio.move_on_after(grace_period):
-            await self.requests_in_flight.wait_idle()
-        for connection in self._connections:
-            connection.cancel_request("server shut down before the request finished")
+    def _end_calls(self, connection: HttpConnection) -> None:
+        connection.cancel_request("server shut down before the request finished")
