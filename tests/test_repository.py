@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import httpx
 import pytest
 import trio
 import tritonclient.grpc as triton_grpc
@@ -386,7 +387,20 @@ async def test_a_broken_models_load_error_shows_in_the_index_and_reaches_its_cal
     triton, grpcio = clients(server)
     expected = "loading model 'broken' failed: RuntimeError: the weights are corrupt"
     await index_entry(triton, "broken", "UNAVAILABLE", expected)
-    assert not (await grpcio.call("ModelReady", pb.ModelReadyRequest(name="broken"))).ready
+    response, call = await grpcio.call_with_metadata(
+        "ModelReady", pb.ModelReadyRequest(name="broken")
+    )
+    assert not response.ready
+    # ModelReady's metadata says why, over gRPC and REST.
+    trailing = dict(call.trailing_metadata())
+    assert (trailing["x-model-state"], trailing["x-model-reason"]) == ("UNAVAILABLE", expected)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as rest:
+        ready = await rest.get("/v2/models/broken/ready")
+    assert ready.status_code == 400
+    assert (ready.headers["x-model-state"], ready.headers["x-model-reason"]) == (
+        "UNAVAILABLE",
+        expected,
+    )
     assert not await triton.grpc(lambda c: c.is_model_ready("broken"))
     assert not await triton.http(lambda c: c.is_model_ready("broken"))
     error = await infer_error(grpcio, "broken")

@@ -268,3 +268,17 @@ async def test_a_decoupled_models_metadata_on_a_stream(tagged_server: RunningSer
         "x-trailer-1",
         "x-trailer-2",
     }
+
+
+def test_a_stream_s_trailers_stay_bounded_when_a_name_is_set_again_with_a_longer_value() -> None:
+    from types import SimpleNamespace
+
+    from trio_infer.frontends.grpc_service import _Answer, _StreamSender
+
+    sender = _StreamSender(SimpleNamespace(initial_metadata=()))  # type: ignore[arg-type]
+    assert sender.claim(_Answer([], trailers={f"x-{i}": "v" for i in range(100)}))
+    # Each answer alone is within the bound; gathered, the trailers would not be.
+    long = "v" * (MAX_RESPONSE_METADATA - 10)
+    assert not sender.claim(_Answer([], trailers={"x-0": long}))
+    assert sender.trailers["x-0"] == "v"
+    assert sum(len(n) + len(v) for n, v in sender.trailers.items()) <= MAX_RESPONSE_METADATA

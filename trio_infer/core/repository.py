@@ -422,8 +422,12 @@ class ModelManager:
                     raise
             finally:
                 registry.set_loading(name, False)
-            registry.serve(settings)
+            # The new batcher is started first, and the registry switches with no checkpoint
+            # after the batching does: a request counted under the new settings (its slot, its
+            # answer's version) is never run by the old batcher with the old settings, which
+            # are dropped from the workers once no slot of theirs is held.
             await self.core.batching.replace(settings)
+            registry.serve(settings)
             self._retry.pop(name, None)
             registry.set_ready(name, True)
         logger.info("model '%s' loaded%s", name, " (reloaded)" if old is not None else "")
@@ -473,8 +477,10 @@ class ModelManager:
         # Done beside the lifecycle task, not in it: the workers drop the model after the calls
         # they hold, and one of those may run long. Only a load of this model waits (_switch).
         async with self._lock(name):
-            if registry.served(name) == settings and not registry.is_unloading(name):
-                # Loaded again meanwhile with equal settings: the workers' entry is served.
+            served = registry.served(name)
+            if served == settings and (served is not settings or not registry.is_unloading(name)):
+                # Loaded again meanwhile with equal settings: the workers' entry (keyed by value)
+                # is the newer one's, served, or for its own unload to drop after its own grace.
                 return
             await self.core.pool.unload(settings)
 

@@ -173,6 +173,14 @@ class InferenceCore:
             return False
         return not self.draining and self.registry.is_ready(settings.name)
 
+    def model_state(self, name: str) -> tuple[str, str]:
+        """Model ``name``'s state as the repository index says it (``READY``, ``LOADING``,
+        ``UNLOADING``, ``UNAVAILABLE``) and why it is not ready (``""`` when it is)."""
+        if self.draining:
+            return "UNAVAILABLE", "the server is shutting down"
+        state, reason = self.registry.state(name)
+        return str(state), reason
+
     def server_metadata(self) -> ServerMetadata:
         """The server's name, version and extensions."""
         return ServerMetadata(name=SERVER_NAME, version=SERVER_VERSION, extensions=self.extensions)

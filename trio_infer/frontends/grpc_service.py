@@ -58,7 +58,7 @@ from trio_infer.protobuf.codec import (
 )
 from trio_infer.protobuf.field_count import MODEL_INFER_REQUEST, FieldTree, count_fields
 from trio_infer.protobuf.wire import WireInferRequest
-from trio_infer.transport.grpc_protocol import shown
+from trio_infer.transport.grpc_protocol import header_text, shown
 from trio_infer.transport.grpc_server import Call
 
 __all__ = ["GrpcService"]
@@ -240,7 +240,15 @@ class GrpcService:
         self, request: pb.ModelReadyRequest, call: Call, reservation: Reservation
     ) -> Message:
         call.subject = request.name
-        return pb.ModelReadyResponse(ready=self.core.model_ready(request.name, request.version))
+        ready = self.core.model_ready(request.name, request.version)
+        if not ready:
+            # Why, for a client or an operator: the index's state and reason (a load's error).
+            state, reason = self.core.model_state(request.name)
+            call.trailing_metadata = (
+                ("x-model-state", state),
+                ("x-model-reason", header_text(reason)),
+            )
+        return pb.ModelReadyResponse(ready=ready)
 
     async def _server_metadata(
         self, request: pb.ServerMetadataRequest, call: Call, reservation: Reservation
@@ -773,6 +781,12 @@ class _SequenceTurns:
         return _Turn(before, done)
 
 
+def _size_of(metadata: Mapping[str, str], name: str) -> int:
+    """The bytes ``name`` and its value take in ``metadata`` (0 when absent)."""
+    value = metadata.get(name)
+    return 0 if value is None else len(name) + len(value)
+
+
 class _StreamSender:
     """Sends a stream's answers one at a time, each whole, and gathers the metadata their models
     set. The first send that fails (a client that reads none of its answers for the send
@@ -807,8 +821,10 @@ class _StreamSender:
             return True
         late = {} if self._first else dict(headers)
         late.update(trailers)
+        # The size once gathered: a name already there is counted at its new value (a longer
+        # value for the same name must not slip past the bound).
         size = self._trailers_size + sum(
-            len(name) + len(value) for name, value in late.items() if name not in self.trailers
+            len(name) + len(value) - _size_of(self.trailers, name) for name, value in late.items()
         )
         if size > MAX_RESPONSE_METADATA:
             return False
@@ -816,7 +832,7 @@ class _StreamSender:
             self._call.initial_metadata = tuple(headers.items())
             self._first = False
         self.trailers.update(late)
-        self._trailers_size = sum(len(name) + len(value) for name, value in self.trailers.items())
+        self._trailers_size = size
         return True
 
     async def send(self, message: list[Buffer]) -> None:

@@ -42,6 +42,7 @@ from trio_infer.core.timeouts import TIMED_OUT, take_timeout
 from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
 from trio_infer.errors import InferError, InvalidInput, StatusCode, Unimplemented
 from trio_infer.rest import codec
+from trio_infer.transport.grpc_protocol import header_text
 from trio_infer.transport.http_server import HttpError, HttpRequest, error_body
 
 __all__ = ["HttpService", "MetricsRenderer", "http_status", "metrics_handler", "serve_metrics"]
@@ -263,7 +264,14 @@ class HttpService:
         await request.respond(200 if self.core.server_ready() else 400)
 
     async def _model_ready(self, request: HttpRequest, name: str, version: str) -> None:
-        await request.respond(200 if self.core.model_ready(name, version) else 400)
+        if self.core.model_ready(name, version):
+            await request.respond(200)
+            return
+        # Why, in headers (the body stays empty, as Triton's): the index's state and reason.
+        state, reason = self.core.model_state(name)
+        await request.respond(
+            400, [("x-model-state", state), ("x-model-reason", header_text(reason))]
+        )
 
     async def _server_metadata(self, request: HttpRequest, name: str, version: str) -> None:
         metadata = self.core.server_metadata()

@@ -824,7 +824,10 @@ class Batching:
     async def replace(self, settings: ModelSettings) -> None:
         """Serve model ``settings.name`` with these settings from now on: its requests go to a
         batcher of them (none, when they do not batch); the requests the one before holds
-        are served by it first, then it stops. Needs :meth:`run`."""
+        are served by it first, then it stops. Needs :meth:`run`.
+
+        The switch is made after the last checkpoint, so a caller may switch what goes with
+        the settings (the registry) in the same step."""
         assert self._nursery is not None, "Batching.run has started"
         batcher = self._batcher_of(settings)
         if batcher is not None:

@@ -164,6 +164,15 @@ def shown(value: str, limit: int = 64) -> str:
     return value if len(value) <= limit else value[:limit] + "..."
 
 
+def header_text(value: str, limit: int = 1024) -> str:
+    """``value`` as a header value may carry it (gRPC text metadata, HTTP/1.1): printable
+    ASCII, every other character as ``?``, cut to ``limit`` characters."""
+    cut = shown(value, limit)
+    if cut.isascii() and cut.isprintable():
+        return cut
+    return "".join(c if c.isascii() and c.isprintable() else "?" for c in cut)
+
+
 def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
     """What makes a request's (HTTP/2-valid) headers not a gRPC call, or None if nothing.
 
