@@ -2,13 +2,13 @@
 
 Every server is installed (first use) and started, then each scenario is measured on one
 server after the other: the servers being compared are measured within seconds of each other,
-not minutes, on a shared machine whose speed drifts. The load scenarios (live, dense, sleep)
-run in rounds, the servers taking turns in alternating order, and each row is the median of
-its rounds. Only the server being measured has work: the others sit idle. The scenarios on
-trio-infer alone (overload, batching, hostile, repository) then start a server of their own
-each, once the shared ones have stopped. Results go to ``bench/results/<timestamp>/`` (and
-``bench/results/latest``): ``table.md``, ``results.jsonl``, ``chart.png``, ``rss.png`` and the
-servers' logs.
+not minutes, on a shared machine whose speed drifts. The load scenarios (live, dense, sleep,
+REST, streams, runtime models) run in rounds, the servers taking turns in alternating order,
+and each row is the median of its rounds. Only the server being measured has work: the others
+sit idle. The scenarios on trio-infer alone (overload, batching, hostile, repository) then start
+a server of their own each, once the shared ones have stopped. Results go to
+``bench/results/<timestamp>/`` (and ``bench/results/latest``): ``table.md``, ``results.jsonl``,
+``chart.png``, ``rss.png`` and the servers' logs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         "--scenarios",
         default="all",
         help="comma-separated scenario names or prefixes: live, dense, dense-n64, sleep, "
-        "kill, storm, overload, batching, hostile, repository, rest, rest-dense-n64, "
+        "kill, storm, overload, batching, hostile, repository, rest, rest-dense-n64, runtime, "
         "dense-n1-raw-c25, batching-on, hostile-rapid-reset, ... (default: all)",
     )
     parser.add_argument(
@@ -139,11 +140,22 @@ def _run_shared(
 ) -> None:
     """Start the servers together and measure each scenario on one after the other."""
     running: dict[ServerKind, ServerProcess] = {}
+    # The runtime models go into copies of the repositories, which live as long as the servers
+    # (a restart serves them again).
+    copies = tempfile.TemporaryDirectory(prefix="bench-repositories-")
     try:
+        served = (
+            servers.with_runtime_models(list(pythons), Path(copies.name), log)
+            if any(s.kind in servers.RUNTIME_KINDS for s in shared)
+            else {}
+        )
         for kind, python in pythons.items():
             if not any(s.kind in kind.serves for s in shared):
                 continue
-            server = ServerProcess(kind, python, workers, run_dir, extra_args=kind.shared_args)
+            kind_served = served.get(kind, kind)
+            server = ServerProcess(
+                kind_served, python, workers, run_dir, extra_args=kind_served.shared_args
+            )
             try:
                 took = server.start()
             except PeerUnavailable as error:
@@ -181,6 +193,7 @@ def _run_shared(
     finally:
         for server in running.values():
             server.stop()
+        copies.cleanup()
 
 
 def _ready(

@@ -171,12 +171,18 @@ def dense_input(rows: int) -> np.ndarray:
 
 
 def infer_request(
-    model: str, x: np.ndarray, *, raw: bool, delay_ms: int | None = None, priority: int = 0
+    model: str,
+    x: np.ndarray,
+    *,
+    raw: bool,
+    delay_ms: int | None = None,
+    priority: int = 0,
+    input_name: str = "x",
 ) -> pb.ModelInferRequest:
-    """A ModelInfer request with input ``x``, raw or typed, an optional ``delay_ms`` and an
-    optional ``priority`` (sent, as Triton's client does, only when not 0)."""
+    """A ModelInfer request with input ``x`` (named ``input_name``), raw or typed, an optional
+    ``delay_ms`` and an optional ``priority`` (sent, as Triton's client does, only when not 0)."""
     request = pb.ModelInferRequest(model_name=model)
-    encode_inputs(request, [("x", x)], raw=raw)
+    encode_inputs(request, [(input_name, x)], raw=raw)
     if delay_ms is not None:
         request.parameters["delay_ms"].int64_param = delay_ms
     if priority:

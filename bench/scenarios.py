@@ -12,6 +12,9 @@
 ``rest-live-c25``   REST ``GET /v2/health/live`` at concurrency 25: the HTTP stack's floor.
 ``rest-dense-nN-F`` REST ``dense`` with N rows (1 or 64), F = ``json`` or ``bin`` (Triton's
                     binary tensor extension), concurrency 25, a connection per call in flight.
+``runtime-R-nN-c25`` the built-in runtimes' models (:mod:`bench.peers.runtime_models`), R =
+                    ``sklearn`` (a random forest, against MLServer's mlserver-sklearn) or
+                    ``onnx`` (the same forest in ONNX), N rows (1 or 64), raw, concurrency 25.
 ``kill``            ``sleep`` 10 ms at C=25; one worker gets SIGKILL: failed calls and the time
                     until throughput is back to 90 % of what it was before.
 ``storm``           25 clients send ``sleep`` 100 ms with a 50 ms deadline; then the time until
@@ -44,8 +47,8 @@
 
 Scenarios always run in this order, each on every server before the next; ``kill`` and
 ``storm`` come last because they can leave a server degraded (it is restarted when they do).
-``live``, ``dense``, ``sleep``, ``add_sub``, ``stream``, ``decoupled`` and the REST scenarios run
-in rounds (``--rounds``), the servers taking turns.
+``live``, ``dense``, ``sleep``, ``add_sub``, ``stream``, ``decoupled``, the REST and the
+``runtime`` scenarios run in rounds (``--rounds``), the servers taking turns.
 ``overload``, ``batching``, ``hostile`` and ``repository`` (trio-infer only) each start a server
 of their own, after the shared ones stopped.
 """
@@ -79,10 +82,12 @@ from bench import attacks, batch_probe, client
 from bench.servers import (
     REPO,
     REST_KINDS,
+    RUNTIME_KINDS,
     CpuSnapshot,
     MemorySampler,
     ServerKind,
     ServerProcess,
+    copy_repository,
 )
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.repository.settings import EXAMPLES, SETTINGS_FILE
@@ -140,15 +145,22 @@ CHURN_OPERATIONS = ("unload", "load", "reload")
 #: repository: each load or unload's deadline, seconds (a load into both workers, behind the
 #: measured calls, takes tens of milliseconds here; one taking this long is a failure to see).
 CHURN_TIMEOUT = 30.0
+#: runtime: the concurrency, and each family's model (:mod:`bench.peers.runtime_models`).
+RUNTIME_CONCURRENCY = 25
+RUNTIME_FAMILIES = (("sklearn", "sklearn_forest"), ("onnx", "onnx_forest"))
 #: Scenario kinds measured in several rounds, the servers taking turns (see :func:`merge_rounds`).
-ROUND_KINDS = frozenset({"live", "dense", "sleep", "add_sub", "stream", "decoupled"}) | REST_KINDS
+ROUND_KINDS = (
+    frozenset({"live", "dense", "sleep", "add_sub", "stream", "decoupled"})
+    | REST_KINDS
+    | RUNTIME_KINDS
+)
 
 
 @dataclass(frozen=True)
 class Scenario:
     """One measured situation; ``kind`` is one of live, dense, sleep, add_sub, stream,
-    decoupled, rest-live, rest-dense, priority, kill, storm, overload, batching, hostile,
-    repository."""
+    decoupled, rest-live, rest-dense, runtime, priority, kill, storm, overload, batching,
+    hostile, repository."""
 
     name: str
     kind: str
@@ -171,7 +183,8 @@ class Scenario:
     attack: str = ""
     """hostile: the attack of :mod:`bench.attacks` beside the bystander."""
     model: str = ""
-    """stream: the model each message calls (``add_sub`` or ``dense``)."""
+    """stream: the model each message calls (``add_sub`` or ``dense``); runtime: the model
+    called (``sklearn_forest`` or ``onnx_forest``)."""
 
     @property
     def own_server(self) -> bool:
@@ -207,6 +220,12 @@ def all_scenarios() -> list[Scenario]:
             raw=binary,
         )
         for binary in (False, True)
+        for rows in (1, 64)
+    ]
+    c = RUNTIME_CONCURRENCY
+    scenarios += [
+        Scenario(f"runtime-{family}-n{rows}-c{c}", "runtime", c, rows=rows, model=model)
+        for family, model in RUNTIME_FAMILIES
         for rows in (1, 64)
     ]
     scenarios.append(Scenario("priority", "priority", 25, delay_ms=10))
@@ -426,6 +445,9 @@ def _calls(stub: Any, scenario: Scenario) -> tuple[client.Call, Callable[[object
     if scenario.kind in ("dense", "add_sub"):
         request, check = _request(scenario.kind, scenario.rows)
         return _infer(stub, request), check
+    if scenario.kind == "runtime":
+        request, check = _runtime_request(scenario.model, scenario.rows)
+        return _infer(stub, request), check
     echo = _echo_input()
     request = client.infer_request("sleep", echo, raw=scenario.raw, delay_ms=scenario.delay_ms)
     return _infer(stub, request), lambda response: client.check_echo(response, echo)
@@ -439,6 +461,29 @@ def _request(model: str, rows: int = 1) -> tuple[pb.ModelInferRequest, Callable[
         return request, lambda response: client.check_dense(response, x)
     a, b = client.add_sub_inputs()
     return client.add_sub_request(a, b), lambda response: client.check_add_sub(response, a, b)
+
+
+def _runtime_request(model: str, rows: int) -> tuple[pb.ModelInferRequest, Callable[[object], str]]:
+    """A raw request of ``rows`` rows to a runtime model, and the check of its answer against
+    the model's prediction in this process."""
+    # scikit-learn is imported only when a runtime scenario runs: it is not a bench extra.
+    from bench.peers import runtime_models
+
+    spec = runtime_models.MODELS[model]
+    x = runtime_models.features(spec, rows)
+    expected = runtime_models.predict(spec, x)
+    request = client.infer_request(model, x, raw=True, input_name=spec.input_name)
+    return request, lambda response: client.check_output(response, spec.output, expected)
+
+
+def _runtime_missing(server: ServerProcess, scenario: Scenario) -> str:
+    """Why ``server`` does not run a ``runtime`` scenario (the row says ``-``); empty if it does."""
+    if scenario.model not in server.kind.runtime_models:
+        return server.kind.no_runtime
+    if scenario.model not in server.models:
+        # with_runtime_models wrote no such folder: no scikit-learn, or skl2onnx, here.
+        return f"{scenario.model} not written (see the log: scikit-learn or skl2onnx missing?)"
+    return ""
 
 
 def _ticks_request() -> tuple[pb.ModelInferRequest, np.ndarray]:
@@ -514,7 +559,13 @@ async def _connected(
 
 async def _load(server: ServerProcess, scenario: Scenario, timing: Timing) -> Result:
     result = Result(server.kind.name, scenario.name, scenario.kind, scenario.concurrency)
-    missing = _rest_missing(server, scenario) if scenario.kind in REST_KINDS else ""
+    missing = (
+        _rest_missing(server, scenario)
+        if scenario.kind in REST_KINDS
+        else _runtime_missing(server, scenario)
+        if scenario.kind in RUNTIME_KINDS
+        else ""
+    )
     if missing:
         result.notes = f"n/a: {missing}"
         return result
@@ -925,13 +976,7 @@ def cpu_note(split: dict[str, float]) -> str:
 def _example_repository(root: Path) -> Path:
     """A copy of the example repository (every model folder of ``trio_infer/examples`` with
     its settings) in ``root/repository``, for a scenario's own server to serve."""
-    repository = root / "repository"
-    for folder in sorted(EXAMPLES.iterdir()):
-        if (folder / SETTINGS_FILE).is_file():
-            shutil.copytree(
-                folder, repository / folder.name, ignore=shutil.ignore_patterns("__pycache__")
-            )
-    return repository
+    return copy_repository(EXAMPLES, root / "repository", models_only=True)
 
 
 def _batching_repository(root: Path, on: bool) -> Path:

@@ -15,8 +15,10 @@ import atexit
 import contextlib
 import functools
 import http.client
+import importlib.metadata
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +34,7 @@ import grpc
 
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from trio_infer.repository.settings import SETTINGS_FILE
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -75,7 +78,8 @@ class ServerKind:
         find_workers: Worker pids from the server's pid; None when it has no worker processes.
         workers_note: How workers are found, or why there are none (README and table).
         models: Models to wait for before the server counts as started (on the server the
-            shared scenarios run on; a scenario's own server waits for ``dense`` and ``sleep``).
+            shared scenarios run on, plus the runtime models written when a ``runtime``
+            scenario runs; a scenario's own server waits for ``dense`` and ``sleep``).
         workdir: The server's working directory. A baseline runs in its own source tree, so
             that its worker processes import its own ``trio_infer``, not this checkout's.
         venv: The venv's folder under ``bench/.venvs`` (kinds with the same requirements may
@@ -97,11 +101,22 @@ class ServerKind:
     workdir: Path = REPO
     venv: str = ""
     by_default: bool = True
-    shared_args: tuple[str, ...] = ()
-    """Appended to the command line of the server the shared scenarios run on (not of a
-    scenario's own server): trio-infer's model repository with the decoupled ``ticks``."""
+    repository: Path | None = None
+    """The model repository of the server the shared scenarios run on (not of a scenario's own
+    server), last on its command line: trio-infer's with the decoupled ``ticks``, MLServer's
+    with its custom runtimes; a run with a ``runtime`` scenario serves a copy with
+    ``runtime_models`` added (:func:`with_runtime_models`)."""
     has_rest: Callable[[Path], bool] = lambda python: True
     no_binary_rest: str = ""
+    runtime_models: tuple[str, ...] = ()
+    """The models of :mod:`bench.peers.runtime_models` it serves in the ``runtime`` scenarios."""
+    no_runtime: str = ""
+    """Why a ``runtime`` row of a model not in ``runtime_models`` shows ``-``."""
+
+    @property
+    def shared_args(self) -> tuple[str, ...]:
+        """Appended to the command line of the server the shared scenarios run on."""
+        return (str(self.repository),) if self.repository else ()
 
 
 # ------------------------------------------------------------------------------------------
@@ -412,7 +427,8 @@ def _trio_infer_command(python: Path, ports: Ports, workers: int) -> list[str]:
 
 
 def _mlserver_command(python: Path, ports: Ports, workers: int) -> list[str]:
-    return [str(python.parent / "mlserver"), "start", str(PEERS / "mlserver_repo")]
+    # The repository follows (ServerKind.repository): a run's copy when it has runtime models.
+    return [str(python.parent / "mlserver"), "start"]
 
 
 def _mlserver_env(ports: Ports, workers: int) -> dict[str, str]:
@@ -422,7 +438,8 @@ def _mlserver_env(ports: Ports, workers: int) -> dict[str, str]:
         "MLSERVER_HTTP_PORT": str(ports.http),
         "MLSERVER_METRICS_PORT": str(ports.metrics),
         "MLSERVER_PARALLEL_WORKERS": str(workers),
-        "PYTHONPATH": str(PEERS / "mlserver_repo"),
+        # bench_runtime.py, also in a run's copy of the repository (the same code).
+        "PYTHONPATH": str(MLSERVER_MODELS),
         **_thread_env(workers),
     }
 
@@ -466,10 +483,32 @@ ALL_KINDS = frozenset({"live", "dense", "sleep", "priority", "storm", "kill"}) |
 STREAM_KINDS = frozenset({"add_sub", "stream", "decoupled"})
 #: trio-infer alone also runs the scenarios that start it with its own settings (not a
 #: ``--baseline``: its ``serves`` is ALL_KINDS, as an older tree may lack their options).
-TRIO_INFER_KINDS = ALL_KINDS | STREAM_KINDS | {"overload", "batching", "hostile", "repository"}
+#: The built-in runtimes' models (bench/peers/runtime_models.py), against MLServer's own.
+RUNTIME_KINDS = frozenset({"runtime"})
+TRIO_INFER_KINDS = (
+    ALL_KINDS | STREAM_KINDS | RUNTIME_KINDS | {"overload", "batching", "hostile", "repository"}
+)
 #: trio-infer's repository for the shared scenarios: the examples' settings plus ``ticks``.
 TRIO_MODELS = PEERS / "trio_models"
+#: MLServer's: ``dense`` and ``sleep`` on the custom runtimes of its ``bench_runtime.py``.
+MLSERVER_MODELS = PEERS / "mlserver_repo"
 STREAM_MODELS = ("dense", "sleep", "add_sub", "ticks")
+#: Triton's and Triton-nobatch's ``no_runtime``.
+TRITON_NO_RUNTIME = (
+    "not run: the PyTriton wheel's Triton has only the Python backend (no FIL or ONNX Runtime)"
+)
+
+
+def _sklearn_pin() -> tuple[str, ...]:
+    """``scikit-learn==<the release of this interpreter>``, for MLServer's venv: the runtime
+    models' joblib file is written here, once, and read by the release that wrote it (here for
+    the first answer's check, in trio-infer's workers and in MLServer's). Nothing without
+    scikit-learn here (the runtime rows are then ``-``)."""
+    try:
+        return (f"scikit-learn=={importlib.metadata.version('scikit-learn')}",)
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+
 
 TRITON_REQUIREMENTS = ("nvidia-pytriton==0.7.0", "numpy")
 
@@ -485,51 +524,64 @@ SERVERS: dict[str, ServerKind] = {
             find_workers=trio_infer_workers,
             workers_note="children of the multiprocessing fork server",
             models=STREAM_MODELS,
-            shared_args=(str(TRIO_MODELS),),
+            repository=TRIO_MODELS,
             has_rest=trio_infer_has_rest,
+            runtime_models=("sklearn_forest", "onnx_forest"),
         ),
         ServerKind(
             name="mlserver",
             # uvloop 0.22+ kills MLServer 1.7.1's parallel workers at start
             # ("There is no current event loop").
-            requirements=("mlserver==1.7.1", "uvloop==0.21.0"),
-            serves=ALL_KINDS,
+            requirements=(
+                "mlserver==1.7.1",
+                "uvloop==0.21.0",
+                "mlserver-sklearn==1.7.1",
+                *_sklearn_pin(),
+            ),
+            serves=ALL_KINDS | RUNTIME_KINDS,
             command=_mlserver_command,
             environment=_mlserver_env,
             find_workers=mlserver_workers,
             workers_note="children started by multiprocessing spawn (parallel_workers)",
             # Its REST reads the body as JSON only (no Inference-Header-Content-Length).
             no_binary_rest="MLServer's REST has no binary tensor extension (JSON only)",
+            repository=MLSERVER_MODELS,
+            runtime_models=("sklearn_forest",),
+            no_runtime="not run: MLServer 1.7.1 has no ONNX runtime",
         ),
         ServerKind(
             name="kserve",
             requirements=("kserve==0.21.0",),
-            serves=ALL_KINDS,
+            serves=ALL_KINDS | RUNTIME_KINDS,
             command=_kserve_command,
             environment=_no_env,
             find_workers=None,
             workers_note="no worker processes: V2 gRPC runs every model in the main process",
+            no_runtime="not run: KServe serves scikit-learn and ONNX from model servers of "
+            "their own (sklearnserver, Triton), not set up here",
         ),
         ServerKind(
             name="triton",
             # Triton 2.51.0's own tritonserver and Python backend, shipped in PyTriton's wheel.
             requirements=TRITON_REQUIREMENTS,
-            serves=ALL_KINDS | STREAM_KINDS,
+            serves=ALL_KINDS | STREAM_KINDS | RUNTIME_KINDS,
             command=_triton_command,
             models=STREAM_MODELS,
             environment=_triton_env,
             find_workers=triton_workers,
             workers_note="Python backend stubs, one per model instance (2 x N), sleep's first",
+            no_runtime=TRITON_NO_RUNTIME,
         ),
         ServerKind(
             name="triton-nobatch",
             requirements=TRITON_REQUIREMENTS,
-            serves=ALL_KINDS | STREAM_KINDS,
+            serves=ALL_KINDS | STREAM_KINDS | RUNTIME_KINDS,
             command=_triton_nobatch_command,
             models=STREAM_MODELS,
             environment=_triton_env,
             find_workers=triton_workers,
             workers_note="Python backend stubs, one per model instance (2 x N), sleep's first",
+            no_runtime=TRITON_NO_RUNTIME,
             venv="triton",
             by_default=False,  # only dense differs from triton: run it by name
         ),
@@ -610,6 +662,57 @@ def ensure_venv(name: str, requirements: Sequence[str], log: Callable[[str], Non
                 raise PeerUnavailable(f"install failed: {_tail(install_log)}") from None
     marker.write_text(wanted)
     return python
+
+
+# ------------------------------------------------------------------------------------------
+# Repositories
+
+
+def copy_repository(source: Path, destination: Path, *, models_only: bool = False) -> Path:
+    """A copy of the model repository ``source`` at ``destination`` (no ``__pycache__``), for a
+    server to serve with a run's own changes; ``models_only``: only the folders that hold a
+    ``model-settings.json`` (the examples' package has Python modules beside them)."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    if not models_only:
+        shutil.copytree(source, destination, ignore=ignore)
+        return destination
+    for folder in sorted(source.iterdir()):
+        if (folder / SETTINGS_FILE).is_file():
+            shutil.copytree(folder, destination / folder.name, ignore=ignore)
+    return destination
+
+
+def with_runtime_models(
+    kinds: Sequence[ServerKind], root: Path, log: Callable[[str], None]
+) -> dict[ServerKind, ServerKind]:
+    """Each kind that serves runtime models, as it serves a copy of its repository under
+    ``root`` with them written in (:mod:`bench.peers.runtime_models`), its readiness waiting
+    for those written too. Empty when scikit-learn is not installed here (the runtime rows are
+    then ``-``)."""
+    chosen = [
+        kind
+        for kind in kinds
+        if kind.runtime_models and kind.repository and "runtime" in kind.serves
+    ]
+    if not chosen:
+        return {}
+    try:
+        # scikit-learn (and skl2onnx) only for runs with a runtime scenario: not a bench extra.
+        from bench.peers import runtime_models
+    except ImportError as error:
+        log(f"no runtime models: {error} (pip install -e '.[test]' has what they need)")
+        return {}
+    served: dict[ServerKind, ServerKind] = {}
+    for kind in chosen:
+        assert kind.repository is not None
+        copy = copy_repository(kind.repository, root / kind.name)
+        if kind.name == "mlserver":
+            runtime_models.write_models(None, copy)
+        else:
+            runtime_models.write_models(copy, None)
+        written = tuple(name for name in kind.runtime_models if (copy / name).is_dir())
+        served[kind] = replace(kind, repository=copy, models=kind.models + written)
+    return served
 
 
 # ------------------------------------------------------------------------------------------
@@ -827,7 +930,8 @@ def baseline(revision: str) -> ServerKind:
         serves=ALL_KINDS,
         workdir=source,
         models=("dense", "sleep"),
-        shared_args=(),  # an older tree may not know the repository's settings
+        repository=None,  # an older tree may not know the repository's settings
+        runtime_models=(),
     )
 
 

@@ -442,6 +442,13 @@ class HttpConnection:
                     )
                     if size > limits.max_header_size:
                         raise HttpError(431, self._headers_too_large())
+                    if _framed_twice(event):
+                        # h11 lets Transfer-Encoding win; a proxy in front may have believed
+                        # Content-Length, and would see another request in this body (request
+                        # smuggling). RFC 9112 6.3: an error, and the connection closes.
+                        raise HttpError(
+                            400, "the request has both Content-Length and Transfer-Encoding"
+                        )
                     self._served += 1
                     return event
                 if event is not h11.NEED_DATA:
@@ -644,6 +651,12 @@ class HttpConnection:
                 if not data:
                     break
                 received += len(data)
+
+
+def _framed_twice(event: h11.Request) -> bool:
+    """Whether a request's head gives its body's length both ways."""
+    names = {name for name, _ in event.headers}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,678 @@
+"""Hostile and careless clients of the REST port: raw HTTP/1.1 written by hand against a real
+server, with a well-behaved httpx client beside each whose calls must keep succeeding.
+
+Each test checks the status the README promises (or HTTP's own), that the server goes on
+serving, and that what the hostile client made it hold (connections, requests, reserved bytes,
+buffered bytes) is bounded and given back."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+
+from tests.support import eventually, start_server
+from trio_infer.server import RunningServer
+
+MiB = 1024 * 1024
+
+#: Short timeouts, so that what the transport cuts off is cut off within a test.
+TIMEOUTS: dict[str, Any] = {
+    "handshake_timeout": 1.0,
+    "receive_timeout": 1.0,
+    "idle_timeout": 1.0,
+    "send_timeout": 1.0,
+}
+
+ADD_SUB_BODY = {
+    "inputs": [
+        {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": list(range(16))},
+        {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": [1] * 16},
+    ]
+}
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery) -> RunningServer:
+    return await start_server(nursery, workers=1, **TIMEOUTS)
+
+
+@pytest.fixture(autouse=True)
+async def close_raw_connections() -> AsyncIterator[None]:
+    yield
+    while Raw.opened:
+        await Raw.opened.pop().aclose()
+
+
+# -- a raw client -----------------------------------------------------------------------------
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def error(self) -> str:
+        document = json.loads(self.body)
+        assert set(document) == {"error"}, document
+        return str(document["error"])
+
+    @property
+    def closes(self) -> bool:
+        return self.headers.get("connection") == "close"
+
+
+class Raw:
+    """A connection to the REST port that sends bytes as given and parses what comes back by
+    hand (the server always sends ``content-length``), so that it can send what no HTTP
+    library would."""
+
+    #: Every connection opened, closed at the end of its test whatever the test did.
+    opened: list[Raw] = []
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buffer = bytearray()
+        self.at_end = False
+        Raw.opened.append(self)
+
+    @classmethod
+    async def open(cls, port: int | None, *, receive_buffer: int | None = None) -> Raw:
+        assert port is not None
+        sock = trio.socket.socket()
+        if receive_buffer is not None:
+            # Before connecting, so that the window the client advertises is small too.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        await sock.connect(("127.0.0.1", port))
+        return cls(trio.SocketStream(sock))
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def trickle(self, data: bytes, pause: float = 0.05) -> None:
+        """Send ``data`` a byte at a time, until it is sent or the server closes."""
+        try:
+            for byte in data:
+                await self.stream.send_all(bytes([byte]))
+                await trio.sleep(pause)
+        except trio.BrokenResourceError:
+            pass
+
+    async def _fill(self) -> None:
+        try:
+            data = await self.stream.receive_some(65536)
+        except trio.BrokenResourceError:
+            data = b""  # a reset
+        if not data:
+            self.at_end = True
+        self.buffer += data
+
+    async def response(self) -> Response | None:
+        """The next response (1xx included); None if the connection ends before one."""
+        while b"\r\n\r\n" not in self.buffer:
+            if self.at_end:
+                return None
+            await self._fill()
+        head, _, _ = bytes(self.buffer).partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0"))
+        end = len(head) + 4 + length
+        while len(self.buffer) < end:
+            if self.at_end:
+                return None
+            await self._fill()
+        body = bytes(self.buffer[len(head) + 4 : end])
+        del self.buffer[:end]
+        return Response(status, headers, body)
+
+    async def final(self) -> Response:
+        """The next final (not 1xx) response."""
+        while True:
+            response = await self.response()
+            assert response is not None, "the connection ended without a response"
+            if response.status >= 200:
+                return response
+
+    async def ends(self) -> None:
+        """Wait until the server closes the connection, with nothing more sent."""
+        while not self.at_end:
+            await self._fill()
+        assert not self.buffer, bytes(self.buffer[:200])
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    async def __aenter__(self) -> Raw:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def head(method: str, path: str, *headers: str) -> bytes:
+    return "\r\n".join([f"{method} {path} HTTP/1.1", "Host: x", *headers, "", ""]).encode()
+
+
+def post(path: str, body: bytes, *headers: str) -> bytes:
+    return head("POST", path, f"Content-Length: {len(body)}", *headers) + body
+
+
+def infer(body: bytes, *headers: str, model: str = "echo") -> bytes:
+    return post(f"/v2/models/{model}/infer", body, *headers)
+
+
+async def exchange(server: RunningServer, data: bytes) -> Response:
+    """Send ``data`` on a new connection; its one answer, after which the server closes it."""
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(data)
+        with trio.fail_after(10):
+            answer = await raw.final()
+            assert answer.closes, answer
+            await raw.ends()
+    return answer
+
+
+class Bystander:
+    """A well-behaved client: a health check and an add_sub inference, which must succeed
+    whatever the others do."""
+
+    def __init__(self, server: RunningServer) -> None:
+        self.server = server
+        self.calls = 0
+        self.slowest = 0.0
+
+    async def call(self) -> None:
+        started = time.monotonic()
+        with trio.fail_after(10):
+            async with httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{self.server.http_port}", timeout=10
+            ) as client:
+                ready = await client.get("/v2/health/ready")
+                assert ready.status_code == 200, ready.text
+                answer = await client.post("/v2/models/add_sub/infer", json=ADD_SUB_BODY)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["outputs"][0]["data"][:3] == [1.0, 2.0, 3.0]
+        self.calls += 1
+        self.slowest = max(self.slowest, time.monotonic() - started)
+
+    async def keep_calling(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Call again and again until cancelled (the first call made before it starts)."""
+        await self.call()
+        task_status.started()
+        while True:
+            await self.call()
+            await trio.sleep(0.05)
+
+
+def started(server: RunningServer) -> int:
+    statistics = server.statistics().http
+    assert statistics is not None
+    return statistics.requests_started
+
+
+def connections(server: RunningServer) -> int:
+    statistics = server.statistics().http
+    assert statistics is not None
+    return statistics.connections
+
+
+def reserved(server: RunningServer) -> int:
+    return server.statistics().admission.reserved_bytes
+
+
+# -- slowloris --------------------------------------------------------------------------------
+
+
+async def test_a_head_sent_a_byte_at_a_time_is_cut_off_at_the_handshake_timeout(
+    server: RunningServer,
+) -> None:
+    bystander = Bystander(server)
+    raw = await Raw.open(server.http_port)
+    silent = await Raw.open(server.http_port)
+    request = head("GET", "/v2/health/live", *[f"X-Pad-{i}: {'a' * 20}" for i in range(20)])
+    begun = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(raw.trickle, request)
+        await bystander.call()  # served beside it
+        with trio.fail_after(5):
+            answer = await raw.final()
+            assert answer.status == 408
+            assert answer.error() == "the request's head did not arrive within 1 s"
+            await raw.ends()
+        nursery.cancel_scope.cancel()
+    # Cut off at the handshake timeout, long before the ~25 s the trickle would take.
+    assert trio.current_time() - begun < 3
+    # A connection that sends nothing at all is closed at the same timeout, unanswered.
+    with trio.fail_after(5):
+        await silent.ends()
+    assert started(server) == 2  # the bystander's two calls; neither reached a handler
+    await raw.aclose()
+    await silent.aclose()
+    await bystander.call()
+    await eventually(lambda: connections(server) == 0)
+
+
+async def test_a_body_sent_a_byte_at_a_time_holds_the_budget_only_for_the_receive_timeout(
+    server: RunningServer,
+) -> None:
+    bystander = Bystander(server)
+    body = json.dumps(ADD_SUB_BODY).encode()
+    announced = await Raw.open(server.http_port)
+    chunked = await Raw.open(server.http_port)
+    # The heads whole (the handshake timeout bounds them), the bodies a byte at a time.
+    await announced.send(infer(body, model="add_sub")[: -len(body)])
+    await chunked.send(head("POST", "/v2/models/add_sub/infer", "Transfer-Encoding: chunked"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(announced.trickle, body)
+        nursery.start_soon(
+            chunked.trickle, b"".join(b"1\r\n" + bytes([byte]) + b"\r\n" for byte in body)
+        )
+        await eventually(lambda: reserved(server) >= 3 * len(body))
+        await bystander.call()
+        with trio.fail_after(5):
+            answers = [await announced.final(), await chunked.final()]
+        nursery.cancel_scope.cancel()
+    for answer in answers:
+        assert answer.status == 408
+        assert answer.error() == "the request body did not arrive within 1 s"
+        assert answer.closes
+    assert reserved(server) == 0
+    await announced.aclose()
+    await chunked.aclose()
+    await bystander.call()
+
+
+# -- heads ------------------------------------------------------------------------------------
+
+HEAD_FLOODS = [
+    # (what, the bytes, the status, the start of the error)
+    (
+        "many headers",
+        head("GET", "/v2/health/live", *[f"X-A-{i}: b" for i in range(3000)]),
+        431,
+        "the request's headers are larger",
+    ),
+    (
+        "one header of 1 MiB",
+        head("GET", "/v2/health/live", "X-Big: " + "a" * MiB),
+        431,
+        "the request's headers are larger",
+    ),
+    (
+        "a request line of 100 KB",
+        head("GET", "/v2/models/" + "a" * 100_000),
+        431,
+        "the request's headers are larger",
+    ),
+    ("a NUL in a header value", head("GET", "/v2", "X-A: a\0b"), 400, "malformed request"),
+    ("a control byte in a name", head("GET", "/v2", "X\x01A: b"), 400, "malformed request"),
+    ("a space before the colon", head("GET", "/v2", "X-A : b"), 400, "malformed request"),
+    ("a space in the target", b"GET /v2 x HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed request"),
+    ("a bare CR", b"GET /v2 HTTP/1.1\rHost: x\r\n\r\n", 400, "malformed request"),
+    ("no Host", b"GET /v2 HTTP/1.1\r\n\r\n", 400, "malformed request"),
+    ("not HTTP", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64), 400, "malformed"),
+]
+
+
+async def test_header_floods_and_malformed_heads_are_refused_and_closed(
+    server: RunningServer,
+) -> None:
+    bystander = Bystander(server)
+    for what, data, status, message in HEAD_FLOODS:
+        answer = await exchange(server, data)
+        assert answer.status == status, what
+        assert answer.error().startswith(message), (what, answer.error())
+        assert len(answer.body) < 1000, what  # the error does not echo what was sent
+    # No handler saw any of them.
+    assert started(server) == 0
+    await bystander.call()
+    await eventually(lambda: connections(server) == 0)
+
+
+async def test_an_obsolete_line_fold_is_unfolded_as_rfc_9112_allows(
+    server: RunningServer,
+) -> None:
+    raw = await Raw.open(server.http_port)
+    await raw.send(head("GET", "/v2/health/live", "X-Request-Id: a", " b"))
+    answer = await raw.final()
+    assert (answer.status, answer.headers["x-request-id"]) == (200, "a b")
+    await raw.aclose()
+
+
+# -- framing: request smuggling ---------------------------------------------------------------
+
+SMUGGLED = head("GET", "/v2/health/live", "X-Request-Id: smuggled")
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status"),
+    [
+        # Both framings: a proxy that believes one and this server the other would see another
+        # request in the body. RFC 9112 6.3: to be handled as an error, the connection closed.
+        (["Content-Length: 5", "Transfer-Encoding: chunked"], b"0\r\n\r\n" + SMUGGLED, 400),
+        (["Transfer-Encoding: chunked", "Content-Length: 40"], b"0\r\n\r\n" + SMUGGLED, 400),
+        (["Content-Length: 5", "Content-Length: 6"], b"abcdef", 400),
+        (["Content-Length: 5, 6"], b"abcdef", 400),
+        (["Content-Length: -1"], b"", 400),
+        (["Content-Length: +5"], b"abcde", 400),
+        (["Content-Length: 0x10"], b"", 400),
+        (["Content-Length: five"], b"", 400),
+        (["Content-Length: " + "9" * 5000], b"", 400),
+        (["Transfer-Encoding: gzip"], b"", 501),
+        (["Transfer-Encoding: chunked, chunked"], b"0\r\n\r\n", 501),
+        (["Transfer-Encoding: chunked", "Transfer-Encoding: chunked"], b"0\r\n\r\n", 501),
+    ],
+)
+async def test_ambiguous_or_malformed_framing_is_refused_and_the_connection_closed(
+    server: RunningServer, headers: list[str], body: bytes, status: int
+) -> None:
+    raw = await Raw.open(server.http_port)
+    await raw.send(head("POST", "/v2/models/echo/infer", *headers) + body)
+    with trio.fail_after(10):
+        answer = await raw.final()
+        assert answer.status == status, answer
+        assert answer.closes
+        if any(h.startswith("Content-Length") for h in headers) and any(
+            h.startswith("Transfer-Encoding") for h in headers
+        ):
+            assert answer.error() == "the request has both Content-Length and Transfer-Encoding"
+        # Nothing after the refusal is served: no smuggled request's answer.
+        await raw.ends()
+    await raw.aclose()
+    assert started(server) == 0
+    assert reserved(server) == 0
+    await Bystander(server).call()
+
+
+async def test_an_oversized_body_announced_with_expect_100_continue_is_refused_unread(
+    server: RunningServer,
+) -> None:
+    raw = await Raw.open(server.http_port)
+    await raw.send(
+        head("POST", "/v2/models/echo/infer", "Content-Length: 1099511627776", "Expect: 100-continue")
+    )
+    with trio.fail_after(5):
+        answer = await raw.response()  # not a 100 first: the final answer at once
+        assert answer is not None
+        assert answer.status == 413
+        assert answer.closes
+        await raw.ends()
+    await raw.aclose()
+    # A body within the limit gets its 100 Continue, then its answer, on a kept connection.
+    raw = await Raw.open(server.http_port)
+    body = json.dumps(ADD_SUB_BODY).encode()
+    await raw.send(infer(body, "Expect: 100-continue", model="add_sub")[: -len(body)])
+    with trio.fail_after(5):
+        interim = await raw.response()
+        assert interim is not None
+        assert interim.status == 100
+        await raw.send(body)
+        answer = await raw.final()
+    assert answer.status == 200
+    assert not answer.closes
+    await raw.aclose()
+    assert reserved(server) == 0
+
+
+# -- chunked bodies ---------------------------------------------------------------------------
+
+
+def chunked(path: str, chunks: bytes, *headers: str) -> bytes:
+    return head("POST", path, "Transfer-Encoding: chunked", *headers) + chunks
+
+
+async def test_chunk_extensions_and_trailers_are_served(server: RunningServer) -> None:
+    body = json.dumps(ADD_SUB_BODY).encode()
+    half = len(body) // 2
+    raw = await Raw.open(server.http_port)
+    await raw.send(
+        chunked(
+            "/v2/models/add_sub/infer",
+            f"{half:x};name=value;flag\r\n".encode()
+            + body[:half]
+            + f"\r\n{len(body) - half:X};x=\"quoted\"\r\n".encode()
+            + body[half:]
+            + b"\r\n0\r\nX-Trailer: 1\r\nX-Other: 2\r\n\r\n",
+        )
+    )
+    with trio.fail_after(10):
+        answer = await raw.final()
+    assert answer.status == 200, answer
+    assert not answer.closes
+    await raw.aclose()
+
+
+@pytest.mark.parametrize(
+    ("chunks", "status", "message"),
+    [
+        # A chunk size line of 20,000 hex digits (h11 takes at most 20).
+        (b"0" * 20_000 + b"1\r\na\r\n0\r\n\r\n", 400, "malformed request body"),
+        (b"zz\r\nab\r\n0\r\n\r\n", 400, "malformed request body"),
+        # A size line that never ends, over the 16 KiB h11 buffers of an incomplete one.
+        (b"1;" + b"x" * 70_000, 400, "malformed request body"),
+        # Chunks announcing more than the limit.
+        (b"ffffffffffffffff\r\n" + b"[" * 100, 408, "the request body did not arrive"),
+        # A chunk that never ends, and a body without its last chunk.
+        (b"100\r\nabc", 408, "the request body did not arrive"),
+        (b"3\r\nabc\r\n", 408, "the request body did not arrive"),
+        # Trailers over the limit (h11 buffers at most 16 KiB of an incomplete block; a block
+        # that comes whole in one 64 KiB read is taken, and dropped).
+        (b"0\r\n" + b"X-T: aaaaaaaaaa\r\n" * 60_000 + b"\r\n", 400, "malformed request body"),
+    ],
+)
+async def test_malformed_or_unfinished_chunked_bodies_are_refused_and_free_the_budget(
+    server: RunningServer, chunks: bytes, status: int, message: str
+) -> None:
+    bystander = Bystander(server)
+    answer = await exchange(server, chunked("/v2/models/echo/infer", chunks))
+    assert answer.status == status
+    assert answer.error().startswith(message), answer.error()
+    assert reserved(server) == 0
+    await bystander.call()
+
+
+# -- JSON and binary bombs --------------------------------------------------------------------
+
+
+def tensor(shape: list[int], data: Any, datatype: str = "FP32") -> bytes:
+    return json.dumps(
+        {"inputs": [{"name": "x", "datatype": datatype, "shape": shape, "data": data}]}
+    ).encode()
+
+
+def nested(depth: int, count: int) -> bytes:
+    """``data`` nested ``depth`` deep holding ``count`` numbers (simdjson's fast path looks at
+    a body with more than 2,047 commas)."""
+    return b"[" * depth + b"1," * (count - 1) + b"1" + b"]" * depth
+
+
+JSON_BOMBS = [
+    # (what, the body, the start of the error)
+    ("100,000 [", b"[" * 100_000, "the request's JSON is malformed"),
+    (
+        "100,000 [ in a large tensor",
+        b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [4096], "data": '
+        + nested(100_000, 4096)
+        + b"}]}",
+        "the request's JSON is malformed",
+    ),
+    (
+        "data nested 500 deep",
+        b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": '
+        + nested(500, 1)
+        + b"}]}",
+        "input 'x': data[0] is a list, nested deeper than shape [1]",
+    ),
+    (
+        "data nested 500 deep in a large tensor",
+        b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [4096], "data": '
+        + nested(500, 4096)
+        + b"}]}",
+        "input 'x': data[0] is a list, nested deeper than shape [4096]",
+    ),
+    ("a shape of 2**62", tensor([2**62], [1]), "input 'x': shape [4611686018427387904] is too"),
+    ("a shape over int64", tensor([2**40, 2**40], [1]), "input 'x': shape [1099511627776, 10"),
+    ("a zero beside 2**62", tensor([0, 2**62], []), "input 'x': shape [0, 4611686018427387904]"),
+    ("a dimension over 64 bits", tensor([2**64], [1]), "the request's JSON is malformed"),
+    ("33 dimensions", tensor([1] * 33, [1]), "input 'x': shape has 33 dimensions"),
+    ("a negative dimension", tensor([-1], [1]), "input 'x': shape [-1] has a negative"),
+    (
+        "2**20 + 1 empty strings",
+        tensor([2**20 + 1], [""] * (2**20 + 1), "BYTES"),
+        "input 'x': shape [1048577] has 1048577 BYTES elements; at most 1048576",
+    ),
+    (
+        "2**20 strings claimed, none sent",
+        tensor([2**20], [], "BYTES"),
+        "input 'x': data holds 0 values but shape [1048576] has 1048576 elements",
+    ),
+]
+
+
+async def test_json_bombs_are_400_and_harm_nothing_else(server: RunningServer) -> None:
+    bystander = Bystander(server)
+    async with await Raw.open(server.http_port) as raw:
+        for what, body, message in JSON_BOMBS:
+            await raw.send(infer(body))
+            with trio.fail_after(10):
+                answer = await raw.final()
+            assert answer.status == 400, (what, answer)
+            assert answer.error().startswith(message), (what, answer.error()[:300])
+            # One connection for them all: each 400 kept it.
+            assert not answer.closes, what
+        await bystander.call()
+    assert reserved(server) == 0
+    assert server.statistics().task_crashes == {"lane": 0, "batcher": 0, "models": 0}
+
+
+async def test_a_shape_of_thousands_of_huge_dimensions_does_not_hold_the_event_loop(
+    server: RunningServer,
+) -> None:
+    # 40,000 dimensions of 2**63 - 1 in 800 KB: their product, computed before the rank is
+    # checked, is a 2.5-million-bit integer built one multiplication at a time (quadratic),
+    # seconds of the event loop's thread for a request that is refused anyway.
+    body = tensor([2**63 - 1] * 40_000, [1])
+    hostile = await Raw.open(server.http_port)
+    # The server runs in this process, on this event loop: a request that holds the loop holds
+    # this test too, and shows as the time the bystander's call takes.
+    begun = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hostile.send, infer(body))
+        await trio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as client:
+            assert (await client.get("/v2/health/live")).status_code == 200
+    with trio.fail_after(5):
+        answer = await hostile.final()
+    assert time.monotonic() - begun < 1
+    assert answer.status == 400
+    assert answer.error() == "input 'x': shape has 40000 dimensions; at most 32 are supported"
+
+
+def binary(json_part: dict[str, Any], data: bytes, length: str | None = None) -> bytes:
+    text = json.dumps(json_part).encode()
+    return infer(
+        text + data,
+        f"Inference-Header-Content-Length: {len(text) if length is None else length}",
+    )
+
+
+BINARY_INPUT = {
+    "inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [4], "parameters": {"binary_data_size": 16}}
+    ]
+}
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "message"),
+    [
+        (
+            binary(BINARY_INPUT, bytes(8)),
+            "input 'x': 'binary_data_size' is 16 but only 8 bytes of the body are left for it",
+        ),
+        (
+            binary(
+                {"inputs": [{**BINARY_INPUT["inputs"][0], "parameters": {"binary_data_size": 2**70}}]},
+                bytes(16),
+            ),
+            "input 'x': 'binary_data_size' is 1180591620717411303424 but only 16 bytes",
+        ),
+        (
+            binary({"inputs": [{**BINARY_INPUT["inputs"][0], "parameters": {"binary_data_size": -16}}]}, b""),
+            "input 'x': parameter 'binary_data_size' is -16",
+        ),
+        (
+            binary(BINARY_INPUT, bytes(16), length="100000"),
+            "Inference-Header-Content-Length is 100000 but the body has only",
+        ),
+        (binary(BINARY_INPUT, bytes(16), length="-1"), "inference-header-content-length must"),
+        (binary(BINARY_INPUT, bytes(16), length="0x10"), "inference-header-content-length must"),
+        # Digits to str.isdigit, not to int().
+        (binary(BINARY_INPUT, bytes(16), length="\u00b2"), "inference-header-content-length must"),
+        # More digits than int() converts (4,300).
+        (binary(BINARY_INPUT, bytes(16), length="9" * 5000), "inference-header-content-length"),
+        (
+            binary(
+                {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [3], "parameters": {"binary_data_size": 8}}]},
+                (2**32 - 1).to_bytes(4, "little") + b"abcd",
+            ),
+            "input 'x': its 8 binary bytes are too few for the 3 length-prefixed BYTES elements",
+        ),
+    ],
+)
+async def test_binary_data_and_its_header_overrunning_the_body_are_400(
+    server: RunningServer, request_bytes: bytes, message: str
+) -> None:
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(request_bytes.replace("\u00b2".encode(), b"\xb2"))
+        with trio.fail_after(10):
+            answer = await raw.final()
+        assert answer.status == 400, answer
+        assert answer.error().startswith(message), answer.error()
+    assert reserved(server) == 0
+    await Bystander(server).call()
+
+
+async def test_a_60_mb_json_body_over_the_budget_parsed_is_429_before_it_is_parsed(
+    nursery: trio.Nursery,
+) -> None:
+    # 60 MB of JSON numbers: 180 MB reserved while it is read fits a 1 GiB budget; the parse,
+    # reserved at 24 bytes a byte (1.4 GB) before it starts, does not.
+    budget = 1024 * MiB
+    server = await start_server(
+        nursery, workers=1, memory_budget=budget, max_connection_bytes=budget, **TIMEOUTS
+    )
+    count = 30_000_000
+    body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [%d], "data": [' % count
+    body += b"0," * (count - 1) + b"0]}]}"
+    assert len(body) > 60_000_000
+    bystander = Bystander(server)
+    async with trio.open_nursery() as calls:
+        await calls.start(bystander.keep_calling)
+        async with await Raw.open(server.http_port) as raw:
+            await raw.send(infer(body))
+            with trio.fail_after(20):
+                answer = await raw.final()
+            assert answer.status == 429, answer
+            assert "budget" in answer.error(), answer.error()
+            # The body was read whole: the connection goes on.
+            assert not answer.closes
+            await raw.send(infer(json.dumps(ADD_SUB_BODY).encode(), model="add_sub"))
+            assert (await raw.final()).status == 200
+        calls.cancel_scope.cancel()
+    assert bystander.calls >= 1
+    assert reserved(server) == 0
