@@ -170,6 +170,7 @@ class Scenario:
     """dense: tensors in ``raw_input_contents``, else typed contents; rest-dense: in Triton's
     binary tensor extension, else JSON."""
     delay_ms: int = 0
+    """sleep: the model's delay; repository: the pause after each churn operation."""
     load: int = 0
     """overload: clients as a multiple of the requests the memory budget admits at once."""
     deadline: float = 0.0
@@ -275,6 +276,8 @@ def all_scenarios() -> list[Scenario]:
     ]
     c = REPOSITORY_CONCURRENCY
     scenarios.append(Scenario(f"repository-c{c}", "repository", c))
+    # The same at an operator's pace: one operation a second.
+    scenarios.append(Scenario(f"repository-paced-c{c}", "repository", c, delay_ms=1000))
     return scenarios
 
 
@@ -1278,12 +1281,13 @@ class _Churn:
     failures: list[str] = field(default_factory=list)
 
 
-async def _churn(stub: Any, origin: float, stop: float, churn: _Churn) -> None:
-    """Unload and load CHURN_MODEL back to back (one operation at a time, as one operator's
-    tool would), and reload it with a ``config`` every CHURN_RELOAD_EVERY-th cycle, until
-    ``stop`` on ``time.perf_counter()``'s clock. A cycle that has begun is finished, so the
-    model is served again when the loop ends (the next round's churn begins with an unload);
-    an operation that ends after ``stop`` is not counted in the window."""
+async def _churn(stub: Any, origin: float, stop: float, churn: _Churn, pause: float) -> None:
+    """Unload and load CHURN_MODEL one operation at a time, as one operator's tool would, with
+    ``pause`` seconds after each (0: back to back), and reload it with a ``config`` every
+    CHURN_RELOAD_EVERY-th cycle, until ``stop`` on ``time.perf_counter()``'s clock. A cycle
+    that has begun is finished, so the model is served again when the loop ends (the next
+    round's churn begins with an unload); an operation that ends after ``stop`` is not counted
+    in the window."""
     # The reload's ``config`` is the field tritonclient's ``load_model(config=)`` sends.
     reload = pb.RepositoryModelLoadRequest(model_name=CHURN_MODEL)
     reload.parameters["config"].string_param = json.dumps(CHURN_CONFIG)
@@ -1317,6 +1321,8 @@ async def _churn(stub: Any, origin: float, stop: float, churn: _Churn) -> None:
                 samples.ends.append(ended - origin)
                 samples.statuses.append(status)
                 samples.firsts.append(started - origin)
+            if pause:
+                await asyncio.sleep(pause)
 
 
 async def _repository_round(
@@ -1332,7 +1338,8 @@ async def _repository_round(
     churn = _Churn({op: client.Samples(timing.duration) for op in CHURN_OPERATIONS})
     async with asyncio.TaskGroup() as group:
         if churned:
-            group.create_task(_churn(admin, origin, origin + timing.duration, churn))
+            pause = scenario.delay_ms / 1000
+            group.create_task(_churn(admin, origin, origin + timing.duration, churn, pause))
         samples = await client.closed_loop(
             call,
             concurrency=scenario.concurrency,

@@ -105,6 +105,8 @@ _PROTOCOL_HEADERS = frozenset(
         _HEADER_LENGTH,
     }
 )
+#: The most digits an Inference-Header-Content-Length may have (2**63 has 19).
+_MAX_HEADER_LENGTH_DIGITS = 19
 #: The largest body of a request that carries no tensors (every route but infer): none is
 #: expected; a larger one is refused before it is read.
 _MAX_SMALL_BODY = 64 * 1024
@@ -421,7 +423,9 @@ def _header_length(request: HttpRequest) -> int | None:
     value = request.header(_HEADER_LENGTH)
     if value is None:
         return None
-    if not value.isdigit():
+    # ASCII digits only ("\u00b2".isdigit() is true, and int() refuses it), and few enough for
+    # int() (which refuses over 4,300) and for any body.
+    if not (value.isascii() and value.isdigit()) or len(value) > _MAX_HEADER_LENGTH_DIGITS:
         raise HttpError(400, f"{_HEADER_LENGTH} must be a number of bytes, got {value[:40]!r}")
     return int(value)
 

@@ -468,8 +468,11 @@ def _is_large_numeric(raw: dict[str, Any]) -> bool:
     if raw.get("datatype") not in _FAST_BUFFER:
         return False
     shape = raw.get("shape")
-    if not isinstance(shape, list) or not all(
-        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape
+    # The rank first: the product of thousands of huge dimensions takes seconds to compute.
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_RANK
+        or not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape)
     ):
         return False
     return math.prod(shape) >= FAST_JSON_MIN_ELEMENTS
@@ -570,14 +573,15 @@ def _shape(where: str, raw: object, datatype: str) -> tuple[int, ...]:
         problem = "missing" if raw is None else f"{raw!r}"
         raise InvalidInput(f"{where}: 'shape' is {problem}; it is a list of integers")
     shape = tuple(raw)
+    # The rank first, so that the errors below write at most that many dimensions.
+    if len(shape) > _MAX_RANK:
+        raise InvalidInput(
+            f"{where}: shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
+        )
     if any(dim < 0 for dim in shape):
         raise InvalidInput(
             f"{where}: shape {shape_text(shape)} has a negative dimension; request shapes "
             "must be concrete"
-        )
-    if len(shape) > _MAX_RANK:
-        raise InvalidInput(
-            f"{where}: shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
         )
     # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
     # dimension is 0, so bound that product too.
