@@ -344,16 +344,18 @@ async def closed_loop(
                 wait = backoff.delay(retries, rng)
                 await asyncio.sleep(max(0.0, min(wait, stop - time.perf_counter())))
 
-    async def act(action: Action) -> None:
-        await asyncio.sleep(max(0.0, origin + action.at - time.perf_counter()))
-        action.run()
-
     async with asyncio.TaskGroup() as group:
         for _ in range(concurrency):
             group.create_task(client())
         for action in actions:
-            group.create_task(act(action))
+            group.create_task(_act(origin, action))
     return samples
+
+
+async def _act(origin: float, action: Action) -> None:
+    """Run ``action`` at ``origin + action.at`` on ``time.perf_counter()``'s clock."""
+    await asyncio.sleep(max(0.0, origin + action.at - time.perf_counter()))
+    action.run()
 
 
 async def first_fast_call(
@@ -432,10 +434,12 @@ async def stream_window(
     warmup: float,
     duration: float,
     call_timeout: float,
+    actions: Sequence[Action] = (),
 ) -> tuple[Samples, Samples]:
     """One ModelStreamInfer stream with ``window`` requests in flight: a request is sent
     whenever one has ended (its final response came back, matched by ``id``), through a
-    warm-up and a measured window of ``duration`` seconds.
+    warm-up and a measured window of ``duration`` seconds; ``actions`` run as in
+    :func:`closed_loop`.
 
     Each message is ``request`` with an ``id`` of its own, serialised when it is sent (as the
     stub serialises a unary call's). No request is sent after the window ends; the stream is
@@ -502,6 +506,8 @@ async def stream_window(
         async with asyncio.TaskGroup() as group:
             group.create_task(writer())
             group.create_task(reader())
+            for action in actions:
+                group.create_task(_act(origin, action))
     except* (grpc.aio.AioRpcError, grpc.aio.UsageError) as failed:
         status = status_of(failed.exceptions[0])
         now = time.perf_counter()

@@ -88,6 +88,7 @@ from bench.servers import (
     ServerKind,
     ServerProcess,
     copy_repository,
+    cpu_seconds,
 )
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.repository.settings import EXAMPLES, SETTINGS_FILE
@@ -380,6 +381,88 @@ class Result:
         self.errors = summary.errors
 
 
+#: ``extra`` of a load row: CPU microseconds per successful call over its measured window (see
+#: :class:`CpuWindow`): the server with its descendants (the table's ``cpu µs/call``), the
+#: server process alone, its descendants alone, and the benchmark's process (the client).
+CPU_PER_CALL = (
+    "cpu_us_per_call",
+    "cpu_server_us_per_call",
+    "cpu_workers_us_per_call",
+    "client_cpu_us_per_call",
+)
+
+
+@dataclass
+class CpuWindow:
+    """The CPU a server (with every descendant: workers, stubs, helpers) and the benchmark's
+    process use over one measured window, read from /proc at its start and end by the two
+    actions of :meth:`actions`, per successful call (:meth:`per_call`).
+
+    The server's side is what a bigger machine scales with; the client's is what the shared
+    cores spend on the load itself.
+    """
+
+    server_pid: int
+    duration: float
+    start: CpuSnapshot | None = None
+    end: CpuSnapshot | None = None
+
+    def actions(self) -> list[client.Action]:
+        """Snapshots at the window's start and end, for ``closed_loop`` or ``stream_window``."""
+        return [client.Action(0.0, self._begin), client.Action(self.duration, self._finish)]
+
+    def _begin(self) -> None:
+        snapshot = CpuSnapshot.take(self.server_pid)
+        # The client's CPU is read after the snapshot's /proc scan here and before it at the
+        # end, so that neither scan (about 5 ms each) counts as the client's cost of the calls.
+        self.start = dataclasses.replace(snapshot, client=cpu_seconds(os.getpid()) or 0.0)
+
+    def _finish(self) -> None:
+        mine = cpu_seconds(os.getpid()) or 0.0
+        self.end = dataclasses.replace(CpuSnapshot.take(self.server_pid), client=mine)
+
+    def per_call(self, summary: client.Summary) -> dict[str, Any]:
+        """:data:`CPU_PER_CALL` for a window of ``summary``'s calls, plus ``cpu_processes``
+        (the server and its descendants at the end) and ``cpu_exited`` (descendants gone in
+        between, whose ticks are missed); empty without both snapshots or a successful call.
+
+        Each figure is CPU seconds over the seconds between the snapshots (cores), over the
+        window's successful calls per second: the snapshots are taken within a few
+        milliseconds of the window's edges, not on them, and a rate over each's own span keeps
+        that difference out.
+        """
+        if self.start is None or self.end is None or not summary.throughput:
+            return {}
+        seconds = self.end.at - self.start.at
+        if seconds <= 0:
+            return {}
+        spent = self.start.spent(self.end)
+        per_call = {
+            "server": spent["server"] + spent["workers"],
+            "server_only": spent["server"],
+            "workers": spent["workers"],
+            "client": spent["client"],
+        }
+        return {
+            **{
+                key: round(per_call[name] / seconds / summary.throughput * 1e6, 1)
+                for key, name in zip(CPU_PER_CALL, per_call, strict=True)
+            },
+            "cpu_processes": 1 + len(self.end.children),
+            "cpu_exited": self.start.exited(self.end),
+        }
+
+
+def _absorb_cpu(result: Result, window: CpuWindow, summary: client.Summary) -> None:
+    """Put ``window``'s CPU per call into ``result.extra`` (and say so when processes exited
+    in the window, since their ticks are missing from it)."""
+    result.extra.update(window.per_call(summary))
+    exited = result.extra.get("cpu_exited")
+    if exited:
+        note = f"{exited} server processes exited in the window: their CPU is not counted"
+        result.notes = "; ".join(filter(None, [result.notes, note]))
+
+
 def merge_rounds(rounds: Sequence[Result]) -> Result:
     """One row from the rounds of a scenario on one server: the median of each number.
 
@@ -404,6 +487,7 @@ def merge_rounds(rounds: Sequence[Result]) -> Result:
     failed = next((r.check for r in measured if r.check not in ("", "ok")), "")
     merged.check = failed or (f"{crashed} of {len(rounds)} rounds crashed" if crashed else "ok")
     merged.restart = any(r.restart for r in rounds)
+    cpu = {key: [r.extra[key] for r in measured if key in r.extra] for key in CPU_PER_CALL}
     merged.notes = "; ".join(
         [r.notes for r in rounds if r.notes]
         + [
@@ -412,13 +496,23 @@ def merge_rounds(rounds: Sequence[Result]) -> Result:
             + ", p99 "
             + "/".join(f"{r.p99_ms or 0:.2f}" for r in measured)
             + " ms"
+            + (
+                ", cpu µs/call " + "/".join(f"{v:,.0f}" for v in cpu["cpu_us_per_call"])
+                if cpu["cpu_us_per_call"]
+                else ""
+            )
         ]
     )
     merged.extra = {
         "rounds": [
-            {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms} for r in measured
+            {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms}
+            | {key: r.extra[key] for key in CPU_PER_CALL if key in r.extra}
+            for r in measured
         ]
     }
+    # Each CPU figure is the median of its own rounds, as req/s is (so with 3 rounds or more,
+    # the server's and the workers' medians need not add up to the total's).
+    merged.extra |= {key: statistics.median(values) for key, values in cpu.items() if values}
     return merged
 
 
@@ -572,6 +666,7 @@ async def _load(server: ServerProcess, scenario: Scenario, timing: Timing) -> Re
     if missing:
         result.notes = f"n/a: {missing}"
         return result
+    cpu = CpuWindow(server.pid, timing.duration)
     async with _connected(server, scenario) as (call, check):
         result.check = await _checked_first_call(call, check)
         samples = await client.closed_loop(
@@ -580,8 +675,11 @@ async def _load(server: ServerProcess, scenario: Scenario, timing: Timing) -> Re
             warmup=timing.warmup,
             duration=timing.duration,
             call_timeout=timing.timeout,
+            actions=cpu.actions(),
         )
-    result.absorb(samples.summary())
+    summary = samples.summary()
+    result.absorb(summary)
+    _absorb_cpu(result, cpu, summary)
     return result
 
 
@@ -604,6 +702,7 @@ async def _stream(server: ServerProcess, scenario: Scenario, timing: Timing) -> 
                 result.check = check(responses[0].infer_response)
         except Exception as error:
             result.check = f"first call failed: {client.status_of(error)}"
+        cpu = CpuWindow(server.pid, timing.duration)
         done, first = await client.stream_window(
             channel,
             request,
@@ -611,14 +710,17 @@ async def _stream(server: ServerProcess, scenario: Scenario, timing: Timing) -> 
             warmup=timing.warmup,
             duration=timing.duration,
             call_timeout=timing.timeout,
+            actions=cpu.actions(),
         )
+    # Per request (decoupled: its responses together), ended in the window with its last.
+    last = done.summary()
     if scenario.kind == "decoupled":
         result.absorb(first.summary())
-        last = done.summary()
         result.extra["last_p50_ms"], result.extra["last_p99_ms"] = last.p50_ms, last.p99_ms
         result.notes = f"to last: p50 {last.p50_ms:.2f}, p99 {last.p99_ms:.2f} ms"
     else:
-        result.absorb(done.summary())
+        result.absorb(last)
+    _absorb_cpu(result, cpu, last)
     return result
 
 

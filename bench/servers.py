@@ -299,24 +299,35 @@ class CpuSnapshot:
             machine_total=total,
         )
 
+    def spent(self, later: CpuSnapshot) -> dict[str, float]:
+        """CPU seconds used from this snapshot to ``later``: ``client``, ``others``, ``server``,
+        ``workers`` (its descendants alive at ``later``; one born in between counts whole, one
+        gone by then is missed with all its ticks: see :meth:`exited`) and ``machine`` (every
+        process)."""
+        return {
+            "client": later.client - self.client,
+            "others": later.others - self.others,
+            "server": later.server - self.server,
+            "workers": sum(t - self.children.get(pid, 0.0) for pid, t in later.children.items()),
+            "machine": later.machine_busy - self.machine_busy,
+        }
+
+    def exited(self, later: CpuSnapshot) -> int:
+        """Descendants seen in this snapshot and gone by ``later``: :meth:`spent` misses the
+        CPU they used in between (/proc has no process left to read it from)."""
+        return len(self.children.keys() - later.children.keys())
+
     def until(self, later: CpuSnapshot) -> dict[str, float]:
-        """Cores used on average from this snapshot to ``later``: ``client``, ``others``,
-        ``server``, ``workers`` (its descendants alive at ``later``; one born in between counts
-        whole, one gone by then is missed), ``machine`` (every process) and ``cores`` (the
-        machine's)."""
+        """Cores used on average from this snapshot to ``later``: each figure of
+        :meth:`spent` over the seconds between them, and ``cores`` (the machine's)."""
         seconds = later.at - self.at
         cores = (later.machine_total - self.machine_total) / seconds if seconds > 0 else 0.0
+        spent = self.spent(later)
         if seconds <= 0:
-            return {"seconds": 0.0, "client": 0.0, "others": 0.0, "server": 0.0,
-                    "workers": 0.0, "machine": 0.0, "cores": cores}  # fmt: skip
-        workers = sum(t - self.children.get(pid, 0.0) for pid, t in later.children.items())
+            return {"seconds": 0.0, **dict.fromkeys(spent, 0.0), "cores": cores}
         return {
             "seconds": round(seconds, 2),
-            "client": round((later.client - self.client) / seconds, 2),
-            "others": round((later.others - self.others) / seconds, 2),
-            "server": round((later.server - self.server) / seconds, 2),
-            "workers": round(workers / seconds, 2),
-            "machine": round((later.machine_busy - self.machine_busy) / seconds, 2),
+            **{name: round(value / seconds, 2) for name, value in spent.items()},
             "cores": round(cores),
         }
 

@@ -7,6 +7,7 @@ buffered bytes) is bounded and given back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -715,7 +716,12 @@ async def test_a_client_that_pipelines_10000_requests_and_reads_nothing_is_bound
     raw = await Raw.open(server.http_port, receive_buffer=4096)
     buffered = 0
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(raw.trickle, request * 10_000, 0)
+
+        async def pipeline() -> None:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await raw.send(request * 10_000)  # one write (it blocks once buffers are full)
+
+        nursery.start_soon(pipeline)
 
         async def watch() -> None:
             nonlocal buffered

@@ -594,27 +594,19 @@ def test_malformed_json_is_refused() -> None:
         ),
         (
             numbers("INT32", [[1, 2], [3]], [2, 2]),
-            "input 'x': data[1] holds 1 values but shape [2, 2] needs 2",
+            "input 'x': data holds 3 values but shape [2, 2] has 4 elements",
         ),
         (
-            numbers("INT32", [[1, 2, 3], [4, 5, 6]], [3, 2]),
-            "input 'x': data holds 2 values but shape [3, 2] needs 3 or 6 flat",
+            numbers("INT32", [[1, [2, 3]], [4, 5, 6]], [2, 2]),
+            "input 'x': data holds 6 values but shape [2, 2] has 4 elements",
         ),
         (
-            numbers("INT32", [[1, [2]], [3, 4]], [2, 2]),
-            "input 'x': data[0][1] is a list, nested deeper than shape [2, 2]",
-        ),
-        (
-            numbers("INT32", [1, [2]], [2]),
-            "input 'x': data[1] is a list, nested deeper than shape [2]",
-        ),
-        (
-            numbers("BYTES", [["a"], "b"], [2, 1]),
-            "input 'x': data[1] is a string ('b') where shape [2, 1] needs a list of 1",
+            numbers("BYTES", [["a"], "b", [[]]], [3, 1]),
+            "input 'x': data holds 2 values but shape [3, 1] has 3 elements",
         ),
         (
             numbers("FP64", [[1.0, 2.0]], []),
-            "input 'x': data is a list, nested deeper than shape []",
+            "input 'x': data holds 2 values but shape [] has 1 elements",
         ),
     ],
 )
@@ -923,11 +915,11 @@ def large(datatype: str, bad: Any, position: int = BAD) -> Any:
         ),
         (
             numbers("INT32", [[1] * (LARGE // 2), [1] * (LARGE // 2 - 1)], [2, LARGE // 2]),
-            f"data[1] holds {LARGE // 2 - 1} values but shape [2, {LARGE // 2}] needs {LARGE // 2}",
+            f"data holds {LARGE - 1} values but shape [2, {LARGE // 2}] has {LARGE} elements",
         ),
         (
             numbers("FP64", [[1.0] * LARGE, [1.0]], [2, LARGE]),
-            f"data[1] holds 1 values but shape [2, {LARGE}] needs {LARGE}",
+            f"data holds {LARGE + 1} values but shape [2, {LARGE}] has {2 * LARGE} elements",
         ),
     ],
 )
@@ -966,9 +958,35 @@ def test_what_the_fast_path_cannot_decide_the_orjson_path_takes(
         assert_identical(fast.inputs[name], slow.inputs[name])
 
 
+@pytest.mark.parametrize(
+    ("datatype", "data", "shape", "expected"),
+    [
+        ("INT32", [[1, 2, 3], [4, 5, 6]], [3, 2], [[1, 2], [3, 4], [5, 6]]),
+        ("INT32", [[1, [2]], [3, 4]], [2, 2], [[1, 2], [3, 4]]),
+        ("INT32", [1, [2]], [2], [1, 2]),
+        ("FP64", [[[[0.5]]]], [], 0.5),
+        ("BYTES", [["a"], "b"], [2, 1], [[b"a"], [b"b"]]),
+    ],
+)
+def test_small_data_nested_any_way_is_flattened_as_triton_does(
+    datatype: str, data: Any, shape: list[int], expected: Any
+) -> None:
+    # Triton's JSON reader walks any nesting and counts the values: the same below the fast
+    # path's threshold as above it.
+    request = decode_infer_request(*body_of(numbers(datatype, data, shape)))
+    assert request.inputs["x"].tolist() == expected
+
+
+def test_deep_nesting_is_flattened_without_recursion() -> None:
+    data: Any = [1.5]
+    for _ in range(900):  # deeper than Python's recursion limit allows a recursive walk
+        data = [data]
+    request = decode_infer_request(*body_of(numbers("FP32", data, [1])))
+    assert request.inputs["x"].tolist() == [1.5]
+
+
 def test_data_nested_any_way_is_flattened_on_the_fast_path_as_triton_does() -> None:
     # Triton's JSON reader walks any nesting and counts the values; so does the fast path.
-    # (Below the threshold the orjson path still requires the shape's nesting, or flat.)
     half = LARGE // 2
     data = [[list(range(half - 1)), [half - 1]], list(range(half, LARGE))]
     document = numbers("INT32", data, [2, half])

@@ -2,9 +2,10 @@
 
 An inference request's body is a JSON object, followed, when any input is sent binary, by each
 such input's bytes in input order; the ``Inference-Header-Content-Length`` header gives the
-JSON part's length. A JSON input carries its elements in ``data``, row-major, flat or nested as
-the shape; a binary input carries a ``binary_data_size`` parameter and its bytes little-endian,
-BOOL one byte per element, BYTES each element as a 4-byte little-endian length and its bytes.
+JSON part's length. A JSON input carries its elements in ``data``, row-major, flat or nested (as
+Triton reads it, any nesting whose values are as many as the shape's elements); a binary input
+carries a ``binary_data_size`` parameter and its bytes little-endian, BOOL one byte per element,
+BYTES each element as a 4-byte little-endian length and its bytes.
 Responses are written the same way: an output goes binary when its request output asked for it
 (``binary_data``) or, failing that, when the request did for every output
 (``binary_data_output``).
@@ -19,8 +20,8 @@ JSON numbers become arrays one of two ways. A large numeric tensor (:data:`FAST_
 elements or more, any datatype but BOOL and BYTES) is read from a simdjson parse of the JSON part
 straight into a buffer of doubles or 64-bit integers, with no Python object per element; every
 other tensor, and any large one the fast path cannot decide, goes through orjson's Python
-objects and numpy, whose checks and messages are the reference. The fast path flattens nested
-data as Triton does: only the values, their row-major order and their count matter there.
+objects and numpy, whose checks and messages are the reference. Both flatten nested data as
+Triton does: only the values, their row-major order and their count matter.
 
 Every malformed request raises :class:`~trio_infer.errors.InvalidInput` with a message that
 names the tensor and what is wrong; every output that cannot be written raises
@@ -30,7 +31,7 @@ names the tensor and what is wrong; every output that cannot be written raises
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
@@ -356,8 +357,8 @@ def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
     JSON numbers are converted by numpy from the parsed lists, in C, or for a large numeric
     tensor from simdjson's buffer of them; they must be of the datatype's kind (``true``/
     ``false`` for BOOL, integers within range for the integer datatypes, numbers within range
-    for the float ones) and nested exactly as the shape, or flat (a large numeric tensor:
-    nested any way, as Triton takes it). BYTES elements are strings, encoded UTF-8. Binary data
+    for the float ones), flat or nested any way, as many as the shape's elements (as Triton takes
+    them). BYTES elements are strings, encoded UTF-8. Binary data
     is checked and viewed.
 
     Raises:
@@ -783,7 +784,9 @@ def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[A
         # Lists of unequal lengths: no array has that structure.
         values = None
     if values is None or not (values.shape == shape or values.shape == (count,)):
-        _raise_structure_error(where, shape, data)
+        # Nested otherwise than the shape: its values in row-major order, if they are as many.
+        data = _leaves(where, shape, data)
+        values = np.array(data)
     if count == 0:
         return np.empty(shape, dtype=DATATYPES[datatype])
 
@@ -817,61 +820,37 @@ def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[A
     return converted.reshape(shape)
 
 
-def _leaves(where: str, shape: tuple[int, ...], data: list[Any]) -> Iterator[Any]:
-    """The elements of ``data`` in row-major order, flat or nested exactly as ``shape``."""
-    if not any(isinstance(item, list) for item in data):
-        count = math.prod(shape)
-        if len(data) != count:
-            raise InvalidInput(
-                f"{where}: data holds {len(data)} values but shape {shape_text(shape)} has "
-                f"{count} elements"
-            )
-        return iter(data)
-    _check_nesting(where, shape, data, ())
-    return _nested_leaves(data, len(shape))
+def _leaves(where: str, shape: tuple[int, ...], data: list[Any]) -> list[Any]:
+    """The elements of ``data`` in row-major order: flat, or nested any way. As Triton's JSON
+    reader (and this codec's fast path), only the count must be the shape's: ``[[1, 2], [3,
+    4]]``, ``[1, 2, 3, 4]`` and ``[[1], [2, 3, 4]]`` all fill a ``[2, 2]`` tensor alike.
 
-
-def _nested_leaves(data: list[Any], depth: int) -> Iterator[Any]:
-    if depth == 1:
-        yield from data
-    else:
-        for item in data:
-            yield from _nested_leaves(item, depth - 1)
-
-
-def _check_nesting(
-    where: str, shape: tuple[int, ...], data: object, index: tuple[int, ...]
-) -> None:
-    """Raise unless ``data`` is nested exactly as ``shape`` (a leaf is anything but a list)."""
-    depth = len(index)
-    path = "data" + "".join(f"[{i}]" for i in index)
-    if depth == len(shape):
-        if isinstance(data, list):
-            raise InvalidInput(
-                f"{where}: {path} is a list, nested deeper than shape {shape_text(shape)}"
-            )
-        return
-    if not isinstance(data, list):
+    Raises:
+        InvalidInput: The values are not as many as the shape's elements.
+    """
+    flat = _flattened(data) if any(isinstance(item, list) for item in data) else data
+    count = math.prod(shape)
+    if len(flat) != count:
         raise InvalidInput(
-            f"{where}: {path} is {_json_type(data)} where shape {shape_text(shape)} needs a "
-            f"list of {shape[depth]}"
+            f"{where}: data holds {len(flat)} values but shape {shape_text(shape)} has "
+            f"{count} elements"
         )
-    if len(data) != shape[depth]:
-        flat = f" or {math.prod(shape)} flat" if depth == 0 else ""
-        raise InvalidInput(
-            f"{where}: {path} holds {len(data)} values but shape {shape_text(shape)} needs "
-            f"{shape[depth]}{flat}"
-        )
-    for position, item in enumerate(data):
-        _check_nesting(where, shape, item, (*index, position))
+    return flat
 
 
-def _raise_structure_error(where: str, shape: tuple[int, ...], data: list[Any]) -> NoReturn:
-    """Raise the error that says how ``data`` fails to be ``shape``, flat or nested."""
-    _leaves(where, shape, data)
-    # numpy gives data nested as the shape (or flat, of its count) that shape: only a data
-    # that is neither reaches here, and _leaves has raised.
-    raise AssertionError(f"{where}: data is {shape_text(shape)}")  # pragma: no cover
+def _flattened(data: list[Any]) -> list[Any]:
+    """Every value of nested lists, in order; without recursion, whatever the depth."""
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            flat.append(item)
+        else:
+            stack.pop()
+    return flat
 
 
 def _raise_element_error(
