@@ -37,15 +37,29 @@ def _errors(errors: dict[str, int]) -> str:
 
 def _notes(result: Result) -> str:
     parts = [result.notes] if result.notes else []
+    if "cpu_server_us_per_call" in result.extra:
+        descendants = result.extra.get("cpu_processes", 1) - 1
+        parts.insert(
+            0,
+            f"cpu µs/call: server process {_cpu(result, 'cpu_server_us_per_call')} + "
+            f"{descendants} descendants {_cpu(result, 'cpu_workers_us_per_call')}",
+        )
     if result.check and result.check != "ok":
         parts.insert(0, f"CHECK: {result.check}")
     return "; ".join(parts).replace("|", "/")
 
 
+def _cpu(result: Result, key: str) -> str:
+    """A CPU-per-call figure of a load row's ``extra`` (``-`` where none was measured)."""
+    return _number(result.extra.get(key), 0)
+
+
 def table(results: Sequence[Result]) -> str:
     """The markdown table: one row per server and scenario, grouped by scenario.
 
-    The ratio is the server's throughput over trio-infer's in the same scenario.
+    The ratio is the server's throughput over trio-infer's in the same scenario. ``cpu
+    µs/call`` is the server's CPU (with its workers) per successful call, ``client µs/call``
+    the benchmark's own (:class:`bench.scenarios.CpuWindow`); the notes split the server's.
     """
     baselines = {r.scenario: r for r in results if r.server == BASELINE}
     order: dict[str, int] = {}
@@ -53,13 +67,15 @@ def table(results: Sequence[Result]) -> str:
         order.setdefault(result.scenario, len(order))
     rows = sorted(results, key=lambda r: (order[r.scenario], r.server != BASELINE))
     lines = [
-        "| server | scenario | req/s | p50 ms | p99 ms | errors | x trio-infer | notes |",
-        "| --- | --- | ---: | ---: | ---: | --- | ---: | --- |",
+        "| server | scenario | req/s | p50 ms | p99 ms | cpu µs/call | client µs/call | errors "
+        "| x trio-infer | notes |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r.server} | {r.scenario} | {_number(r.throughput, 0)} | {_number(r.p50_ms, 2)} "
-            f"| {_number(r.p99_ms, 2)} | {_errors(r.errors)} | "
+            f"| {_number(r.p99_ms, 2)} | {_cpu(r, 'cpu_us_per_call')} "
+            f"| {_cpu(r, 'client_cpu_us_per_call')} | {_errors(r.errors)} | "
             f"{_ratio(r, baselines.get(r.scenario))} | {_notes(r)} |"
         )
     return "\n".join(lines)

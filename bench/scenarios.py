@@ -390,6 +390,9 @@ CPU_PER_CALL = (
     "cpu_workers_us_per_call",
     "client_cpu_us_per_call",
 )
+#: What each round of a load row keeps of its CPU in ``extra["rounds"]``: the figures, and the
+#: processes read (the server and its descendants) and gone in the window (their CPU missed).
+CPU_COUNTED = (*CPU_PER_CALL, "cpu_processes", "cpu_exited")
 
 
 @dataclass
@@ -506,13 +509,16 @@ def merge_rounds(rounds: Sequence[Result]) -> Result:
     merged.extra = {
         "rounds": [
             {"throughput": r.throughput, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms}
-            | {key: r.extra[key] for key in CPU_PER_CALL if key in r.extra}
+            | {key: r.extra[key] for key in CPU_COUNTED if key in r.extra}
             for r in measured
         ]
     }
     # Each CPU figure is the median of its own rounds, as req/s is (so with 3 rounds or more,
     # the server's and the workers' medians need not add up to the total's).
     merged.extra |= {key: statistics.median(values) for key, values in cpu.items() if values}
+    processes = [r.extra["cpu_processes"] for r in measured if "cpu_processes" in r.extra]
+    if processes:
+        merged.extra["cpu_processes"] = max(processes)
     return merged
 
 

@@ -297,7 +297,7 @@ class HttpRequest:
         assert head is not None
         parts: list[Buffer] = [head]
         for view in views:
-            if view:
+            if view and not connection.head_only:
                 # h11 checks the length against content-length and passes the view through
                 # untouched (its annotation says bytes; any buffer with a len works).
                 data = h11.Data(data=view)  # type: ignore[arg-type]
@@ -365,6 +365,9 @@ class HttpConnection:
         self._waiting = trio.CancelScope()
         #: Requests whose heads were received on this connection.
         self._served = 0
+        self.head_only = False
+        """Whether the request being answered is a HEAD: its answer is a head, its
+        ``content-length`` that of the body a GET would get, and no body (RFC 9110 9.3.2)."""
         #: When the connection reaches its maximum age (Trio clock; inf: never).
         self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
 
@@ -426,6 +429,7 @@ class HttpConnection:
         if self.closing:
             self._waiting.cancel()
         started = bool(protocol.trailing_data[0])
+        self.head_only = False
         with self._waiting:
             while True:
                 try:
@@ -450,6 +454,7 @@ class HttpConnection:
                             400, "the request has both Content-Length and Transfer-Encoding"
                         )
                     self._served += 1
+                    self.head_only = event.method == b"HEAD"
                     return event
                 if event is not h11.NEED_DATA:
                     return None  # ConnectionClosed, or PAUSED after a close
@@ -561,11 +566,10 @@ class HttpConnection:
             status_code=status, headers=fields, reason=_REASONS.get(status, b"")
         )
         with contextlib.suppress(h11.LocalProtocolError):
-            data: list[Buffer] = [
-                self.protocol.send(response) or b"",
-                self.protocol.send(h11.Data(data=body)) or b"",
-                self.protocol.send(h11.EndOfMessage()) or b"",
-            ]
+            data: list[Buffer] = [self.protocol.send(response) or b""]
+            if not self.head_only:
+                data.append(self.protocol.send(h11.Data(data=body)) or b"")
+            data.append(self.protocol.send(h11.EndOfMessage()) or b"")
             await self.send(data, request)
 
     def skip_unread_body(self) -> bool:
