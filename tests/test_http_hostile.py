@@ -11,9 +11,9 @@ import contextlib
 import json
 import socket
 import time
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import httpx
 import numpy as np
@@ -78,7 +78,7 @@ class Raw:
     library would."""
 
     #: Every connection opened, closed at the end of its test whatever the test did.
-    opened: list[Raw] = []
+    opened: ClassVar[list[Raw]] = []
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
@@ -211,7 +211,9 @@ class Bystander:
         self.calls += 1
         self.slowest = max(self.slowest, time.monotonic() - started)
 
-    async def keep_calling(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def keep_calling(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Call again and again until cancelled (the first call made before it starts)."""
         await self.call()
         task_status.started()
@@ -405,7 +407,9 @@ async def test_an_oversized_body_announced_with_expect_100_continue_is_refused_u
 ) -> None:
     raw = await Raw.open(server.http_port)
     await raw.send(
-        head("POST", "/v2/models/echo/infer", "Content-Length: 1099511627776", "Expect: 100-continue")
+        head(
+            "POST", "/v2/models/echo/infer", "Content-Length: 1099511627776", "Expect: 100-continue"
+        )
     )
     with trio.fail_after(5):
         answer = await raw.response()  # not a 100 first: the final answer at once
@@ -446,7 +450,7 @@ async def test_chunk_extensions_and_trailers_are_served(server: RunningServer) -
             "/v2/models/add_sub/infer",
             f"{half:x};name=value;flag\r\n".encode()
             + body[:half]
-            + f"\r\n{len(body) - half:X};x=\"quoted\"\r\n".encode()
+            + f'\r\n{len(body) - half:X};x="quoted"\r\n'.encode()
             + body[half:]
             + b"\r\n0\r\nX-Trailer: 1\r\nX-Other: 2\r\n\r\n",
         )
@@ -598,14 +602,25 @@ BINARY_INPUT = {
         ),
         (
             binary(
-                {"inputs": [{**BINARY_INPUT["inputs"][0], "parameters": {"binary_data_size": 2**70}}]},
+                {
+                    "inputs": [
+                        {**BINARY_INPUT["inputs"][0], "parameters": {"binary_data_size": 2**70}}
+                    ]
+                },
                 bytes(16),
             ),
             # orjson reads an integer over 64 bits as a float.
             "input 'x': parameter 'binary_data_size' is 1.1805916207174113e+21; it is a byte",
         ),
         (
-            binary({"inputs": [{**BINARY_INPUT["inputs"][0], "parameters": {"binary_data_size": -16}}]}, b""),
+            binary(
+                {
+                    "inputs": [
+                        {**BINARY_INPUT["inputs"][0], "parameters": {"binary_data_size": -16}}
+                    ]
+                },
+                b"",
+            ),
             "input 'x': parameter 'binary_data_size' is -16",
         ),
         (
@@ -620,10 +635,20 @@ BINARY_INPUT = {
         (binary(BINARY_INPUT, bytes(16), length="9" * 5000), "inference-header-content-length"),
         (
             binary(
-                {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [3], "parameters": {"binary_data_size": 8}}]},
+                {
+                    "inputs": [
+                        {
+                            "name": "x",
+                            "datatype": "BYTES",
+                            "shape": [3],
+                            "parameters": {"binary_data_size": 8},
+                        }
+                    ]
+                },
                 (2**32 - 1).to_bytes(4, "little") + b"abcd",
             ),
-            "input 'x': its 8 binary bytes are too few for the 3 length-prefixed BYTES elements",
+            "the binary data of input 'x' holds 8 bytes, too few for the 3 length-prefixed BYTES "
+            "elements",
         ),
     ],
 )

@@ -310,6 +310,12 @@ async def test_tritonclient_indexes_loads_and_unloads_over_grpc_and_http(
         INVALID,
         True,
     )
+    # Nested deeper than the parser goes: a refusal, not an internal error.
+    status, message = await triton.grpc_error(lambda c: c.load_model("beta", config="[" * 60_000))
+    assert (status, message) == (
+        INVALID,
+        "load parameter 'config' is not valid JSON: it is nested too deeply",
+    )
     status, message = await triton.http_error(
         lambda c: c.load_model("beta", config='{"colour": "red"}')
     )

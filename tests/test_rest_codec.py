@@ -682,24 +682,25 @@ def binary_input(datatype: str, shape: list[int], size: Any) -> Any:
         (
             {"inputs": [binary_input("BYTES", [2], 4)]},
             [b"\0" * 4],
-            "input 'x': its 4 binary bytes are too few for the 2 length-prefixed BYTES elements "
-            "of shape [2]",
+            "the binary data of input 'x' holds 4 bytes, too few for the 2 length-prefixed BYTES "
+            "elements of shape [2]",
         ),
         (
             {"inputs": [binary_input("BYTES", [2], 9)]},
             [b"\x05\0\0\0abcde"],
-            "input 'x': the binary data runs out at the 4-byte length of BYTES element 1 "
-            "(offset 9 of 9 bytes); shape [2] declares 2 elements",
+            "the binary data of input 'x' runs out at the 4-byte length prefix of BYTES element 1 "
+            "(offset 9, 9 bytes in all); shape [2] declares 2 elements",
         ),
         (
             {"inputs": [binary_input("BYTES", [2], 9)]},
             [b"\x09\0\0\0abcde"],
-            "input 'x': BYTES element 0 declares 9 bytes but only 5 remain",
+            "the binary data of input 'x': BYTES element 0 declares 9 bytes but only 5 remain",
         ),
         (
             {"inputs": [binary_input("BYTES", [1], 9)]},
             [b"\x01\0\0\0abcde"],
-            "input 'x' has 4 binary bytes after the 1 BYTES elements that shape [1] declares",
+            "the binary data of input 'x' has 4 bytes after the 1 BYTES elements that shape [1] "
+            "declares",
         ),
     ],
 )

@@ -6,13 +6,25 @@ the client); it imports nothing of the package but its errors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from trio_infer.errors import ModelFailed
 
-__all__ = ["DATATYPES", "datatype_of", "shape_text"]
+__all__ = [
+    "DATATYPES",
+    "LENGTH_PREFIX",
+    "bytes_elements",
+    "datatype_of",
+    "object_array",
+    "shape_text",
+]
+
+#: BYTES elements sent as bytes (gRPC's raw contents, REST's binary tensor data) are each
+#: prefixed by their length, a little-endian uint32.
+LENGTH_PREFIX = 4
 
 #: Every datatype of the Open Inference Protocol and the numpy dtype that holds it.
 #: BYTES tensors are numpy object arrays whose elements are ``bytes``.
@@ -73,3 +85,60 @@ def datatype_of(array: np.ndarray) -> str:
 def shape_text(shape: Sequence[int]) -> str:
     """A shape as error messages write it: ``[2, 16]``."""
     return "[" + ", ".join(str(dim) for dim in shape) + "]"
+
+
+def object_array(elements: Sequence[object], shape: tuple[int, ...]) -> np.ndarray:
+    """A BYTES tensor of ``shape`` holding ``elements`` (as many as the shape's)."""
+    # np.array(list_of_bytes) would build a fixed-width 'S' array and strip trailing NULs.
+    array = np.empty(len(elements), dtype=np.object_)
+    array[:] = elements
+    return array.reshape(shape)
+
+
+def bytes_elements(
+    buffer: bytes | bytearray | memoryview,
+    shape: tuple[int, ...],
+    where: str,
+    error: Callable[[str], Exception],
+) -> np.ndarray:
+    """The BYTES tensor of ``shape`` whose elements ``buffer`` holds, each after its length
+    (:data:`LENGTH_PREFIX`), filling it exactly.
+
+    Raises:
+        Exception: ``error(message)``, the message starting with ``where``, when the buffer is
+            too short for the shape's elements, an element overruns it, or bytes are left.
+    """
+    count = math.prod(shape)
+    size = len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes
+    # Each element takes at least its prefix, so this bounds the loop by the data actually sent
+    # before anything is allocated for a huge declared shape.
+    if count * LENGTH_PREFIX > size:
+        raise error(
+            f"{where} holds {size} bytes, too few for the {count} length-prefixed BYTES "
+            f"elements of shape {shape_text(shape)}"
+        )
+    elements: list[bytes] = []
+    offset = 0
+    for position in range(count):
+        if offset + LENGTH_PREFIX > size:
+            raise error(
+                f"{where} runs out at the 4-byte length prefix of BYTES element {position} "
+                f"(offset {offset}, {size} bytes in all); shape {shape_text(shape)} "
+                f"declares {count} elements"
+            )
+        length = int.from_bytes(buffer[offset : offset + LENGTH_PREFIX], "little")
+        start = offset + LENGTH_PREFIX
+        end = start + length
+        if end > size:
+            raise error(
+                f"{where}: BYTES element {position} declares {length} bytes but only "
+                f"{size - start} remain"
+            )
+        elements.append(bytes(buffer[start:end]))
+        offset = end
+    if offset != size:
+        raise error(
+            f"{where} has {size - offset} bytes after the {count} BYTES elements that shape "
+            f"{shape_text(shape)} declares"
+        )
+    return object_array(elements, shape)

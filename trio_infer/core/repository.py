@@ -106,13 +106,16 @@ def json_object(
     """``text`` parsed as a JSON object: a load's ``config``, a REST request's body.
 
     Raises:
-        InvalidInput: It is not valid JSON, or not an object; the message calls it ``what``
-            and says it must be ``kind``.
+        InvalidInput: It is not valid JSON (or nested deeper than the parser goes), or not an
+            object; the message calls it ``what`` and says it must be ``kind``.
     """
     try:
         document = json.loads(text)
     except ValueError as exc:
         raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        # The json module recurses per level: a client's "[[[[..." must not be a 500.
+        raise InvalidInput(f"{what} is not valid JSON: it is nested too deeply") from None
     if not isinstance(document, dict):
         raise InvalidInput(f"{what} must be {kind}")
     return document

@@ -105,9 +105,6 @@ _PROTOCOL_HEADERS = frozenset(
         _HEADER_LENGTH,
     }
 )
-#: What a JSON document nested deeper than the json module parses is told (its RecursionError
-#: would otherwise be a 500).
-_TOO_DEEP = "{} is not valid JSON: it is nested too deeply"
 #: The most digits an Inference-Header-Content-Length may have (2**63 has 19).
 _MAX_HEADER_LENGTH_DIGITS = 19
 #: The largest body of a request that carries no tensors (every route but infer): none is
@@ -248,10 +245,7 @@ class HttpService:
                     )
                 if not isinstance(value, str):
                     raise InvalidInput("load parameter 'config' must be a string of JSON")
-                try:
-                    config = config_override(value)
-                except RecursionError:
-                    raise InvalidInput(_TOO_DEEP.format("load parameter 'config'")) from None
+                config = config_override(value)
             await manager.load(name, config)
         else:
             await manager.unload(name)
@@ -476,10 +470,7 @@ async def _small_json(request: HttpRequest) -> dict[str, Any]:
     body = await request.receive_body()
     if not body.strip():
         return {}
-    try:
-        return json_object(body, "the request body")
-    except RecursionError:
-        raise InvalidInput(_TOO_DEEP.format("the request body")) from None
+    return json_object(body, "the request body")
 
 
 def _chunk_counter(reservation: Reservation) -> Callable[[int], None]:

@@ -26,7 +26,14 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from trio_infer.buffers import Buffer
-from trio_infer.datatypes import DATATYPES, datatype_of, shape_text
+from trio_infer.datatypes import (
+    DATATYPES,
+    LENGTH_PREFIX,
+    bytes_elements,
+    datatype_of,
+    object_array,
+    shape_text,
+)
 from trio_infer.errors import InferError, InvalidInput, ModelFailed
 from trio_infer.protobuf import wire
 from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
@@ -104,8 +111,6 @@ _NARROW_RANGE: dict[str, tuple[int, int]] = {
 #: numpy can reshape what passes validation.
 _MAX_RANK = 32
 
-#: Raw BYTES elements are prefixed by their length as a little-endian uint32.
-_LENGTH_PREFIX = 4
 _MAX_ELEMENT_BYTES = 2**32 - 1
 
 #: Parameters one map (a request's, a tensor's) may hold. Each becomes Python objects decoded
@@ -422,9 +427,12 @@ def decoding_cost(request: ModelInferRequest | WireInputs, message_size: int) ->
         if raw:
             if datatype == "BYTES":
                 shape = tensor.shape
-                declared = math.prod(shape) if all(dim >= 0 for dim in shape) else 0
+                # The rank first: a product of thousands of huge dimensions is a number of
+                # millions of bits, seconds of the event loop (decoding refuses such a shape).
+                valid = len(shape) <= _MAX_RANK and all(dim >= 0 for dim in shape)
+                declared = math.prod(shape) if valid else 0
                 # Each element takes at least its 4-byte prefix: no more fit in the message.
-                count = min(declared, message_size // _LENGTH_PREFIX, MAX_BYTES_ELEMENTS)
+                count = min(declared, message_size // LENGTH_PREFIX, MAX_BYTES_ELEMENTS)
                 nbytes += count * BYTES_ELEMENT_OVERHEAD
                 elements += count
                 payloads = True
@@ -575,14 +583,15 @@ def _checked_datatype(where: str, datatype: str, side: _Side) -> str:
 
 def _checked_shape(where: str, dims: Sequence[int], datatype: str, side: _Side) -> tuple[int, ...]:
     shape = tuple(dims)
+    # The rank first: the other messages show the shape, which may be as long as the message.
+    if len(shape) > _MAX_RANK:
+        raise side.error(
+            f"{where}: shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
+        )
     if any(dim < 0 for dim in shape):
         raise side.error(
             f"{where}: shape {shape_text(shape)} has a negative dimension; "
             f"{side.message} shapes must be concrete"
-        )
-    if len(shape) > _MAX_RANK:
-        raise side.error(
-            f"{where}: shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
         )
     # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
     # dimension is 0, so bound that product too (Python ints cannot overflow here).
@@ -604,7 +613,7 @@ def _decode_raw(
 ) -> np.ndarray:
     count = math.prod(shape)
     if datatype == "BYTES":
-        return _decode_raw_bytes(f"{where}: {side.raw_field}[{index}]", shape, count, buffer, side)
+        return bytes_elements(buffer, shape, f"{where}: {side.raw_field}[{index}]", side.error)
     dtype = DATATYPES[datatype].newbyteorder("<")
     itemsize = dtype.itemsize
     size = len(buffer)
@@ -627,51 +636,6 @@ def _decode_raw(
                 f"{where}: raw BOOL element {position} is byte {int(octets[position])}; "
                 "BOOL elements must be 0 or 1"
             )
-    return array.reshape(shape)
-
-
-def _decode_raw_bytes(
-    where: str, shape: tuple[int, ...], count: int, buffer: bytes, side: _Side
-) -> np.ndarray:
-    size = len(buffer)
-    # Each element takes at least its prefix, so this bounds the loop by the data actually sent
-    # before anything is allocated for a huge declared shape.
-    if count * _LENGTH_PREFIX > size:
-        raise side.error(
-            f"{where} holds {size} bytes, too few for the {count} length-prefixed BYTES "
-            f"elements of shape {shape_text(shape)}"
-        )
-    elements: list[bytes] = []
-    offset = 0
-    for position in range(count):
-        if offset + _LENGTH_PREFIX > size:
-            raise side.error(
-                f"{where} runs out at the 4-byte length prefix of BYTES element {position} "
-                f"(offset {offset}, {size} bytes in all); shape {shape_text(shape)} "
-                f"declares {count} elements"
-            )
-        length = int.from_bytes(buffer[offset : offset + _LENGTH_PREFIX], "little")
-        start = offset + _LENGTH_PREFIX
-        end = start + length
-        if end > size:
-            raise side.error(
-                f"{where}: BYTES element {position} declares {length} bytes but only "
-                f"{size - start} remain"
-            )
-        elements.append(buffer[start:end])
-        offset = end
-    if offset != size:
-        raise side.error(
-            f"{where} has {size - offset} bytes after the {count} BYTES elements that shape "
-            f"{shape_text(shape)} declares"
-        )
-    return _object_array(elements, shape)
-
-
-def _object_array(elements: Sequence[object], shape: tuple[int, ...]) -> np.ndarray:
-    # np.array(list_of_bytes) would build a fixed-width 'S' array and strip trailing NULs.
-    array = np.empty(len(elements), dtype=np.object_)
-    array[:] = elements
     return array.reshape(shape)
 
 
@@ -713,7 +677,7 @@ def _decode_typed(
         elements: list[bytes] = []
         for start in range(0, count, _DECODE_CHUNK):
             elements.extend(values[start : start + _DECODE_CHUNK])
-        return _object_array(elements, shape)
+        return object_array(elements, shape)
     wide = np.empty(count, dtype=_FIELD_DTYPE[field])
     items = iter(values)
     for start in range(0, count, _DECODE_CHUNK):
@@ -1107,7 +1071,7 @@ def _check_raw_lengths(where: str, lengths: np.ndarray, side: _Side) -> None:
 def _header_sizes(lengths: np.ndarray, raw: bool) -> np.ndarray:
     """The bytes before each element: its 4-byte length (raw), or its key and varint length."""
     if raw:
-        return np.full(lengths.shape, _LENGTH_PREFIX, np.int64)
+        return np.full(lengths.shape, LENGTH_PREFIX, np.int64)
     return wire.varint_sizes(lengths.view(np.uint64)).astype(np.int64) + 1
 
 
@@ -1300,7 +1264,7 @@ def _pack_bytes(where: str, elements: list[bytes], side: _Side) -> bytes:
                 f"{where}: BYTES element {position} has {len(element)} bytes; a raw "
                 f"element holds at most {_MAX_ELEMENT_BYTES}"
             )
-        parts.append(len(element).to_bytes(_LENGTH_PREFIX, "little"))
+        parts.append(len(element).to_bytes(LENGTH_PREFIX, "little"))
         parts.append(element)
     return b"".join(parts)
 

@@ -46,7 +46,14 @@ else:
     _HAVE_SIMDJSON = True
 
 from trio_infer.buffers import Buffer
-from trio_infer.datatypes import DATATYPES, datatype_of, shape_text
+from trio_infer.datatypes import (
+    DATATYPES,
+    LENGTH_PREFIX,
+    bytes_elements,
+    datatype_of,
+    object_array,
+    shape_text,
+)
 from trio_infer.errors import InvalidInput, ModelFailed
 
 __all__ = [
@@ -93,8 +100,6 @@ _COMMA = ord(",")
 
 #: numpy 1.x caps arrays at 32 dimensions (2.x at 64); enforce the smaller.
 _MAX_RANK = 32
-#: Binary BYTES elements are prefixed by their length as a little-endian uint32.
-_LENGTH_PREFIX = 4
 _MAX_ELEMENT_BYTES = 2**32 - 1
 #: Bytes per element of the array numpy infers from a JSON list of numbers (int64, uint64 or
 #: float64) before it is converted to the datatype's dtype.
@@ -549,7 +554,7 @@ def _input_spec(
     binary = body[offset : offset + size]
     if datatype == "BYTES":
         # Each element takes at least its prefix: no more fit in the data sent.
-        elements = min(count, size // _LENGTH_PREFIX)
+        elements = min(count, size // LENGTH_PREFIX)
         return _InputSpec(name, datatype, shape, None, binary, 0), (
             elements * BYTES_ELEMENT_OVERHEAD + size
         )
@@ -649,7 +654,7 @@ def _parameters(where: str, raw: object) -> dict[str, ParameterValue]:
 def _decode_binary(where: str, spec: _InputSpec) -> np.ndarray:
     assert spec.binary is not None
     if spec.datatype == "BYTES":
-        return _decode_binary_bytes(where, spec.shape, spec.binary)
+        return bytes_elements(spec.binary, spec.shape, f"the binary data of {where}", InvalidInput)
     array = np.frombuffer(spec.binary, dtype=DATATYPES[spec.datatype].newbyteorder("<"))
     if spec.datatype == "BOOL":
         # Any other byte would give a bool array whose values compare unequal to True.
@@ -664,48 +669,6 @@ def _decode_binary(where: str, spec: _InputSpec) -> np.ndarray:
         # Numeric code (numpy's own, and models') may assume aligned elements.
         array = array.copy()
     return array.reshape(spec.shape)
-
-
-def _decode_binary_bytes(where: str, shape: tuple[int, ...], data: memoryview) -> np.ndarray:
-    count = math.prod(shape)
-    size = data.nbytes
-    if count * _LENGTH_PREFIX > size:
-        raise InvalidInput(
-            f"{where}: its {size} binary bytes are too few for the {count} length-prefixed "
-            f"BYTES elements of shape {shape_text(shape)}"
-        )
-    elements: list[bytes] = []
-    offset = 0
-    for position in range(count):
-        if offset + _LENGTH_PREFIX > size:
-            raise InvalidInput(
-                f"{where}: the binary data runs out at the 4-byte length of BYTES element "
-                f"{position} (offset {offset} of {size} bytes); shape {shape_text(shape)} "
-                f"declares {count} elements"
-            )
-        length = int.from_bytes(data[offset : offset + _LENGTH_PREFIX], "little")
-        start = offset + _LENGTH_PREFIX
-        end = start + length
-        if end > size:
-            raise InvalidInput(
-                f"{where}: BYTES element {position} declares {length} bytes but only "
-                f"{size - start} remain"
-            )
-        elements.append(bytes(data[start:end]))
-        offset = end
-    if offset != size:
-        raise InvalidInput(
-            f"{where} has {size - offset} binary bytes after the {count} BYTES elements "
-            f"that shape {shape_text(shape)} declares"
-        )
-    return _object_array(elements, shape)
-
-
-def _object_array(elements: Sequence[object], shape: tuple[int, ...]) -> np.ndarray:
-    # np.array(list_of_bytes) would build a fixed-width 'S' array and strip trailing NULs.
-    array = np.empty(len(elements), dtype=np.object_)
-    array[:] = elements
-    return array.reshape(shape)
 
 
 def _decode_lazy(
@@ -773,7 +736,7 @@ def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[A
                 )
             # orjson refuses lone surrogates, so every parsed string encodes.
             elements.append(element.encode("utf-8"))
-        return _object_array(elements, shape)
+        return object_array(elements, shape)
 
     count = math.prod(shape)
     try:
@@ -1026,7 +989,7 @@ def _binary_blob(where: str, datatype: str, array: np.ndarray) -> Buffer:
                     f"{where}: BYTES element {position} has {len(element)} bytes; a binary "
                     f"element holds at most {_MAX_ELEMENT_BYTES}"
                 )
-            parts.append(len(element).to_bytes(_LENGTH_PREFIX, "little"))
+            parts.append(len(element).to_bytes(LENGTH_PREFIX, "little"))
             parts.append(element)
         return b"".join(parts)
     # BOOL is one byte per element, as numpy stores it; views it as bytes without a copy.
