@@ -21,7 +21,13 @@ import grpc
 import pytest
 import trustme
 
-from tests.test_shutdown import EXIT_SLACK, TIMEOUT, Server, v2_stub, wait_until
+from tests.test_shutdown import (
+    EXIT_SLACK,
+    TIMEOUT,
+    Server,
+    v2_stub,
+    wait_server_ready,
+)
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 
 GRACE = 5.0
@@ -97,14 +103,7 @@ def test_log_level_warning_hides_info_and_shows_a_workers_death(
     server = serve("--log-level", "warning", "--grpc-port", str(port))  # any case
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = v2_stub(channel)
-        wait_until(
-            lambda: (
-                stub.ServerReady(
-                    pb.ServerReadyRequest(), timeout=TIMEOUT, wait_for_ready=True
-                ).ready
-            ),
-            "ServerReady",
-        )
+        wait_server_ready(stub)
     workers = server.workers()
     assert len(workers) == 2
     os.kill(workers[0], signal.SIGKILL)

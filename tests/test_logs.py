@@ -17,7 +17,14 @@ import pytest
 
 from tests.support import GrpcioClient
 from tests.test_cli import free_port
-from tests.test_shutdown import EXIT_SLACK, TIMEOUT, Server, v2_stub, wait_until
+from tests.test_shutdown import (
+    EXIT_SLACK,
+    TIMEOUT,
+    Server,
+    v2_stub,
+    wait_server_ready,
+    wait_until,
+)
 from trio_infer.client import InferenceClient
 from trio_infer.logs import JsonFormatter
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
@@ -125,12 +132,7 @@ def test_the_command_writes_json_lines_and_one_access_record_per_call(
     server, port = json_server("--access-log", "--log-level", "warning")
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = v2_stub(channel)
-        wait_until(
-            lambda: stub.ServerReady(
-                pb.ServerReadyRequest(), timeout=TIMEOUT, wait_for_ready=True
-            ).ready,
-            "ServerReady",
-        )
+        wait_server_ready(stub)
         stub.ModelInfer(_add_sub(), timeout=TIMEOUT, metadata=[("x-request-id", "acc-1")])
         with pytest.raises(grpc.RpcError):
             stub.ModelInfer(pb.ModelInferRequest(model_name="nope"), timeout=TIMEOUT)
@@ -163,12 +165,7 @@ def test_without_access_log_no_call_is_logged(
     server, port = json_server()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = v2_stub(channel)
-        wait_until(
-            lambda: stub.ServerReady(
-                pb.ServerReadyRequest(), timeout=TIMEOUT, wait_for_ready=True
-            ).ready,
-            "ServerReady",
-        )
+        wait_server_ready(stub)
         stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT)
     server.wait_exit(server.send(signal.SIGTERM) + GRACE + 1 + EXIT_SLACK)
     server.assert_clean_exit(0)

@@ -123,6 +123,15 @@ def session_processes(session: int) -> list[Process]:
     return found
 
 
+def wait_server_ready(stub: Any) -> None:
+    """Wait until the server behind ``stub`` (a V2 stub) answers ServerReady true."""
+    request = pb.ServerReadyRequest()
+    wait_until(
+        lambda: stub.ServerReady(request, timeout=TIMEOUT, wait_for_ready=True).ready,
+        "ServerReady",
+    )
+
+
 def v2_stub(channel: grpc.Channel) -> Any:
     """A grpcio stub of the V2 service (generated code: untyped)."""
     return grpc_predict_v2_pb2_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
@@ -219,14 +228,7 @@ class Server:
         self.port = port
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = v2_stub(self.channel)
-        wait_until(
-            lambda: (
-                self.stub.ServerReady(
-                    pb.ServerReadyRequest(), timeout=TIMEOUT, wait_for_ready=True
-                ).ready
-            ),
-            "ServerReady",
-        )
+        wait_server_ready(self.stub)
         return self
 
     def hold(self, delay_ms: int, stub: Any = None) -> HeldCall:

@@ -780,8 +780,10 @@ class InferenceClient:
             parameters: Request parameters, e.g. ``{"delay_ms": 5}``.
             outputs: The outputs to return, in this order; ``None`` for all of them in the
                 model's order.
-            raw: Send tensors as raw bytes (faster, and the server answers the same way) rather
-                than typed protobuf fields. Any FP16 input makes the request raw.
+            raw: Send tensors as raw bytes (faster) rather than typed protobuf fields. Any
+                FP16 input makes the request raw. trio-infer answers raw either way, as Triton
+                does (the parameter ``binary_data_output: false`` asks it for typed outputs);
+                this client reads both.
             request_id: An id the server echoes in :attr:`InferResult.id`.
             timeout: See the class docstring.
             metadata: See the class docstring.
