@@ -658,3 +658,22 @@ async def test_workers_that_cannot_start_fail_their_calls_and_the_pool_goes_on(
             with pytest.raises(Unavailable, match=r"^a worker process could not start \(OSError"):
                 await pool.predict(examples["echo"], {}, NO_PARAMETERS)
         assert pool.statistics().busy == 0
+
+
+async def test_a_late_call_of_unloaded_settings_fails_before_any_worker_loads_them_again(
+    pool: WorkerPool, repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    pid = repo["pid"]
+    first = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
+    assert await pool.unload(pid) == 1
+    # The worker that dropped them dies; its replacement never saw the unload.
+    os.kill(first, signal.SIGKILL)
+    await eventually(lambda: pool.statistics().crashed == 1)
+    with pytest.raises(Unavailable, match="model 'pid' was unloaded"):
+        await pool.predict(pid, {}, NO_PARAMETERS)
+    loads = (tmp_path / "loads.txt").read_text().split()
+    assert loads == [str(first)]  # loaded once, never again behind the unload
+    # Loaded again on purpose (warm_up), the settings serve again.
+    await pool.warm_up([pid])
+    second = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
+    assert second != first

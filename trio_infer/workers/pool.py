@@ -117,6 +117,8 @@ _log = logging.getLogger(__name__)
 _RECENT_CALLS = 16
 #: After this many calls of a model refused in a row, one is started anyway.
 _MAX_REFUSED_IN_A_ROW = 8
+#: Unloaded settings remembered, to refuse their late calls (see WorkerPool.unload).
+_MAX_RETIRED = 64
 #: Calls a worker holds at once: the one it runs and the next, so that it starts the next
 #: without waiting for a round trip through the server. More would hold more inputs in the
 #: socket and delay cancels no further.
@@ -218,6 +220,10 @@ class WorkerPool:
         self._crash = trio.Event()
         self._timings: dict[str, _CallTimes] = {}
         self._pickled_settings: dict[tuple[str, str], tuple[ModelSettings, bytes]] = {}
+        # Settings unloaded since (pickled, most recent last): a late call of one fails here,
+        # before any worker (a replacement's too) could load them again behind the caller's
+        # back; the last few are kept (child.py keeps the same in each worker).
+        self._retired: dict[bytes, str] = {}
         self._not_started = 0
         self._failed_starts = 0
         self._started = 0
@@ -317,6 +323,8 @@ class WorkerPool:
         errors: list[InferError] = []
         not_started: list[Unavailable] = []
         loaded = 0
+        for settings in models:
+            self._retired.pop(self._pickled(settings), None)  # loaded again on purpose
 
         async def warm(lane: _Lane) -> None:
             nonlocal loaded
@@ -351,6 +359,9 @@ class WorkerPool:
         meanwhile, or cannot be started, does not have it either.
         """
         pickled = self._pickled(settings)
+        self._retired[pickled] = settings.name
+        if len(self._retired) > _MAX_RETIRED:
+            del self._retired[next(iter(self._retired))]
         dropped = 0
 
         async def drop(lane: _Lane) -> None:
@@ -550,13 +561,11 @@ class WorkerPool:
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
     ) -> _Call:
+        pickled = self._pickled(settings)
+        if pickled in self._retired:
+            raise Unavailable(f"model {settings.name!r} was unloaded")
         return self._call(
-            f"running model {settings.name!r}",
-            settings.name,
-            function,
-            self._pickled(settings),
-            inputs,
-            parameters,
+            f"running model {settings.name!r}", settings.name, function, pickled, inputs, parameters
         )
 
     def _call(
