@@ -919,3 +919,19 @@ async def test_an_unloaded_model_is_not_ready_rather_than_an_error(
     assert not await triton.grpc(lambda c: c.is_model_ready("alpha"))
     check = await grpcio.call_health("Check", health_pb2.HealthCheckRequest(service="alpha"))
     assert check.status == health_pb2.HealthCheckResponse.ServingStatus.NOT_SERVING
+
+
+async def test_mode_poll_starts_on_an_empty_repository_and_serves_what_comes(
+    nursery: trio.Nursery, repo: Repository, clients: Clients, tmp_path: Path
+) -> None:
+    repo.root.mkdir()
+    server = await start_server(
+        nursery, repo.root, model_control_mode=ControlMode.POLL, repository_poll_interval=0.2
+    )
+    triton, grpcio = clients(server)
+    assert await triton.index() == {}
+    staging = Repository(tmp_path / "staging", repo.state)
+    staging.add("first", 6)
+    os.rename(staging.root / "first", repo.root / "first")
+    assert await index_entry(triton, "first", "READY") == ""
+    assert await infer(grpcio, "first") == 6

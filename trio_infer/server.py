@@ -443,17 +443,23 @@ async def _listen(host: str, port: int) -> list[trio.SocketListener]:
 
 
 def models_at_start(config: ServerConfig) -> list[ModelSettings]:
-    """The models served from the start: every one of the repository, but in ``explicit``
-    mode only those of ``load_models``.
+    """The models served from the start: every one of the repository (in ``poll`` mode there
+    may be none yet), but in ``explicit`` mode only those of ``load_models``.
 
     Raises:
         SettingsError: The repository cannot be read, a settings file is invalid (every one in
-            ``none`` and ``poll`` modes; those named in ``explicit`` mode), or a model named in
-            ``load_models`` is not in the repository.
+            ``none`` and ``poll`` modes; those named in ``explicit`` mode), ``none`` mode finds
+            no model, or a model named in ``load_models`` is not in the repository.
     """
-    if config.model_control_mode is not ControlMode.EXPLICIT:
+    if config.model_control_mode is ControlMode.NONE:
         return load_repository(config.repository)
     found = scan_repository(config.repository)
+    if config.model_control_mode is ControlMode.POLL:
+        # Every model, each valid; none at all is fine: the polls add them as they come.
+        for problem in (entry.error for entry in found.values()):
+            if problem is not None:
+                raise SettingsError(problem)
+        return [entry.settings for entry in found.values() if entry.settings is not None]
     names = list(found) if "*" in config.load_models else list(config.load_models)
     models: list[ModelSettings] = []
     for name in dict.fromkeys(names):

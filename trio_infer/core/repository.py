@@ -300,7 +300,9 @@ class ModelManager:
             self._retry.pop(settings.name, None)
             registry.set_ready(settings.name, True)
         if not self._retry and not self._ready.is_set():
-            logger.info("ready: %s", ", ".join(settings.name for settings in registry))
+            logger.info(
+                "ready: %s", ", ".join(settings.name for settings in registry) or "no model served"
+            )
             self._ready.set()
 
     # -- the repository extension -------------------------------------------------------------
@@ -380,12 +382,14 @@ class ModelManager:
                 f"no folder of the model repository {self.repository} declares model '{name}'"
             )
         if entry.settings is None or entry.error is not None:
+            logger.error("loading model '%s' failed: %s", name, entry.error)
             raise InvalidInput(f"model '{name}' cannot be loaded: {entry.error}")
         settings = entry.settings
         if config:
             try:
                 settings = load_model_settings(entry.folder, config, revision=settings.revision)
             except SettingsError as exc:
+                logger.error("loading model '%s' failed: %s", name, exc)
                 raise InvalidInput(f"model '{name}' cannot be loaded: {exc}") from None
             if settings.name != name:
                 # It would serve this folder's code under another model's name (replacing
