@@ -24,6 +24,7 @@ import pytest
 import trio
 
 from tests.support import start_server
+from tests.test_shutdown import frames
 from trio_infer.cli import main
 from trio_infer.transport.connection_age import AGE_JITTER, retirement_time
 from trio_infer.transport.grpc_server import Call, GrpcServer, ProtocolLimits
@@ -243,25 +244,13 @@ async def test_the_server_options_retire_grpc_and_rest_connections(
             received += data
     await stream.aclose()
     assert trio.current_time() - started >= AGE * (1 - AGE_JITTER)
-    goaways = [f for f in _frames(bytes(received)) if isinstance(f, hyperframe.frame.GoAwayFrame)]
+    goaways = [f for f in frames(bytes(received)) if isinstance(f, hyperframe.frame.GoAwayFrame)]
     assert [(g.error_code, g.last_stream_id) for g in goaways] == [(0, 0)]
     # REST: a keep-alive connection's first response past the age says Connection: close.
     url = f"http://127.0.0.1:{server.http_port}/v2/health/live"
     assert (await http_client.get(url)).headers.get("connection") != "close"
     await trio.sleep(AGE * (1 + AGE_JITTER) + 0.05)
     assert (await http_client.get(url)).headers.get("connection") == "close"
-
-
-def _frames(received: bytes) -> Iterator[hyperframe.frame.Frame]:
-    """The complete HTTP/2 frames of a server's byte stream."""
-    view = memoryview(received)
-    while len(view) >= 9:
-        frame, length = hyperframe.frame.Frame.parse_frame_header(view[:9])
-        if len(view) < 9 + length:
-            return
-        frame.parse_body(view[9 : 9 + length])
-        view = view[9 + length :]
-        yield frame
 
 
 @pytest.mark.parametrize(

@@ -601,7 +601,7 @@ def test_a_call_whose_request_is_still_arriving_when_the_drain_begins_is_served(
         sock.sendall(client.data_to_send())
         while not any(
             isinstance(frame, hyperframe.frame.PingFrame) and "ACK" in frame.flags
-            for frame in _frames(bytes(received))
+            for frame in frames(bytes(received))
         ):
             data = sock.recv(65536)
             assert data, "the server closed the connection"
@@ -649,7 +649,7 @@ def _grpc_message(data: bytes) -> bytes:
     return b"\x00" + len(data).to_bytes(4, "big") + data
 
 
-def _frames(received: bytes) -> Iterator[Any]:
+def frames(received: bytes) -> Iterator[Any]:
     """The complete HTTP/2 frames in a server's byte stream (the preface is a frame too).
 
     Parsed frame by frame rather than with h2's client, whose state machine refuses frames
@@ -669,7 +669,7 @@ def _trailers_by_stream(received: bytes) -> dict[int, dict[str, str]]:
     decoder = hpack.Decoder()
     decoder.max_allowed_table_size = 1 << 16
     trailers: dict[int, dict[str, str]] = {}
-    for frame in _frames(received):
+    for frame in frames(received):
         if isinstance(frame, hyperframe.frame.HeadersFrame):
             assert "END_HEADERS" in frame.flags, "CONTINUATION frames are not expected here"
             headers = {
