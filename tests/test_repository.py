@@ -763,7 +763,7 @@ async def test_mode_poll_follows_added_changed_and_removed_models(
                 await trio.sleep(0.05)
         # Settings that no longer read: the poll says so and the version before serves on.
         repo.write_settings("changing", {"colour": "red"})
-        await eventually(lambda: "model 'changing' was not reloaded" in caplog.text)
+        await eventually(lambda: "model 'changing' was not (re)loaded" in caplog.text)
         assert await infer(grpcio, "changing") == 5
         # (gRPC's index alone: the two could see different polls.)
         assert (await triton.index(both=False))["changing"] == ("", "READY", "")
@@ -935,3 +935,28 @@ async def test_mode_poll_starts_on_an_empty_repository_and_serves_what_comes(
     os.rename(staging.root / "first", repo.root / "first")
     assert await index_entry(triton, "first", "READY") == ""
     assert await infer(grpcio, "first") == 6
+
+
+async def test_mode_poll_says_once_that_a_folder_cannot_be_read(
+    nursery: trio.Nursery,
+    repo: Repository,
+    clients: Clients,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    repo.add("steady", 1)
+    server = await start_server(
+        nursery, repo.root, model_control_mode=ControlMode.POLL, repository_poll_interval=0.05
+    )
+    triton, grpcio = clients(server)
+    staging = Repository(tmp_path / "staging", repo.state)
+    staging.add("broken", 2)
+    (staging.root / "broken" / "model-settings.json").write_text("{not json")
+    os.rename(staging.root / "broken", repo.root / "broken")
+    said = "model 'broken' was not (re)loaded"
+    await eventually(lambda: said in caplog.text)
+    polls = server.models.polls
+    await eventually(lambda: server.models.polls >= polls + 5)
+    assert caplog.text.count(said) == 1
+    assert (await triton.index())["broken"][1] == "UNAVAILABLE"
+    assert await infer(grpcio, "steady") == 1

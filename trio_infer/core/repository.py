@@ -177,6 +177,8 @@ class ModelManager:
         self.mode = mode
         self.grace_period = grace_period
         self.poll_interval = poll_interval
+        self.polls = 0
+        """Reads of the repository done by ``poll`` mode so far."""
         self.crashes = 0
         """Operations that raised an unexpected error (a bug): each was logged with its
         traceback and failed alone."""
@@ -507,11 +509,15 @@ class ModelManager:
         registry = self.core.registry
         for name, entry in found.items():
             revision = _revision(entry)
-            if self._seen.get(name, "") == revision and registry.served(name) is not None:
+            unchanged = self._seen.get(name, "") == revision
+            # A folder unchanged since the last poll is left alone when its model serves, or
+            # when its settings cannot be read (said once, not at every poll); a model whose
+            # load failed is tried again.
+            if unchanged and (registry.served(name) is not None or entry.settings is None):
                 continue
             self._seen[name] = revision
             if entry.settings is None:
-                logger.error("model '%s' was not reloaded: %s", name, entry.error)
+                logger.error("model '%s' was not (re)loaded: %s", name, entry.error)
                 continue
             try:
                 await self._switch(entry.settings)
@@ -521,6 +527,7 @@ class ModelManager:
             if settings.name not in found and not registry.is_unloading(settings.name):
                 self._seen.pop(settings.name, None)
                 await self._unload(settings.name)
+        self.polls += 1
 
     async def _scan(self) -> dict[str, RepositoryEntry]:
         # In a thread: reading every settings file and the size and time of every file of every
