@@ -585,20 +585,22 @@ async def test_a_second_unload_of_a_model_being_unloaded_waits_for_the_first(
     async with trio.open_nursery() as calls:
         calls.start_soon(held_call)
         await eventually(lambda: any(p.name.startswith("holding-") for p in repo.state.iterdir()))
-        done: list[str] = []
+        released = False
+        done: list[tuple[str, bool]] = []
 
         async def unload(which: str) -> None:
             await triton.grpc(lambda c: c.unload_model("model"))
-            done.append(which)
+            done.append((which, released))
 
         calls.start_soon(unload, "first")
         assert await index_entry(triton, "model", "UNLOADING") == "unloading"
         calls.start_soon(unload, "second")
-        await trio.sleep(0.2)
-        # Neither answers before the held call ends: the second waits for the first's end.
-        assert done == []
+        # Both unloads reach the server beside the held call before it is let go.
+        await eventually(lambda: server.statistics().transport.calls >= 3)
+        released = True
         (repo.state / "release").touch()
-    assert sorted(done) == ["first", "second"]
+    # Neither answered before the held call ended: the second waited for the first's end.
+    assert sorted(done) == [("first", True), ("second", True)]
     assert (await triton.index())["model"][1:] == ("UNAVAILABLE", "unloaded")
 
 
