@@ -88,6 +88,27 @@ def test_a_bad_log_level_exits_2_naming_the_option_and_the_choices(value: str) -
     ) in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--strict-readiness", "maybe"], "argument --strict-readiness: expected true or false"),
+        (["--log-format", "xml"], "argument --log-format: invalid choice: 'xml'"),
+        (["--http-port", "70000"], "--http-port must be between 0 and 65535"),
+        (["--metrics-port", "-1"], "--metrics-port must be between 0 and 65535"),
+        (["--repository-poll-secs", "0"], "--repository-poll-secs must be a number of seconds"),
+        (["--repository-poll-secs", "nan"], "--repository-poll-secs must be a number of seconds"),
+        (["--model-control-mode", "auto"], "argument --model-control-mode: invalid choice"),
+        # No abbreviations: a misspelt option is not taken for another one.
+        (["--repository", "x"], "unrecognized arguments: --repository"),
+    ],
+)
+def test_a_bad_value_of_a_new_option_is_one_line_and_exit_2(argv: list[str], said: str) -> None:
+    done = run("serve", "--grpc-port", "0", "--http-port", "0", *argv)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert said in done.stderr
+
+
 def free_port() -> int:
     # Without INFO lines the server does not say which port it got: it is given one.
     with socket.socket() as probe:
