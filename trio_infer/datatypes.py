@@ -16,11 +16,17 @@ from trio_infer.errors import ModelFailed
 __all__ = [
     "DATATYPES",
     "LENGTH_PREFIX",
+    "MAX_RANK",
     "bytes_elements",
     "datatype_of",
     "object_array",
+    "shape_problem",
     "shape_text",
 ]
+
+#: numpy 1.x caps arrays at 32 dimensions (2.x at 64): the smaller, so every supported numpy
+#: can reshape what passes.
+MAX_RANK = 32
 
 #: BYTES elements sent as bytes (gRPC's raw contents, REST's binary tensor data) are each
 #: prefixed by their length, a little-endian uint32.
@@ -142,3 +148,23 @@ def bytes_elements(
             f"{shape_text(shape)} declares"
         )
     return object_array(elements, shape)
+
+
+def shape_problem(shape: tuple[int, ...], itemsize: int, kind: str = "request") -> str | None:
+    """What is wrong with a tensor's declared ``shape`` (``None``: nothing), for a message
+    ``"<tensor>: <problem>"``: more than :data:`MAX_RANK` dimensions, a negative dimension
+    (``kind`` says whose shapes must be concrete), or more bytes of ``itemsize`` than numpy
+    can index.
+
+    The rank is checked first: the other messages write the shape, and the product of
+    thousands of huge dimensions is a number of millions of bits, seconds to compute.
+    """
+    if len(shape) > MAX_RANK:
+        return f"shape has {len(shape)} dimensions; at most {MAX_RANK} are supported"
+    if any(dim < 0 for dim in shape):
+        return f"shape {shape_text(shape)} has a negative dimension; {kind} shapes must be concrete"
+    # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
+    # dimension is 0, so that product is bounded too.
+    if math.prod(dim for dim in shape if dim) * itemsize > np.iinfo(np.intp).max:
+        return f"shape {shape_text(shape)} is too large"
+    return None

@@ -29,9 +29,11 @@ from trio_infer.buffers import Buffer
 from trio_infer.datatypes import (
     DATATYPES,
     LENGTH_PREFIX,
+    MAX_RANK,
     bytes_elements,
     datatype_of,
     object_array,
+    shape_problem,
     shape_text,
 )
 from trio_infer.errors import InferError, InvalidInput, ModelFailed
@@ -107,9 +109,6 @@ _NARROW_RANGE: dict[str, tuple[int, int]] = {
     )
 }
 
-#: numpy 1.x caps arrays at 32 dimensions (2.x at 64); enforce the smaller so every supported
-#: numpy can reshape what passes validation.
-_MAX_RANK = 32
 
 _MAX_ELEMENT_BYTES = 2**32 - 1
 
@@ -429,7 +428,7 @@ def decoding_cost(request: ModelInferRequest | WireInputs, message_size: int) ->
                 shape = tensor.shape
                 # The rank first: a product of thousands of huge dimensions is a number of
                 # millions of bits, seconds of the event loop (decoding refuses such a shape).
-                valid = len(shape) <= _MAX_RANK and all(dim >= 0 for dim in shape)
+                valid = len(shape) <= MAX_RANK and all(dim >= 0 for dim in shape)
                 declared = math.prod(shape) if valid else 0
                 # Each element takes at least its 4-byte prefix: no more fit in the message.
                 count = min(declared, message_size // LENGTH_PREFIX, MAX_BYTES_ELEMENTS)
@@ -583,21 +582,9 @@ def _checked_datatype(where: str, datatype: str, side: _Side) -> str:
 
 def _checked_shape(where: str, dims: Sequence[int], datatype: str, side: _Side) -> tuple[int, ...]:
     shape = tuple(dims)
-    # The rank first: the other messages show the shape, which may be as long as the message.
-    if len(shape) > _MAX_RANK:
-        raise side.error(
-            f"{where}: shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
-        )
-    if any(dim < 0 for dim in shape):
-        raise side.error(
-            f"{where}: shape {shape_text(shape)} has a negative dimension; "
-            f"{side.message} shapes must be concrete"
-        )
-    # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
-    # dimension is 0, so bound that product too (Python ints cannot overflow here).
-    nonzero = math.prod(dim for dim in shape if dim)
-    if nonzero * DATATYPES[datatype].itemsize > np.iinfo(np.intp).max:
-        raise side.error(f"{where}: shape {shape_text(shape)} is too large")
+    problem = shape_problem(shape, DATATYPES[datatype].itemsize, side.message)
+    if problem is not None:
+        raise side.error(f"{where}: {problem}")
     return shape
 
 

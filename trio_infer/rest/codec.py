@@ -49,9 +49,11 @@ from trio_infer.buffers import Buffer
 from trio_infer.datatypes import (
     DATATYPES,
     LENGTH_PREFIX,
+    MAX_RANK,
     bytes_elements,
     datatype_of,
     object_array,
+    shape_problem,
     shape_text,
 )
 from trio_infer.errors import InvalidInput, ModelFailed
@@ -98,14 +100,10 @@ FAST_JSON_MIN_ELEMENTS = 2048
 
 _COMMA = ord(",")
 
-#: numpy 1.x caps arrays at 32 dimensions (2.x at 64); enforce the smaller.
-_MAX_RANK = 32
 _MAX_ELEMENT_BYTES = 2**32 - 1
 #: Bytes per element of the array numpy infers from a JSON list of numbers (int64, uint64 or
 #: float64) before it is converted to the datatype's dtype.
 _INFERRED_ITEMSIZE = 8
-
-_INTP_MAX = int(np.iinfo(np.intp).max)
 
 _VALID_DATATYPES = ", ".join(DATATYPES)
 #: Each integer datatype's smallest and largest value.
@@ -477,7 +475,7 @@ def _is_large_numeric(raw: dict[str, Any]) -> bool:
     # The rank first: the product of thousands of huge dimensions takes seconds to compute.
     if (
         not isinstance(shape, list)
-        or len(shape) > _MAX_RANK
+        or len(shape) > MAX_RANK
         or not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape)
     ):
         return False
@@ -576,24 +574,12 @@ def _shape(where: str, raw: object, datatype: str) -> tuple[int, ...]:
     if not isinstance(raw, list) or not all(
         isinstance(dim, int) and not isinstance(dim, bool) for dim in raw
     ):
-        problem = "missing" if raw is None else f"{raw!r}"
-        raise InvalidInput(f"{where}: 'shape' is {problem}; it is a list of integers")
+        got = "missing" if raw is None else f"{raw!r}"
+        raise InvalidInput(f"{where}: 'shape' is {got}; it is a list of integers")
     shape = tuple(raw)
-    # The rank first, so that the errors below write at most that many dimensions.
-    if len(shape) > _MAX_RANK:
-        raise InvalidInput(
-            f"{where}: shape has {len(shape)} dimensions; at most {_MAX_RANK} are supported"
-        )
-    if any(dim < 0 for dim in shape):
-        raise InvalidInput(
-            f"{where}: shape {shape_text(shape)} has a negative dimension; request shapes "
-            "must be concrete"
-        )
-    # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
-    # dimension is 0, so bound that product too.
-    nonzero = math.prod(dim for dim in shape if dim)
-    if nonzero * max(DATATYPES[datatype].itemsize, _INFERRED_ITEMSIZE) > _INTP_MAX:
-        raise InvalidInput(f"{where}: shape {shape_text(shape)} is too large")
+    problem = shape_problem(shape, max(DATATYPES[datatype].itemsize, _INFERRED_ITEMSIZE))
+    if problem is not None:
+        raise InvalidInput(f"{where}: {problem}")
     return shape
 
 
