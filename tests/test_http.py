@@ -39,11 +39,11 @@ def _json_input(name: str, array: np.ndarray, datatype: str) -> dict[str, Any]:
 
 
 async def _grpc_infer(
-    client: GrpcioClient, model: str, inputs: list[tuple[str, np.ndarray]]
+    client: GrpcioClient, model: str, inputs: list[tuple[str, np.ndarray]], **kwargs: Any
 ) -> dict[str, np.ndarray]:
     request = pb.ModelInferRequest(model_name=model)
     encode_inputs(request, inputs, raw=True)
-    return decode_outputs(await client.call("ModelInfer", request))
+    return decode_outputs(await client.call("ModelInfer", request, **kwargs))
 
 
 async def _open(server: RunningServer) -> tuple[trio.SocketStream, h11.Connection]:
@@ -298,7 +298,10 @@ async def test_tritonclient_http_works_unchanged_and_agrees_with_grpc(
     assert results["unknown"] == ("404", unknown.details())
 
 
-async def test_rest_and_grpc_requests_batch_together(nursery: trio.Nursery, tmp_path: Path) -> None:
+@pytest.mark.parametrize("traced", [False, True], ids=["plain", "request-ids"])
+async def test_rest_and_grpc_requests_batch_together(
+    nursery: trio.Nursery, tmp_path: Path, traced: bool
+) -> None:
     folder = tmp_path / "repository" / "batched"
     folder.mkdir(parents=True)
     spec = [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
@@ -324,10 +327,17 @@ async def test_rest_and_grpc_requests_batch_together(nursery: trio.Nursery, tmp_
     async def over_rest() -> None:
         async with _client(server) as client:
             body = {"inputs": [_json_input("x", rest_row, "FP32")]}
-            answers["rest"] = (await client.post("/v2/models/batched/infer", json=body)).json()
+            # A proxy (Envoy, an ingress) gives every request an x-request-id of its own: it
+            # must not keep requests apart.
+            headers = {"x-request-id": "rest-1"} if traced else {}
+            answer = await client.post("/v2/models/batched/infer", json=body, headers=headers)
+            answers["rest"] = answer.json()
 
     async def over_grpc() -> None:
-        answers["grpc"] = await _grpc_infer(grpc_client, "batched", [("x", grpc_row)])
+        metadata = [("x-request-id", "grpc-1")] if traced else []
+        answers["grpc"] = await _grpc_infer(
+            grpc_client, "batched", [("x", grpc_row)], metadata=metadata
+        )
 
     try:
         with trio.fail_after(30):

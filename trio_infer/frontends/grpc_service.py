@@ -58,6 +58,7 @@ from trio_infer.protobuf.codec import (
 )
 from trio_infer.protobuf.field_count import MODEL_INFER_REQUEST, FieldTree, count_fields
 from trio_infer.protobuf.wire import WireInferRequest
+from trio_infer.transport.access_log import REQUEST_ID_HEADER
 from trio_infer.transport.grpc_protocol import header_text, shown
 from trio_infer.transport.grpc_server import Call
 
@@ -289,7 +290,7 @@ class GrpcService:
         call.subject = request.model_name
         context = RequestContext(
             deadline=call.deadline,
-            headers={name: value for name, value in call.metadata if isinstance(value, str)},
+            headers=_model_headers(call),
             reservation=reservation,
         )
         answer = await self._infer_in_time(request, context)
@@ -410,7 +411,7 @@ class GrpcService:
                 raise failure
             context = RequestContext(
                 deadline=call.deadline,
-                headers={name: value for name, value in call.metadata if isinstance(value, str)},
+                headers=_model_headers(call),
                 reservation=reservation,
             )
             if self.core.decoupled(request.model_name, request.model_version):
@@ -716,6 +717,17 @@ class _Decoded:
     """What its decoded inputs take (held in the reservation)."""
     message_size: int
     """Its message's size (the reservation's unit)."""
+
+
+def _model_headers(call: Call) -> dict[str, str]:
+    """The call's metadata as its model sees it: the text entries, but the request id, which
+    is the server's (logged and echoed), differs call to call, and would keep every call out of
+    its neighbours' batches (a batch's members share their headers)."""
+    return {
+        name: value
+        for name, value in call.metadata
+        if isinstance(value, str) and name != REQUEST_ID_HEADER
+    }
 
 
 def _take_flag(request: Any, name: str, default: bool = False) -> bool:

@@ -42,6 +42,7 @@ from trio_infer.core.timeouts import TIMED_OUT, take_timeout
 from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
 from trio_infer.errors import InferError, InvalidInput, StatusCode, Unimplemented
 from trio_infer.rest import codec
+from trio_infer.transport.access_log import REQUEST_ID_HEADER
 from trio_infer.transport.grpc_protocol import header_text
 from trio_infer.transport.http_server import HttpError, HttpRequest, error_body
 
@@ -103,6 +104,8 @@ _PROTOCOL_HEADERS = frozenset(
         "upgrade",
         "user-agent",
         _HEADER_LENGTH,
+        # The server's own: a request id differs call to call (see grpc_service._model_headers).
+        REQUEST_ID_HEADER,
     }
 )
 #: The most digits an Inference-Header-Content-Length may have (2**63 has 19).

@@ -17,7 +17,10 @@ import logging
 import os
 from dataclasses import dataclass
 
-__all__ = ["ACCESS_LOGGER", "CallRecord", "log_call", "request_id"]
+__all__ = ["ACCESS_LOGGER", "REQUEST_ID_HEADER", "CallRecord", "log_call", "request_id"]
+
+#: The header (gRPC metadata) that carries a call's request id, both ways.
+REQUEST_ID_HEADER = "x-request-id"
 
 ACCESS_LOGGER = logging.getLogger("trio_infer.access")
 """Where the access log goes (one INFO record per call); off unless turned on."""

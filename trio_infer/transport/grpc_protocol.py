@@ -64,6 +64,7 @@ from purerpc.grpclib.headers import HeaderDict, sanitize_headers
 
 from trio_infer.buffers import Buffer
 from trio_infer.errors import StatusCode
+from trio_infer.transport.access_log import REQUEST_ID_HEADER
 from trio_infer.transport.header_blocks import (
     MAX_REMEMBERED_BYTES,
     CachingDecoder,
@@ -154,7 +155,7 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 
 def _request_id(value: str) -> bytes:
     """The ``x-request-id`` response field, coded; nothing for ``""``."""
-    return never_indexed("x-request-id", value) if value else b""
+    return never_indexed(REQUEST_ID_HEADER, value) if value else b""
 
 
 def shown(value: str, limit: int = 64) -> str:

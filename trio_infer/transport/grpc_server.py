@@ -44,7 +44,13 @@ import trio
 
 from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
 from trio_infer.errors import InferError, StatusCode
-from trio_infer.transport.access_log import ACCESS_LOGGER, CallRecord, log_call, request_id
+from trio_infer.transport.access_log import (
+    ACCESS_LOGGER,
+    REQUEST_ID_HEADER,
+    CallRecord,
+    log_call,
+    request_id,
+)
 from trio_infer.transport.connection_age import retirement_time
 from trio_infer.transport.grpc_protocol import (
     BY_REFERENCE_BYTES,
@@ -763,7 +769,7 @@ class Connection:
         metadata = tuple(event.custom_metadata)
         sent = None
         for name, value in metadata:
-            if name == "x-request-id":
+            if name == REQUEST_ID_HEADER:
                 sent = value
                 break
         call = Call(

@@ -47,7 +47,13 @@ import h11
 import trio
 
 from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
-from trio_infer.transport.access_log import ACCESS_LOGGER, CallRecord, log_call, request_id
+from trio_infer.transport.access_log import (
+    ACCESS_LOGGER,
+    REQUEST_ID_HEADER,
+    CallRecord,
+    log_call,
+    request_id,
+)
 from trio_infer.transport.connection_age import retirement_time
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
@@ -80,6 +86,7 @@ _connection_ids = itertools.count(-1, -1)
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _JSON = (b"content-type", b"application/json")
 _CLOSE = (b"connection", b"close")
+_REQUEST_ID = REQUEST_ID_HEADER.encode("ascii")
 _CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
 
 
@@ -168,7 +175,7 @@ class HttpRequest:
         it has arrived)."""
         self.connection_id: int = connection.connection_id
         """The connection the request came on: unique among the process's connections."""
-        self.request_id = request_id(self.header("x-request-id"))
+        self.request_id = request_id(self.header(REQUEST_ID_HEADER))
         """The request's id (:func:`~trio_infer.transport.access_log.request_id`): echoed in
         the response's ``x-request-id`` and logged."""
         self.subject = ""
@@ -284,7 +291,7 @@ class HttpRequest:
         self.status = status
         self.bytes_out = sum(len(view) for view in views)
         head_fields.append((b"content-length", str(self.bytes_out).encode()))
-        head_fields.append((b"x-request-id", self.request_id.encode("ascii")))
+        head_fields.append((_REQUEST_ID, self.request_id.encode("ascii")))
         connection.retire_if_due()
         if connection.closing or not connection.skip_unread_body():
             # Closed after this response: the server drains, the connection is past its age,
@@ -558,7 +565,7 @@ class HttpConnection:
         if request is not None:
             request.status = status
             request.bytes_out = len(body)
-            fields.append((b"x-request-id", request.request_id.encode("ascii")))
+            fields.append((_REQUEST_ID, request.request_id.encode("ascii")))
         self.retire_if_due()
         if self.closing or not self.skip_unread_body():
             fields.append(_CLOSE)
