@@ -28,10 +28,14 @@ from types import FrameType
 
 from bench import report, scenarios, servers
 from bench.scenarios import Result, Scenario, Timing
-from bench.servers import PeerUnavailable, ServerKind, ServerProcess
+from bench.servers import CpuSet, PeerUnavailable, ServerKind, ServerProcess
 
 #: What the chart needs when this interpreter has no matplotlib (``pip install -e .[bench]``).
 CHART_REQUIREMENTS = ("matplotlib>=3.8",)
+
+#: One server under test: its kind and the CPUs it is pinned to (None: not pinned, no
+#: ``--cpus``). With ``--cpus``, each kind runs once per CPU set, and they all take turns.
+Slot = tuple[ServerKind, CpuSet | None]
 
 
 def log(message: str) -> None:
@@ -74,7 +78,25 @@ def _parser() -> argparse.ArgumentParser:
         metavar="REV",
         help="also run trio-infer as of git revision REV (e.g. HEAD~1), side by side",
     )
+    parser.add_argument(
+        "--cpus",
+        metavar="LIST",
+        help="CPU sets in taskset -c syntax, separated by /, e.g. 0/0-1: every row is measured "
+        "with each server pinned to each set (taskset -c SET), the client unpinned "
+        "(default: no pinning)",
+    )
     return parser
+
+
+def _spec(cpus: CpuSet | None) -> str | None:
+    """A row's ``cpus``: the set as given, or None when not pinned."""
+    return cpus.spec if cpus is not None else None
+
+
+def _name(slot: Slot) -> str:
+    """A server in the progress lines: ``trio-infer``, or ``trio-infer on CPUs 0-1``."""
+    kind, cpus = slot
+    return kind.name if cpus is None else f"{kind.name} on CPUs {cpus.spec}"
 
 
 def _summary_line(result: Result) -> str:
@@ -87,7 +109,8 @@ def _summary_line(result: Result) -> str:
     tail = f" errors {errors}" if errors else ""
     check = f" CHECK {result.check}" if result.check not in ("", "ok") else ""
     notes = f" ({result.notes})" if result.notes else ""
-    return f"{result.server} {result.scenario}: {numbers}{tail}{check}{notes}"
+    pinned = f" on CPUs {result.cpus}" if result.cpus is not None else ""
+    return f"{result.server}{pinned} {result.scenario}: {numbers}{tail}{check}{notes}"
 
 
 def run_all(
@@ -97,10 +120,12 @@ def run_all(
     workers: int,
     run_dir: Path,
     results: list[Result],
+    cpu_sets: Sequence[CpuSet | None] = (None,),
 ) -> None:
     """Install every server, measure the shared scenarios, then those on a server of their own,
-    adding rows to ``results`` as they come (a Ctrl+C keeps those measured); a server that
-    cannot be installed or started becomes a ``missing`` row."""
+    each once per CPU set in ``cpu_sets`` (None: not pinned), adding rows to ``results`` as they
+    come (a Ctrl+C keeps those measured); a server that cannot be installed or started becomes
+    a ``missing`` row."""
     pythons: dict[ServerKind, Path] = {}
     for kind in kinds:
         if any(s.kind in kind.serves for s in chosen):
@@ -110,24 +135,35 @@ def run_all(
                 results.append(_missing(kind, str(error)))
     shared = [s for s in chosen if not s.own_server]
     if shared:
-        _run_shared(pythons, shared, timing, workers, run_dir, results)
+        _run_shared(pythons, shared, timing, workers, run_dir, results, cpu_sets)
     for kind, python in pythons.items():
         for scenario in (s for s in chosen if s.own_server and s.kind in kind.serves):
-            try:
-                rows = scenarios.run_on_own_server(
-                    kind, python, workers, run_dir, scenario, timing, log
-                )
-            except PeerUnavailable as error:
-                log(f"{kind.name} for {scenario.name} did not start: {error}")
-                rows = [Result(kind.name, scenario.name, "crash", 0, notes=f"no server: {error}")]
-            for result in rows:
-                results.append(result)
-                log(_summary_line(result))
+            for cpus in cpu_sets:
+                rows = _on_own_server(kind, python, workers, run_dir, scenario, timing, cpus)
+                for result in rows:
+                    results.append(result)
+                    log(_summary_line(result))
 
 
-def _missing(kind: ServerKind, why: str) -> Result:
-    log(f"{kind.name} is missing: {why}")
-    return Result(kind.name, "(all)", "missing", 0, notes=f"missing: {why}")
+def _on_own_server(
+    kind: ServerKind, python: Path, workers: int, run_dir: Path, scenario: Scenario,
+    timing: Timing, cpus: CpuSet | None,
+) -> list[Result]:  # fmt: skip
+    """The rows of a scenario on a server of its own, or a ``crash`` row if it did not start."""
+    try:
+        return scenarios.run_on_own_server(
+            kind, python, workers, run_dir, scenario, timing, log, cpus
+        )
+    except PeerUnavailable as error:
+        log(f"{_name((kind, cpus))} for {scenario.name} did not start: {error}")
+        crashed = Result(kind.name, scenario.name, "crash", 0, notes=f"no server: {error}")
+        crashed.cpus = _spec(cpus)
+        return [crashed]
+
+
+def _missing(kind: ServerKind, why: str, cpus: CpuSet | None = None) -> Result:
+    log(f"{_name((kind, cpus))} is missing: {why}")
+    return Result(kind.name, "(all)", "missing", 0, notes=f"missing: {why}", cpus=_spec(cpus))
 
 
 def _run_shared(
@@ -137,9 +173,11 @@ def _run_shared(
     workers: int,
     run_dir: Path,
     results: list[Result],
+    cpu_sets: Sequence[CpuSet | None],
 ) -> None:
-    """Start the servers together and measure each scenario on one after the other."""
-    running: dict[ServerKind, ServerProcess] = {}
+    """Start the servers together (each kind once per CPU set) and measure each scenario on one
+    after the other."""
+    running: dict[Slot, ServerProcess] = {}
     # The runtime models go into copies of the repositories, which live as long as the servers
     # (a restart serves them again).
     copies = tempfile.TemporaryDirectory(prefix="bench-repositories-")
@@ -149,45 +187,39 @@ def _run_shared(
             if any(s.kind in servers.RUNTIME_KINDS for s in shared)
             else {}
         )
-        for kind, python in pythons.items():
-            if not any(s.kind in kind.serves for s in shared):
-                continue
-            kind_served = served.get(kind, kind)
-            server = ServerProcess(
-                kind_served, python, workers, run_dir, extra_args=kind_served.shared_args
-            )
-            try:
-                took = server.start()
-            except PeerUnavailable as error:
-                results.append(_missing(kind, str(error)))
-                continue
-            rest = f", REST on port {server.http_port}" if server.http_port else ""
-            log(f"{kind.name} ready on {server.target}{rest} in {took:.1f} s (pid {server.pid})")
-            running[kind] = server
-        degraded: set[ServerKind] = set()
+        for cpus in cpu_sets:
+            for kind, python in pythons.items():
+                if any(s.kind in kind.serves for s in shared):
+                    started = _start_shared(served.get(kind, kind), python, workers, run_dir, cpus)
+                    if isinstance(started, ServerProcess):
+                        running[kind, cpus] = started
+                    else:
+                        results.append(_missing(kind, started, cpus))
+        degraded: set[Slot] = set()
         for scenario in shared:
-            serving = [kind for kind in running if scenario.kind in kind.serves]
-            rounds: dict[ServerKind, list[Result]] = {kind: [] for kind in serving}
+            serving = [slot for slot in running if scenario.kind in slot[0].serves]
+            rounds: dict[Slot, list[Result]] = {slot: [] for slot in serving}
             count = timing.rounds if scenario.kind in scenarios.ROUND_KINDS else 1
             try:
                 for index in range(count):
                     # Alternating order: a drift of the machine's speed favours no server.
-                    for kind in serving if index % 2 == 0 else serving[::-1]:
-                        if kind not in running:
+                    for slot in serving if index % 2 == 0 else serving[::-1]:
+                        if slot not in running:
                             continue  # it did not restart: its missing row says why
-                        server, note = _ready(running, kind, degraded, results)
+                        server, note = _ready(running, slot, degraded, results)
                         if server is None:
                             continue
                         result = scenarios.run(server, scenario, timing)
                         result.notes = "; ".join(filter(None, [note, result.notes]))
+                        result.cpus = _spec(slot[1])
                         if result.restart:
-                            degraded.add(kind)
-                        rounds[kind].append(result)
+                            degraded.add(slot)
+                        rounds[slot].append(result)
             finally:
                 # On Ctrl+C too: the rounds measured so far make their rows.
-                for kind in serving:
-                    if rounds[kind]:
-                        result = scenarios.merge_rounds(rounds[kind])
+                for slot in serving:
+                    if rounds[slot]:
+                        result = scenarios.merge_rounds(rounds[slot])
                         results.append(result)
                         log(_summary_line(result))
     finally:
@@ -196,29 +228,44 @@ def _run_shared(
         copies.cleanup()
 
 
+def _start_shared(
+    kind: ServerKind, python: Path, workers: int, run_dir: Path, cpus: CpuSet | None
+) -> ServerProcess | str:
+    """A started server of ``kind`` for the shared scenarios, pinned to ``cpus`` if given; or
+    why it did not start."""
+    server = ServerProcess(kind, python, workers, run_dir, extra_args=kind.shared_args, cpus=cpus)
+    try:
+        took = server.start()
+    except PeerUnavailable as error:
+        return str(error)
+    rest = f", REST on port {server.http_port}" if server.http_port else ""
+    log(f"{_name((kind, cpus))} ready on {server.target}{rest} in {took:.1f} s (pid {server.pid})")
+    return server
+
+
 def _ready(
-    running: dict[ServerKind, ServerProcess],
-    kind: ServerKind,
-    degraded: set[ServerKind],
+    running: dict[Slot, ServerProcess],
+    slot: Slot,
+    degraded: set[Slot],
     results: list[Result],
 ) -> tuple[ServerProcess | None, str]:
-    """The server of ``kind``, restarted first if it died or the last scenario left it degraded
+    """The server of ``slot``, restarted first if it died or the last scenario left it degraded
     (kill, storm), with a note saying so; None if it does not start again, which makes a
     ``missing`` row and ends its part in the run."""
-    server = running[kind]
-    if kind in degraded:
+    server = running[slot]
+    if slot in degraded:
         why = f"left degraded by the last scenario ({server.log_path})"
     elif not server.alive():
         why = f"died ({server.log_path})"
     else:
         return server, ""
-    degraded.discard(kind)
-    log(f"{kind.name} {why}: restarting it")
+    degraded.discard(slot)
+    log(f"{_name(slot)} {why}: restarting it")
     try:
         server.start()
     except PeerUnavailable as error:
-        del running[kind]
-        results.append(_missing(kind, f"did not restart: {error}"))
+        del running[slot]
+        results.append(_missing(slot[0], f"did not restart: {error}", slot[1]))
         return None, ""
     return server, f"restarted before this: {why}"
 
@@ -250,6 +297,18 @@ def _chart(results_path: Path, chart_path: Path, rss_path: Path) -> str:
     return f"chart: {chart_path}" + (f", {rss_path}" if rss_path.exists() else "")
 
 
+def _cpu_sets(text: str | None) -> list[CpuSet | None]:
+    """``--cpus`` as the CPU sets to run each server on; ``[None]`` (not pinned) without it.
+
+    Raises:
+        ValueError: taskset is missing, or a set is bad (the message says which and why).
+    """
+    if text is None:
+        return [None]
+    servers.require_taskset()
+    return list(servers.parse_cpu_sets(text))
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     """SIGTERM and SIGHUP act as Ctrl+C (asyncio.run then cancels the running scenario)."""
     os.kill(os.getpid(), signal.SIGINT)
@@ -272,6 +331,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds is not None and args.rounds < 1:
         log("--rounds must be at least 1")
         return 2
+    try:
+        cpu_sets = _cpu_sets(args.cpus)
+    except ValueError as error:
+        log(str(error))
+        return 2
     timing = Timing.choose(args.duration, args.quick, args.rounds)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = servers.RESULTS / stamp
@@ -284,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     interrupted = False
     try:
-        run_all(kinds, chosen, timing, args.workers, run_dir, results)
+        run_all(kinds, chosen, timing, args.workers, run_dir, results, cpu_sets)
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted: servers stopped; reporting what was measured")
@@ -297,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "timing": vars(timing),
         "workers": args.workers,
         "cpus": os.cpu_count(),
+        "cpu_sets": [cpus.spec for cpus in cpu_sets if cpus is not None] or None,
         "python": platform.python_version(),
         "interrupted": interrupted,
         "seconds": round(time.monotonic() - began, 1),

@@ -29,6 +29,12 @@ def _family(scenario: str) -> str:
     return scenario.rsplit("-c", 1)[0]
 
 
+def _series(row: dict[str, Any]) -> str:
+    """A row's line: its server, and the CPUs it was pinned to (``--cpus``) if it was."""
+    cpus = row.get("cpus")
+    return row["server"] if cpus is None else f"{row['server']} on CPUs {cpus}"
+
+
 def render(results_path: Path, chart_path: Path) -> None:
     """Draw the chart of a results file's load scenarios."""
     import matplotlib
@@ -45,7 +51,10 @@ def render(results_path: Path, chart_path: Path) -> None:
         for row in rows
         if row.get("type") == "result" and row.get("throughput") and row.get("p99_ms")
     ]
-    servers = sorted({row["server"] for row in points}, key=lambda s: (s != "trio-infer", s))
+    servers = sorted(
+        {_series(row) for row in points},
+        key=lambda s: (s.partition(" on CPUs ")[0] != "trio-infer", s),
+    )
     colors = {server: f"C{index}" for index, server in enumerate(servers)}
     figure, axes = plt.subplots(2, 3, figsize=(15, 9), squeeze=False)
     for axis, (family, title) in zip(axes.flat, PANELS, strict=True):
@@ -54,7 +63,7 @@ def render(results_path: Path, chart_path: Path) -> None:
                 (
                     row
                     for row in points
-                    if row["server"] == server and _family(row["scenario"]) == family
+                    if _series(row) == server and _family(row["scenario"]) == family
                 ),
                 key=lambda row: row["concurrency"],
             )
@@ -128,7 +137,7 @@ def render_rss(results_path: Path, chart_path: Path) -> bool:
         axis.axvspan(0, extra["window_s"], color="0.9", zorder=0)
         errors = row.get("errors") or {}
         axis.set_title(
-            f"{row['server']} {row['scenario']}: C={row['concurrency']}, "
+            f"{_series(row)} {row['scenario']}: C={row['concurrency']}, "
             f"{row['throughput'] or 0:.0f} OK/s, p99 {row['p99_ms'] or 0:.0f} ms, "
             f"RESOURCE_EXHAUSTED {errors.get('RESOURCE_EXHAUSTED', 0)}",
             fontsize=9,

@@ -54,29 +54,42 @@ def _cpu(result: Result, key: str) -> str:
     return _number(result.extra.get(key), 0)
 
 
-def table(results: Sequence[Result]) -> str:
-    """The markdown table: one row per server and scenario, grouped by scenario.
+def _cpu_sets(results: Sequence[Result]) -> list[str | None]:
+    """The CPU sets of the rows (``--cpus``), in the order first met; ``[None]`` unpinned."""
+    return list(dict.fromkeys(r.cpus for r in results)) or [None]
 
-    The ratio is the server's throughput over trio-infer's in the same scenario. ``cpu
-    µs/call`` is the server's CPU (with its workers) per successful call, ``client µs/call``
-    the benchmark's own (:class:`bench.scenarios.CpuWindow`); the notes split the server's.
+
+def table(results: Sequence[Result]) -> str:
+    """The markdown table: one row per server and scenario, grouped by scenario (and within it
+    by CPU set, with a ``cpus`` column after the scenario's, when ``--cpus`` pinned the servers).
+
+    The ratio is the server's throughput over trio-infer's in the same scenario and CPU set.
+    ``cpu µs/call`` is the server's CPU (with its workers) per successful call, ``client
+    µs/call`` the benchmark's own (:class:`bench.scenarios.CpuWindow`); the notes split the
+    server's.
     """
-    baselines = {r.scenario: r for r in results if r.server == BASELINE}
+    baselines = {(r.scenario, r.cpus): r for r in results if r.server == BASELINE}
     order: dict[str, int] = {}
     for result in results:
         order.setdefault(result.scenario, len(order))
-    rows = sorted(results, key=lambda r: (order[r.scenario], r.server != BASELINE))
+    sets = _cpu_sets(results)
+    rows = sorted(
+        results, key=lambda r: (order[r.scenario], sets.index(r.cpus), r.server != BASELINE)
+    )
+    pinned = sets != [None]
     lines = [
-        "| server | scenario | req/s | p50 ms | p99 ms | cpu µs/call | client µs/call | errors "
-        "| x trio-infer | notes |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |",
+        "| server | scenario | " + ("cpus | " if pinned else "") + "req/s | p50 ms | p99 ms "
+        "| cpu µs/call | client µs/call | errors | x trio-infer | notes |",
+        "| --- | --- | " + ("--- | " if pinned else "") + "---: | ---: | ---: | ---: | ---: "
+        "| --- | ---: | --- |",
     ]
     for r in rows:
+        cpus = f"{r.cpus or '-'} | " if pinned else ""
         lines.append(
-            f"| {r.server} | {r.scenario} | {_number(r.throughput, 0)} | {_number(r.p50_ms, 2)} "
-            f"| {_number(r.p99_ms, 2)} | {_cpu(r, 'cpu_us_per_call')} "
+            f"| {r.server} | {r.scenario} | {cpus}{_number(r.throughput, 0)} "
+            f"| {_number(r.p50_ms, 2)} | {_number(r.p99_ms, 2)} | {_cpu(r, 'cpu_us_per_call')} "
             f"| {_cpu(r, 'client_cpu_us_per_call')} | {_errors(r.errors)} | "
-            f"{_ratio(r, baselines.get(r.scenario))} | {_notes(r)} |"
+            f"{_ratio(r, baselines.get((r.scenario, r.cpus)))} | {_notes(r)} |"
         )
     return "\n".join(lines)
 
@@ -354,7 +367,21 @@ def _repository_section(rows: Sequence[Result]) -> list[str]:
 
 
 def details(results: Sequence[Result]) -> str:
-    """The overload, batching, hostile and repository sections (empty when none ran)."""
+    """The overload, batching, hostile and repository sections (empty when none ran); with
+    ``--cpus``, once per CPU set, under a heading naming it."""
+    sets = _cpu_sets(results)
+    if sets == [None]:
+        return _details(results)
+    parts = []
+    for cpus in sets:
+        section = _details([r for r in results if r.cpus == cpus])
+        if section:
+            parts.append(f"\n## Servers pinned to CPUs {cpus or '(none)'}\n{section}")
+    return "\n".join(parts)
+
+
+def _details(results: Sequence[Result]) -> str:
+    """The sections of rows of one CPU set."""
     overload = [r for r in results if r.kind == "overload" and r.extra]
     batching = [r for r in results if r.kind == "batching" and r.extra]
     hostile = [r for r in results if r.kind == "hostile" and r.extra]

@@ -83,6 +83,7 @@ from bench.servers import (
     REPO,
     REST_KINDS,
     RUNTIME_KINDS,
+    CpuSet,
     CpuSnapshot,
     MemorySampler,
     ServerKind,
@@ -371,6 +372,9 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
     restart: bool = False
     """The scenario left the server degraded: restart it before the next one."""
+    cpus: str | None = None
+    """The CPU set the server was pinned to (``--cpus``, ``taskset -c`` syntax); None: not
+    pinned. The table compares servers within one set."""
 
     def absorb(self, summary: client.Summary) -> None:
         """Take throughput, percentiles, request count and errors from a summary."""
@@ -1547,10 +1551,11 @@ async def _rows(rows: Awaitable[Result | list[Result]]) -> list[Result]:
 
 def run_on_own_server(
     kind: ServerKind, python: Path, workers: int, run_dir: Path, scenario: Scenario,
-    timing: Timing, log: Callable[[str], None],
+    timing: Timing, log: Callable[[str], None], cpus: CpuSet | None = None,
 ) -> list[Result]:  # fmt: skip
     """Start a server for ``scenario`` alone (its memory budget, or its copy of the example
-    repository), run the scenario, stop the server; its rows (one, or ``repository``'s two).
+    repository), pinned to ``cpus`` if given, run the scenario, stop the server; its rows (one,
+    or ``repository``'s two), marked with the CPU set.
 
     Raises:
         PeerUnavailable: The server did not start.
@@ -1579,13 +1584,18 @@ def run_on_own_server(
             repository = _batching_repository(Path(tmp), scenario.batching)
             args = (str(repository),)
             runner = functools.partial(_batching, repository=repository)
-        server = ServerProcess(kind, python, workers, run_dir, extra_args=args, label=scenario.name)
+        server = ServerProcess(
+            kind, python, workers, run_dir, extra_args=args, label=scenario.name, cpus=cpus
+        )
+        pinned = f" on CPUs {cpus.spec}" if cpus else ""
         try:
             took = server.start()
-            log(f"{kind.name} for {scenario.name} ready in {took:.1f} s (pid {server.pid})")
+            log(f"{kind.name} for {scenario.name}{pinned} ready in {took:.1f} s (pid {server.pid})")
             results = asyncio.run(_rows(runner(server, scenario, timing)))
         finally:
             server.stop()
+        for result in results:
+            result.cpus = cpus.spec if cpus else None
     if scenario.kind == "batching":
         result = results[0]
         from_log = server_log_batching(server.log_path, "dense")

@@ -18,6 +18,7 @@ import http.client
 import importlib.metadata
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -403,9 +404,10 @@ class MemorySampler:
 # The servers
 
 
-def _thread_env(workers: int) -> dict[str, str]:
-    """One BLAS/OpenMP thread pool per worker sized like trio-infer's (cores // workers)."""
-    threads = str(max(1, (os.cpu_count() or 1) // workers))
+def _thread_env(workers: int, cores: int | None = None) -> dict[str, str]:
+    """One BLAS/OpenMP thread pool per worker sized like trio-infer's (cores // workers; the
+    machine's cores unless ``cores`` is given: those of a server pinned by ``--cpus``)."""
+    threads = str(max(1, (cores or os.cpu_count() or 1) // workers))
     return {
         name: threads for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
     }
@@ -727,6 +729,108 @@ def with_runtime_models(
 
 
 # ------------------------------------------------------------------------------------------
+# Pinning to CPUs (--cpus)
+
+
+@dataclass(frozen=True)
+class CpuSet:
+    """CPUs a server is pinned to: started as ``taskset -c SPEC command``, so that the worker
+    processes it starts inherit the mask."""
+
+    spec: str
+    """As given, in ``taskset -c`` syntax (``0``, ``0-1``, ``0,2``, ``0-7:2``): the table's
+    ``cpus`` column and each row's ``cpus`` in ``results.jsonl``."""
+    cpus: frozenset[int]
+
+
+#: One item of a ``taskset -c`` list: a CPU, or a range with an optional stride.
+_CPU_ITEM = re.compile(r"(\d+)(?:-(\d+)(?::(\d+))?)?")
+
+
+def _cpu_list(cpus: Collection[int]) -> str:
+    """CPUs written short, ``0-3,6``."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _cpu_range(item: str) -> range | None:
+    """The CPUs of one item of a ``taskset -c`` list; None when it is not one."""
+    match = _CPU_ITEM.fullmatch(item)
+    if match is None:
+        return None
+    first = int(match[1])
+    last = int(match[2] or first)
+    step = int(match[3] or 1)
+    return range(first, last + 1, step) if first <= last and step >= 1 else None
+
+
+def parse_cpu_set(spec: str, available: Collection[int]) -> CpuSet:
+    """One CPU set in ``taskset -c`` syntax: comma-separated CPUs and ranges (``a-b``, with an
+    optional stride ``a-b:s``).
+
+    Raises:
+        ValueError: The set is empty, is not in that syntax, or names a CPU not in
+            ``available``.
+    """
+    spec = "".join(spec.split())  # taskset takes no spaces
+    if not spec:
+        raise ValueError("--cpus: an empty CPU set (each set between the slashes names a CPU)")
+    cpus: set[int] = set()
+    for item in spec.split(","):
+        found = _cpu_range(item)
+        if found is None:
+            raise ValueError(
+                f"--cpus: {spec!r} is not a CPU list as `taskset -c` takes one "
+                "(e.g. 0, 0-1, 0,2, 0-7:2; sets are separated by /)"
+            )
+        cpus.update(found)
+    lacking = cpus - set(available)
+    if lacking:
+        raise ValueError(
+            f"--cpus: {spec!r} names CPU{'s' if len(lacking) > 1 else ''} {_cpu_list(lacking)}, "
+            f"which this machine lacks (the benchmark may use CPUs {_cpu_list(available)})"
+        )
+    return CpuSet(spec, frozenset(cpus))
+
+
+def parse_cpu_sets(text: str, available: Collection[int] | None = None) -> list[CpuSet]:
+    """``--cpus``: CPU sets separated by ``/`` (``0/0-1``), each checked by
+    :func:`parse_cpu_set` against ``available`` (default: the CPUs this process may run on,
+    ``os.sched_getaffinity(0)``), in the order given.
+
+    Raises:
+        ValueError: A set is bad (empty, not ``taskset -c`` syntax, a CPU out of range) or
+            given twice.
+    """
+    available = os.sched_getaffinity(0) if available is None else available
+    sets: list[CpuSet] = []
+    for spec in text.split("/"):
+        cpu_set = parse_cpu_set(spec, available)
+        twin = next((other for other in sets if other.cpus == cpu_set.cpus), None)
+        if twin is not None:
+            raise ValueError(f"--cpus: {cpu_set.spec!r} is the same set as {twin.spec!r}")
+        sets.append(cpu_set)
+    return sets
+
+
+def require_taskset() -> str:
+    """The path of ``taskset``, which pins the servers of a run with ``--cpus``.
+
+    Raises:
+        ValueError: It is not on PATH.
+    """
+    found = shutil.which("taskset")
+    if found is None:
+        raise ValueError("--cpus needs taskset (util-linux), which is not on PATH")
+    return found
+
+
+# ------------------------------------------------------------------------------------------
 # Running
 
 
@@ -753,6 +857,9 @@ class ServerProcess:
     """Appended to the command line (a scenario's own server: memory budget, repository)."""
     label: str = ""
     """Names the log of a scenario's own server: ``server-<kind>-<label>.log``."""
+    cpus: CpuSet | None = None
+    """The CPUs it is pinned to (``--cpus``), which also name its log
+    (``server-<kind>[-<label>]-cpus<spec>.log``); None: not pinned."""
     ports: Ports = field(init=False)
     process: subprocess.Popen[bytes] | None = field(init=False, default=None)
     starts: int = field(init=False, default=0)
@@ -777,6 +884,8 @@ class ServerProcess:
     def log_path(self) -> Path:
         """Where the server's stdout and stderr go."""
         suffix = f"-{self.label}" if self.label else ""
+        if self.cpus is not None:
+            suffix += f"-cpus{self.cpus.spec}"
         return self.log_dir / f"server-{self.kind.name}{suffix}.log"
 
     @property
@@ -809,7 +918,7 @@ class ServerProcess:
         self.stop()
         self.ports = Ports(free_port(), free_port(), free_port())
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.kind.environment(self.ports, self.workers)}
+        env = {**os.environ, **self._environment()}
         env["PYTHONUNBUFFERED"] = "1"
         self.starts += 1
         launched = time.monotonic()
@@ -817,7 +926,7 @@ class ServerProcess:
             log.write(f"\n==== start {self.starts} ====\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                [*self.kind.command(self.python, self.ports, self.workers), *self.extra_args],
+                self._command(),
                 cwd=self.kind.workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -832,6 +941,21 @@ class ServerProcess:
             self.stop()
             raise
         return time.monotonic() - launched
+
+    def _command(self) -> list[str]:
+        """The server's command line; after ``taskset -c SPEC`` when pinned (taskset execs it:
+        the pid stays the server's, and every process it starts inherits the mask)."""
+        command = [*self.kind.command(self.python, self.ports, self.workers), *self.extra_args]
+        return command if self.cpus is None else ["taskset", "-c", self.cpus.spec, *command]
+
+    def _environment(self) -> dict[str, str]:
+        """The kind's extra environment; its BLAS/OpenMP thread counts (:func:`_thread_env`)
+        sized for the CPUs it is pinned to, when it is."""
+        extra = self.kind.environment(self.ports, self.workers)
+        if self.cpus is not None:
+            pinned = _thread_env(self.workers, len(self.cpus.cpus))
+            extra |= {name: value for name, value in pinned.items() if name in extra}
+        return extra
 
     def _wait_ready(self, deadline: float) -> None:
         """Until ServerLive and ModelReady of every model say so, and REST is live too (its
