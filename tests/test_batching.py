@@ -287,7 +287,8 @@ CRASHED = (
 async def test_a_crashing_batcher_fails_only_the_requests_it_held_and_is_replaced(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.0)
+    # A batch time, so that the first request waits for a batcher rather than going alone.
+    settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.001)
     pool = CrashingPool()
     batcher = ModelBatcher(settings, pool, batchers=1)
     errors: list[InferError] = []
@@ -369,6 +370,63 @@ async def test_a_batcher_that_crashes_while_planning_fails_the_queue_it_planned_
     [record] = [r for r in caplog.records if r.name == "trio_infer.scheduling.batching"]
     assert "crashed while planning a batch (AssertionError: a planning bug)" in record.getMessage()
     assert "the 2 request(s) it held failed" in record.getMessage()
+
+
+async def test_a_request_that_finds_nothing_of_its_model_running_or_waiting_goes_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # From the request's own task, not a batcher's; the next, while it runs, waits for one.
+    settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.0)
+    pool = GatedPool()
+    callers: list[str] = []
+    gated_predict = pool.predict
+
+    async def predict(*args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
+        callers.append(trio.lowlevel.current_task().name.rsplit(".", 1)[-1])
+        return await gated_predict(*args, **kwargs)
+
+    pool.predict = predict  # type: ignore[method-assign]
+    batcher = ModelBatcher(settings, pool, batchers=2)
+    served: list[int] = []
+
+    async def request() -> None:
+        outputs = await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+        served.append(len(outputs["y"]))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        for _ in range(2):
+            nursery.start_soon(request)
+            await trio.testing.wait_all_tasks_blocked()
+        assert callers == ["request", "_batcher"]
+        pool.release.set()
+        await eventually(lambda: len(served) == 2)
+        # Both ended, nothing waits: the next request goes at once again.
+        nursery.start_soon(request)
+        await eventually(lambda: len(served) == 3)
+        nursery.cancel_scope.cancel()
+    assert callers == ["request", "_batcher", "request"]
+    stats = batcher.statistics()
+    assert (stats.batches, stats.requests, stats.rows) == (3, 3, 3)
+
+    # A bug met on that path fails its request as a crashed batcher's would, and is counted.
+    crash_pool = CrashingPool()
+    crash_pool.release.set()
+    crashing = ModelBatcher(settings, crash_pool, batchers=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(crashing.run)
+        with pytest.raises(InferError) as caught:
+            await crashing.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+        outputs = await crashing.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+        nursery.cancel_scope.cancel()
+    assert (caught.value.code, caught.value.message) == (StatusCode.INTERNAL, CRASHED)
+    assert outputs["y"].tolist() == [[1.0, 1.0]]
+    assert crashing.statistics().batcher_crashes == 1
+    [record] = [r for r in caplog.records if r.name == "trio_infer.scheduling.batching"]
+    assert record.getMessage() == (
+        "internal error: a batch of one of model 'm' crashed (RuntimeError: a bug); its request "
+        "failed"
+    )
 
 
 class GatedPool:

@@ -486,6 +486,10 @@ class ModelBatcher:
         )
         # Counts only: ``waiting`` is filled in by statistics().
         self._statistics = BatchStatistics()
+        # Whether the model is called one request at a time: off when a request joins the
+        # queue, on again when a batch of one ends with nothing else of the model running or
+        # waiting (_ended_alone; see predict).
+        self._one_at_a_time = True
 
     async def predict(
         self,
@@ -531,6 +535,20 @@ class ModelBatcher:
             # queue, the planning and two task switches, which cost more than the call saves.
             self._statistics = replace(self._statistics, alone=self._statistics.alone + 1)
             return await self._alone(inputs, parameters, priority, timing, rows)
+        if (
+            self._one_at_a_time
+            and not self._in_pool
+            and not self._waiting
+            and not self.settings.max_batch_time
+            and self._nursery is not None
+        ):
+            # Nothing of the model runs or waits: a running batcher would take this request
+            # alone at once, so it goes from this task, without the batcher's two turns (a
+            # pass of the scheduler each, on the call's path).
+            return await self._run_alone(inputs, parameters, priority, timing, rows)
+        # Requests overlap: they go through the batchers, which let those that arrive together
+        # (a wave of a closed loop, read in one pass) form one batch rather than one going alone.
+        self._one_at_a_time = False
         key = (priority, batch_key(inputs, parameters))
         member = _Member(
             inputs, parameters, priority, key, rows, trio.current_time(), deadline, timing=timing
@@ -557,6 +575,64 @@ class ModelBatcher:
         )
         self._recorder.executed(rows, timing.compute)
         return outputs
+
+    async def _run_alone(
+        self,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        priority: int,
+        timing: Timing,
+        rows: int,
+    ) -> ModelOutputs:
+        """Run a request that found the queue empty and a worker free as a batch of one,
+        counted as the batcher counts one."""
+        self._statistics = self._statistics.with_batch(rows, [0.0])
+        self._in_pool += 1
+        try:
+            started = trio.current_time()
+            outputs = await self._pool.predict(
+                self.settings, inputs, parameters, priority, timing=timing
+            )
+            self._learn_run_time(trio.current_time() - started)
+            (part,) = self._split(outputs, [rows])
+            self._recorder.executed(rows, timing.compute)
+            return part
+        except InferError:
+            raise
+        except Exception as crash:
+            # A bug, as in a batcher (_run): this request fails INTERNAL, the next ones go on.
+            self._count_crash()
+            logger.error(
+                "internal error: a batch of one of model '%s' crashed (%s: %s); its request "
+                "failed",
+                self.settings.name,
+                type(crash).__name__,
+                crash,
+                exc_info=crash,
+            )
+            raise _crashed(self.settings.name) from None
+        finally:
+            self._in_pool -= 1
+            self._ended_alone()
+            if self._waiting:  # a batch that waits for a free worker may go now
+                self._notify()
+
+    def _ended_alone(self) -> None:
+        """A batch of one ended: with nothing else of the model running or waiting, it is
+        called one request at a time again."""
+        if not self._waiting and not self._in_pool:
+            self._one_at_a_time = True
+
+    def _learn_run_time(self, elapsed: float) -> None:
+        self._run_time += _RUN_TIME_WEIGHT * (elapsed - self._run_time)
+
+    def _split(self, outputs: ModelOutputs, rows: list[int]) -> list[ModelOutputs]:
+        try:
+            return split_outputs(outputs, rows, self.settings.name)
+        except ModelFailed as error:
+            # The model's fault, found here rather than in the pool: logged here.
+            self._model_errors.record(self.settings.name, error)
+            raise
 
     def statistics(self) -> BatchStatistics:
         """Return a snapshot of this model's batching."""
@@ -677,15 +753,9 @@ class ModelBatcher:
                 outputs = await self._pool.predict(
                     self.settings, inputs, head.parameters, head.priority, timing=timing
                 )
-                elapsed = trio.current_time() - started
-                self._run_time += _RUN_TIME_WEIGHT * (elapsed - self._run_time)
+                self._learn_run_time(trio.current_time() - started)
                 rows = [m.rows for m in members]
-                try:
-                    parts = split_outputs(outputs, rows, self.settings.name)
-                except ModelFailed as error:
-                    # The model's fault, found here rather than in the pool: logged here.
-                    self._model_errors.record(self.settings.name, error)
-                    raise
+                parts = self._split(outputs, rows)
                 for member, part in zip(members, parts, strict=True):
                     # As Triton counts a batch: each member waited until the batch started,
                     # and computed for as long as the whole batch did.
@@ -707,6 +777,8 @@ class ModelBatcher:
             for member in members:
                 member.reply.set_error(stopped)
             self._in_pool -= 1
+            if len(members) == 1:
+                self._ended_alone()
             self._notify()
 
     def _abandon(self, member: _Member) -> None:

@@ -656,7 +656,12 @@ class WorkerPool:
 
     def _wake_lanes(self) -> None:
         for lane in self._lanes:
-            lane.wake()
+            # A lane whose sender waits idle sends what it can take now, from this task: the
+            # sender's own turn would cost a pass of the scheduler on every call's path.
+            lane.send_now()
+        for lane in self._lanes:
+            if self._closing or not lane.sender_idle:
+                lane.wake()
 
     def _in_time(self, call: _Call, lane: _Lane | None) -> bool:
         """Whether a call may go to ``lane`` now (None: to a free worker); if not, fail it.
@@ -871,6 +876,12 @@ class _Lane:
         # When a cancelled generating call that has not stopped has its worker killed.
         self._stop_by = math.inf
         self._wake = trio.Event()
+        # True only while the sender waits with nothing to send on a healthy connection: then
+        # any task may send a frame at once (send_now). A frame it could not send whole is left
+        # in _unsent for the sender, which sends it before anything else.
+        self._sender_idle = False
+        self._connection: socket.socket | None = None
+        self._unsent: tuple[list[wire.Buffer], _Call | None] | None = None
         self._head_started = 0.0
         # The current process's life:
         self.live = False
@@ -895,6 +906,43 @@ class _Lane:
     def wake(self) -> None:
         """Have the lane look at the queues again."""
         self._wake.set()
+
+    @property
+    def sender_idle(self) -> bool:
+        """Whether the sender waits with nothing to send (what the queues hold is not for it)."""
+        return self._sender_idle
+
+    def send_now(self) -> None:
+        """Send what the lane would send next, from the calling task, if its sender waits idle.
+
+        Frames go with non-blocking writes until there is nothing more to send or one is not
+        taken whole: its rest (or all of it, when the write failed) is left to the sender, which
+        sends it first, and meets the same error if the connection is broken.
+        """
+        if not self._sender_idle:
+            return
+        assert self._connection is not None
+        # Not idle while sending: _next_frame may wake the lanes, and this one must not start
+        # a second frame before the first is written.
+        self._sender_idle = False
+        try:
+            self._stop_overdue()
+            while True:
+                frame, call = self._next_frame()
+                if frame is None:
+                    break
+                # A write that fails leaves the frame whole to the sender, which meets the
+                # error again and handles it.
+                with contextlib.suppress(OSError):
+                    frame = wire.send_some(self._connection, frame)
+                if frame:
+                    self._unsent = (frame, call)
+                    self._wake.set()
+                    return
+        except BaseException:
+            self._wake.set()
+            raise
+        self._sender_idle = True
 
     def abandon(self, call: _Call) -> None:
         """Stop a call sent to this lane whose requester is gone."""
@@ -1115,9 +1163,21 @@ class _Lane:
 
     async def _send(self, connection: socket.socket) -> None:
         """Send calls and cancels, one writer for the connection; until the talk ends."""
+        self._connection = connection
+        try:
+            await self._send_frames(connection)
+        finally:
+            self._sender_idle = False
+            self._connection = self._unsent = None
+
+    async def _send_frames(self, connection: socket.socket) -> None:
         while True:
             self._stop_overdue()
-            frame, call = self._next_frame()
+            frame: list[wire.Buffer] | None
+            if self._unsent is not None:
+                (frame, call), self._unsent = self._unsent, None
+            else:
+                frame, call = self._next_frame()
             if frame is not None:
                 try:
                     await _send_frame(connection, frame)
@@ -1142,8 +1202,12 @@ class _Lane:
                     connection.shutdown(socket.SHUT_WR)
                 await trio.sleep_forever()
             else:
-                with trio.move_on_at(self._stop_by):
-                    await self._sleep()
+                self._sender_idle = True
+                try:
+                    with trio.move_on_at(self._stop_by):
+                        await self._sleep()
+                finally:
+                    self._sender_idle = False
 
     def _stop_overdue(self) -> None:
         """Kill the worker if it still runs a cancelled generating call past its STOP_GRACE."""
@@ -1327,7 +1391,10 @@ class _Lane:
         if head is not None and head.decoupled and head.abandoned:
             # Cancelled before it started, and it may have started before the cancel came.
             self._stop_by = min(self._stop_by, trio.current_time() + STOP_GRACE)
-        self.wake()
+            self.wake()  # its sender waits until then
+        self.send_now()
+        if not self._sender_idle:
+            self.wake()
 
     def _not_started_at_all(self) -> None:
         # Nothing was sent, so nothing was lost; but what waits for this worker would wait for
