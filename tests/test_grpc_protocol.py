@@ -15,9 +15,12 @@ from trio_infer.transport import grpc_protocol
 from trio_infer.transport.grpc_protocol import (
     MessageReceived,
     PingPolicy,
+    ProtocolViolation,
     RateLimit,
     RequestEnded,
     ServerProtocol,
+    StreamReset,
+    WindowUpdated,
     request_headers_problem,
 )
 
@@ -192,3 +195,31 @@ def test_a_read_of_many_frames_is_handled_in_slices() -> None:
         passes += 1
     assert passes == 4
     assert server.h2_connection.outbound_flow_control_window == before + count
+
+
+def test_window_updates_grow_the_windows_they_name_and_an_overflow_fails_what_it_names() -> None:
+    # The common updates are done by hand: the windows must end as h2 leaves them, and every
+    # update the hand path does not take (an overflow) still goes through h2's rules.
+    client, server = _connected()
+    client.send_headers(1, GRPC_REQUEST)
+    _exchange(client, server)
+    connection = server.h2_connection
+    stream_window = connection.streams[1].outbound_flow_control_window
+    connection_window = connection.outbound_flow_control_window
+    client.increment_flow_control_window(1000, stream_id=1)
+    client.increment_flow_control_window(3000)
+    events = server.receive_data(client.data_to_send())
+    assert [(type(e), e.stream_id, e.delta) for e in events] == [
+        (WindowUpdated, 1, 1000),
+        (WindowUpdated, 0, 3000),
+    ]
+    assert connection.streams[1].outbound_flow_control_window == stream_window + 1000
+    assert connection.outbound_flow_control_window == connection_window + 3000
+    # A stream's window past 2**31 - 1 is that stream's error (RFC 9113 §6.9.1).
+    overflow = 2**31 - 1 - 1000
+    events = server.receive_data(_frame(0x8, 0, 1, overflow.to_bytes(4, "big")))
+    assert [type(event) for event in events] == [StreamReset]
+    assert connection.outbound_flow_control_window == connection_window + 3000
+    # The connection's is the connection's: it ends.
+    with pytest.raises(ProtocolViolation, match="flow control window past 2147483647"):
+        server.receive_data(_frame(0x8, 0, 0, (2**31 - 1).to_bytes(4, "big")))

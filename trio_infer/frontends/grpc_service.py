@@ -485,6 +485,9 @@ class GrpcService:
         """:meth:`_infer`, ended with DEADLINE_EXCEEDED at the request's own ``timeout``
         (its call's deadline is the call's cancel scope)."""
         own = _own_deadline(request)
+        if own == math.inf:
+            # No timeout of its own: its call's scope bounds it, and a scope costs microseconds.
+            return await self._infer(request, context)
         context.deadline = min(context.deadline, own)
         with trio.move_on_at(own) as timed:
             return await self._infer(request, context)

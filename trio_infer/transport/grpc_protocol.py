@@ -45,7 +45,8 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
-from h2.connection import ConnectionInputs, _decode_headers
+import h2.stream
+from h2.connection import ConnectionInputs, ConnectionState, _decode_headers
 from h2.errors import ErrorCodes
 from h2.exceptions import FrameDataMissingError
 from h2.frame_buffer import FrameBuffer
@@ -526,6 +527,22 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             )
 
 
+#: The largest flow-control window (RFC 9113 §6.9.1).
+_MAX_WINDOW = 2**31 - 1
+#: Stream states in which a WINDOW_UPDATE only adds to the stream's window (h2's state machine
+#: changes nothing else in them).
+_WINDOW_UPDATE_STATES = frozenset(
+    (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
+)
+
+
+def _window_updated(stream_id: int, delta: int) -> h2.events.WindowUpdated:
+    event = h2.events.WindowUpdated()
+    event.stream_id = stream_id
+    event.delta = delta
+    return event
+
+
 class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     """h2's connection, tolerant of the late frames RFC 9113 §5.1 allows on closed streams,
     failing only the stream of a malformed header block, doing the work for header blocks
@@ -701,7 +718,26 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         return [], [event]
 
     def _receive_window_update_frame(self, frame: Any) -> Any:
-        if self._is_cleaned_up(frame.stream_id):
+        increment = frame.window_increment
+        stream_id = frame.stream_id
+        if self.state_machine.state is ConnectionState.SERVER_OPEN and increment > 0:
+            # A client sends two of these a call, one for the connection and one for the call's
+            # stream: done here as h2 does them when nothing is wrong (neither state changes),
+            # without h2's two state machines, which cost about 5 us a call.
+            if stream_id == 0:
+                if self.outbound_flow_control_window + increment <= _MAX_WINDOW:
+                    self.outbound_flow_control_window += increment
+                    return [], [_window_updated(0, increment)]
+            else:
+                stream = self.streams.get(stream_id)
+                if (
+                    stream is not None
+                    and stream.state_machine.state in _WINDOW_UPDATE_STATES
+                    and stream.outbound_flow_control_window + increment <= _MAX_WINDOW
+                ):
+                    stream.outbound_flow_control_window += increment
+                    return [], [_window_updated(stream_id, increment)]
+        if self._is_cleaned_up(stream_id):
             return [], []
         if frame.window_increment == 0 and frame.stream_id in self.streams:
             # RFC 9113 §6.9: an increment of 0 on a stream is an error of that stream only
