@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import select
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -101,3 +103,42 @@ def test_send_some_goes_on_until_a_frame_with_many_buffers_is_sent(buffers: int)
     assert isinstance(got, list)
     assert len(got) == buffers
     np.testing.assert_array_equal(got[-1], message[-1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(_messages, min_size=1, max_size=6))
+def test_messages_sent_back_to_back_are_received_in_order_through_the_staging(
+    messages: list[object],
+) -> None:
+    # Read ahead, the start of one message is staged with the end of the one before it; the
+    # receiver must see each whole, and say one waits while any of it is staged.
+    sender, receiving = socket.socketpair()
+    with sender, receiving:
+        receiving.settimeout(5)
+        receiver = wire.Receiver(receiving)
+        assert not receiver.waiting()
+        frames = [wire.pack(message) for message in messages]
+        # Sent from a thread: together they may be more than the socket holds.
+        sending = threading.Thread(target=lambda: [wire.send(sender, f) for f in frames])
+        sending.start()
+        for message in messages:
+            _assert_same(receiver.receive(), message)
+        sending.join()
+        assert not receiver.waiting()
+        sender.close()
+        assert receiver.waiting()  # the end of the connection: a read would not block
+        with pytest.raises(EOFError):
+            receiver.receive()
+
+
+def test_a_message_read_ahead_with_the_one_before_it_is_waiting() -> None:
+    # Both fit one read: once the first is taken, the socket is empty and the second is staged.
+    sender, receiving = socket.socketpair()
+    with sender, receiving:
+        wire.send(sender, wire.pack("first") + wire.pack("second"))
+        receiver = wire.Receiver(receiving)
+        assert receiver.receive() == "first"
+        assert not select.select([receiving], [], [], 0)[0]
+        assert receiver.waiting()
+        assert receiver.receive() == "second"
+        assert not receiver.waiting()

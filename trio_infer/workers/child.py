@@ -151,12 +151,13 @@ def serve(address: str) -> None:
     finished: tuple[int, bool, object, float] | None = None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(address)
+        receiver = wire.Receiver(sock)
         try:
             while True:
                 # Block only with nothing to run and nothing to report.
                 block = finished is None and not skipped and not inbox
-                while block or wire.waiting(sock):
-                    _take(wire.receive(sock), inbox, skipped)
+                while block or receiver.waiting():
+                    _take(receiver.receive(), inbox, skipped)
                     block = False
                 if finished is not None or skipped:
                     _report(sock, finished, skipped)
@@ -164,7 +165,7 @@ def serve(address: str) -> None:
                 if inbox:
                     call_id, function, args = inbox.popleft()
                     if function is generate:
-                        finished = _generate(sock, call_id, args, inbox, skipped)
+                        finished = _generate(sock, receiver, call_id, args, inbox, skipped)
                     else:
                         finished = _run(call_id, function, args)
         except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -214,6 +215,7 @@ def _report(
 
 def _generate(
     sock: socket.socket,
+    receiver: wire.Receiver,
     call_id: int,
     args: tuple[object, ...],
     inbox: deque[_Call],
@@ -228,8 +230,8 @@ def _generate(
         steps = generate(*args)  # type: ignore[arg-type]
         while True:
             # Between two steps: cancels, credits and calls that came; no credit, wait for one.
-            while credits <= 0 or wire.waiting(sock):
-                message = wire.receive(sock)
+            while credits <= 0 or receiver.waiting():
+                message = receiver.receive()
                 if isinstance(message, dict):
                     credits += message.get(call_id, 0)
                     continue

@@ -1277,26 +1277,30 @@ class _Lane:
     async def _receive(self, connection: socket.socket, talk: trio.CancelScope) -> None:
         """Read the worker's reports until the connection ends, then end the talk."""
         try:
+            staging = wire.Staging()
             parse = wire.reader()
             view = next(parse)
             reporting = False  # part of a report is read: the call it reports on has ended
             while True:
-                try:
-                    received = connection.recv_into(view)
-                except BlockingIOError:
-                    if not reporting:
-                        # Every report the worker has sent is read, so the first outstanding
-                        # call is the one it runs: if abandoned, the worker is killed.
-                        self._stop_abandoned()
-                    with trio.CancelScope() as self._reading:
-                        await trio.lowlevel.wait_readable(connection)
-                    continue
-                except ConnectionResetError:
-                    return
-                if not received:
-                    return
+                rest = staging.fill(view)
+                if rest:
+                    try:
+                        received = staging.receive(connection, rest)
+                    except BlockingIOError:
+                        if not reporting:
+                            # Every report the worker has sent is read, so the first
+                            # outstanding call is the one it runs: if abandoned, it is killed.
+                            self._stop_abandoned()
+                        with trio.CancelScope() as self._reading:
+                            await trio.lowlevel.wait_readable(connection)
+                        continue
+                    except ConnectionResetError:
+                        return
+                    if received is None:
+                        return
+                    rest = received
                 reporting = True
-                view = view[received:]
+                view = rest
                 if view:
                     continue
                 try:

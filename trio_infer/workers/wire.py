@@ -33,14 +33,16 @@ from collections.abc import Generator, Sequence
 
 from trio_infer.buffers import Buffer, write_some
 
-__all__ = ["ITEMS_AHEAD", "Buffer", "pack", "reader", "receive", "send", "send_some", "waiting"]
+__all__ = ["ITEMS_AHEAD", "Buffer", "Receiver", "Staging", "pack", "reader", "send", "send_some"]
 
 _HEADER = struct.Struct("!IQ")
 #: Items a generating call may have sent that the request has not taken yet (its credits).
 ITEMS_AHEAD = 4
 #: Buffers smaller than this stay in the pickle: a buffer of its own costs the receiver a
-#: read call, more than copying a few KiB.
+#: read call, more than copying a few KiB. Parts at least this large are read straight into
+#: their own memory, smaller ones through a Staging buffer of _STAGING_BYTES.
 _OUT_OF_BAND_BYTES = 16 * 1024
+_STAGING_BYTES = 64 * 1024
 
 
 def pack(message: object) -> list[Buffer]:
@@ -99,26 +101,75 @@ def send(sock: socket.socket, frame: list[Buffer]) -> None:
         frame = send_some(sock, frame)
 
 
-def receive(sock: socket.socket) -> object:
-    """Receive a message from a blocking socket.
+class Staging:
+    """Bytes read ahead of what :func:`reader` asks for, so that a small message (a header and
+    a pickle) takes one read, not one per part; a large buffer is read into its own memory.
+    Each end of a connection has one, kept from message to message: what it holds past one
+    message is the start of the next."""
 
-    Raises:
-        EOFError: The peer closed the connection.
-    """
-    parse = reader()
-    view = next(parse)
-    while True:
-        while view:
+    def __init__(self) -> None:
+        self._buffer = bytearray(_STAGING_BYTES)
+        self._start = self._end = 0
+
+    @property
+    def held(self) -> bool:
+        """Whether bytes are staged (a message has started, or more than one arrived)."""
+        return self._start < self._end
+
+    def fill(self, view: memoryview) -> memoryview:
+        """Copy what is staged into ``view``; return the part of it still to fill."""
+        count = min(self._end - self._start, view.nbytes)
+        if count:
+            view[:count] = self._buffer[self._start : self._start + count]
+            self._start += count
+        return view[count:]
+
+    def receive(self, sock: socket.socket, view: memoryview) -> memoryview | None:
+        """One read for ``view`` (nothing may be staged): into it when it is large, else into
+        the staging buffer and copied; the part of ``view`` still to fill, or None at the end
+        of the connection.
+
+        Raises:
+            BlockingIOError: The socket is non-blocking and has nothing to read.
+            OSError: The connection is broken.
+        """
+        assert not self.held, "staged bytes come first"
+        if view.nbytes >= _OUT_OF_BAND_BYTES:
             received = sock.recv_into(view)
-            if not received:
-                raise EOFError
-            view = view[received:]
-        try:
-            view = parse.send(None)
-        except StopIteration as done:
-            return done.value
+            return view[received:] if received else None
+        received = sock.recv_into(self._buffer)
+        if not received:
+            return None
+        self._start, self._end = 0, received
+        return self.fill(view)
 
 
-def waiting(sock: socket.socket) -> bool:
-    """Whether a read on the socket would not block (a message, or the end of the connection)."""
-    return bool(select.select([sock], [], [], 0)[0])
+class Receiver:
+    """The receiving end of a blocking socket (the worker's): messages, and whether one waits."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._staging = Staging()
+
+    def receive(self) -> object:
+        """Receive a message, waiting for it.
+
+        Raises:
+            EOFError: The peer closed the connection.
+        """
+        parse = reader()
+        view = next(parse)
+        while True:
+            rest: memoryview | None = self._staging.fill(view)
+            while rest:
+                rest = self._staging.receive(self._sock, rest)
+                if rest is None:
+                    raise EOFError
+            try:
+                view = parse.send(None)
+            except StopIteration as done:
+                return done.value
+
+    def waiting(self) -> bool:
+        """Whether :meth:`receive` would not block (a message, or the end of the connection)."""
+        return self._staging.held or bool(select.select([self._sock], [], [], 0)[0])
