@@ -1,0 +1,493 @@
+"""Instructions per call of trio-infer's front-end, counted by callgrind: a figure that does not
+drift with the machine's speed, for comparing small changes.
+
+    .venv/bin/python -m bench.instructions [--baseline REV] [--calls N] [--scenarios LIST]
+
+Each build (this working tree, and trio-infer as of ``--baseline REV``, installed as
+``python -m bench --baseline`` installs it) is started once with one worker, under
+``valgrind --tool=callgrind``. Its workers start through multiprocessing's fork server, which
+execs a fresh interpreter, so callgrind does not follow them: the count is the front-end
+process's alone. Per scenario, one synchronous client (one gRPC channel, or one keep-alive
+HTTP/1.1 connection) makes ``--warmup`` calls one at a time (the first one's answer is
+checked), zeroes the counters (``callgrind_control -z``), makes ``--calls`` calls one at a
+time and dumps them (``callgrind_control -d``): the dump's total Ir over the calls is the
+row's instructions per call. The table goes to stdout and, with ``results.jsonl`` and the
+servers' logs, to ``bench/results/<timestamp>-instructions/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+
+import grpc
+
+from bench import client, servers
+from bench.servers import PeerUnavailable, ServerKind, ServerProcess
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc as pb_grpc
+
+#: Seconds a server under callgrind (about 100 times slower) gets to be ready.
+START_TIMEOUT = 300.0
+#: Seconds one call may take (the first call of a scenario is the slowest).
+CALL_TIMEOUT = 60.0
+#: Seconds ``callgrind_control`` may take to reach the server and the dump to appear.
+CONTROL_TIMEOUT = 60.0
+#: Where a dump gives its total: ``summary:`` or ``totals:``, then the events (Ir first).
+TOTAL_PREFIXES = ("summary:", "totals:")
+#: The scenarios, in the table's order.
+SCENARIOS = ("live", "dense-n1", "dense-n64", "rest-live", "rest-dense-n1")
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout holds only the table."""
+    print(f"[instructions {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Callgrind
+
+
+def require_tools() -> tuple[str, str]:
+    """The paths of ``valgrind`` and ``callgrind_control``.
+
+    Raises:
+        ValueError: One of them is not on PATH (the message says which, and how to get it).
+    """
+    found = {name: shutil.which(name) for name in ("valgrind", "callgrind_control")}
+    lacking = [name for name, path in found.items() if path is None]
+    if lacking:
+        raise ValueError(
+            f"bench.instructions needs {' and '.join(lacking)}, not on PATH "
+            "(Debian/Ubuntu: apt-get install valgrind)"
+        )
+    return found["valgrind"] or "", found["callgrind_control"] or ""
+
+
+@dataclass(eq=False)
+class CallgrindServer(ServerProcess):
+    """A :class:`ServerProcess` started under ``valgrind --tool=callgrind`` (valgrind runs the
+    program in its own process: the server's pid is the traced one), its dumps in
+    ``out_dir``."""
+
+    valgrind: str = "valgrind"
+    out_dir: Path = field(default_factory=Path)
+
+    def _command(self) -> list[str]:
+        return [
+            self.valgrind,
+            "--tool=callgrind",
+            "--dump-instr=no",
+            f"--callgrind-out-file={self.out_dir / 'callgrind.out.%p'}",
+            *super()._command(),
+        ]
+
+
+def total_ir(dump: Path) -> int | None:
+    """The total Ir of a callgrind dump; None while the file lacks its total line."""
+    try:
+        lines = dump.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith(TOTAL_PREFIXES):
+            return int(line.split()[1])
+    return None
+
+
+@dataclass
+class Counter:
+    """Zeroes and dumps one traced process's counters with ``callgrind_control``."""
+
+    control: str
+    pid: int
+    out_dir: Path
+    seen: set[Path] = field(default_factory=set)
+
+    def _run(self, option: str) -> None:
+        done = subprocess.run(
+            [self.control, option, str(self.pid)],
+            capture_output=True, text=True, timeout=CONTROL_TIMEOUT, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            output = (done.stdout + done.stderr).strip()
+            raise RuntimeError(f"callgrind_control {option} {self.pid} failed: {output}")
+
+    def zero(self) -> None:
+        """Zero the counters; the dumps so far are not the next one."""
+        self._run("-z")
+        self.seen.update(self.out_dir.iterdir())
+
+    def dump(self) -> int:
+        """Dump the counters (which zeroes them) and return the dump's total Ir.
+
+        Raises:
+            RuntimeError: No complete new dump appeared in time.
+        """
+        self._run("-d")
+        deadline = time.monotonic() + CONTROL_TIMEOUT
+        while time.monotonic() < deadline:
+            for path in sorted(set(self.out_dir.iterdir()) - self.seen):
+                total = total_ir(path)
+                if total is not None:
+                    self.seen.add(path)
+                    return total
+            time.sleep(0.1)
+        raise RuntimeError(f"no callgrind dump of pid {self.pid} in {self.out_dir}")
+
+
+# ------------------------------------------------------------------------------------------
+# The client: synchronous, one call at a time
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One scenario's call (a whole request, built once) and the check of its first answer
+    (``ok``, or what is wrong)."""
+
+    call: Callable[[], object]
+    check: Callable[[object], str]
+
+
+class Client:
+    """One gRPC channel (grpcio's blocking stub) and one keep-alive HTTP/1.1 connection to a
+    server: every call is the same work for the server."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.channel = grpc.insecure_channel(server.target, options=client.CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.http_port = server.http_port
+        self.http: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        """Close both connections."""
+        self.channel.close()
+        if self.http is not None:
+            self.http.close()
+
+    def rest(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> object:
+        """One REST call on the keep-alive connection.
+
+        Raises:
+            HttpStatusError: It was not answered 200.
+        """
+        if self.http is None:
+            if self.http_port is None:
+                raise RuntimeError("this build serves no REST")
+            self.http = http.client.HTTPConnection("127.0.0.1", self.http_port, CALL_TIMEOUT)
+        self.http.request(method, path, body=body or None, headers=headers)
+        answer = self.http.getresponse()
+        data = answer.read()
+        if answer.status != 200:
+            raise client.HttpStatusError(answer.status, data)
+        return client.HttpResponse(
+            answer.status, {k.lower(): v for k, v in answer.getheaders()}, data
+        )
+
+    def probe(self, scenario: str) -> Probe:
+        """The call and check of a scenario of :data:`SCENARIOS`."""
+        if scenario == "live":
+            return self._live()
+        if scenario.startswith("dense-n"):
+            return self._dense(int(scenario.removeprefix("dense-n")))
+        if scenario == "rest-live":
+            return self._rest_live()
+        if scenario == "rest-dense-n1":
+            return self._rest_dense(1)
+        raise ValueError(f"unknown scenario {scenario!r}")
+
+    def _live(self) -> Probe:
+        request = pb.ServerLiveRequest()
+
+        def check(response: object) -> str:
+            live = isinstance(response, pb.ServerLiveResponse) and response.live
+            return "ok" if live else f"not live: {response!r}"
+
+        return Probe(lambda: self.stub.ServerLive(request, timeout=CALL_TIMEOUT), check)
+
+    def _dense(self, rows: int) -> Probe:
+        x = client.dense_input(rows)
+        request = client.infer_request("dense", x, raw=True)
+        return Probe(
+            lambda: self.stub.ModelInfer(request, timeout=CALL_TIMEOUT),
+            lambda response: client.check_dense(response, x),
+        )
+
+    def _rest_live(self) -> Probe:
+        return Probe(
+            lambda: self.rest("GET", "/v2/health/live", b"", {}),
+            lambda response: "ok",  # self.rest raised unless it was 200
+        )
+
+    def _rest_dense(self, rows: int) -> Probe:
+        x = client.dense_input(rows)
+        body, headers = client.rest_infer_body(x, binary=False)
+
+        def call() -> object:
+            response = self.rest("POST", "/v2/models/dense/infer", body, headers)
+            assert isinstance(response, client.HttpResponse)
+            return response
+
+        def check(response: object) -> str:
+            assert isinstance(response, client.HttpResponse)
+            return client.check_dense(client.RestInferResponse.parse(response), x)
+
+        return Probe(call, check)
+
+
+# ------------------------------------------------------------------------------------------
+# Measuring
+
+
+@dataclass
+class Row:
+    """One scenario on one build: the dump's total Ir over ``calls`` calls."""
+
+    build: str
+    scenario: str
+    calls: int
+    instructions: int
+    check: str
+
+    @property
+    def per_call(self) -> float:
+        """Instructions per call."""
+        return self.instructions / self.calls
+
+
+def measure_scenario(probe: Probe, counter: Counter, calls: int, warmup: int) -> tuple[int, str]:
+    """Warm up (the first answer checked), zero, make ``calls`` calls, dump: the total Ir of
+    the calls and the check."""
+    check = probe.check(probe.call())
+    for _ in range(warmup - 1):
+        probe.call()
+    counter.zero()
+    for _ in range(calls):
+        probe.call()
+    return counter.dump(), check
+
+
+@dataclass(frozen=True)
+class Build:
+    """A trio-infer to measure: its kind (the working tree's, or a baseline) and Python."""
+
+    kind: ServerKind
+    python: Path
+
+
+def measure_build(
+    build: Build, chosen: Sequence[str], calls: int, warmup: int, run_dir: Path
+) -> list[Row]:
+    """Start one server of ``build`` under callgrind, measure every scenario on it, stop it
+    and remove its callgrind files."""
+    valgrind, control = require_tools()
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="bench-callgrind-") as out_dir:
+        server = CallgrindServer(
+            build.kind, build.python, 1, run_dir, valgrind=valgrind, out_dir=Path(out_dir)
+        )
+        try:
+            took = server.start(timeout=START_TIMEOUT)
+            log(f"{build.kind.name} ready under callgrind in {took:.0f} s (pid {server.pid})")
+            counter = Counter(control, server.pid, Path(out_dir))
+            connection = Client(server)
+            try:
+                for scenario in chosen:
+                    total, check = measure_scenario(
+                        connection.probe(scenario), counter, calls, warmup
+                    )
+                    rows.append(Row(build.kind.name, scenario, calls, total, check))
+                    log(f"{build.kind.name} {scenario}: {rows[-1].per_call:,.0f} Ir/call ({check})")
+            finally:
+                connection.close()
+        finally:
+            server.stop()
+    return rows
+
+
+def builds(revision: str | None) -> list[Build]:
+    """The working tree's trio-infer, and the ``revision``'s when given (installed on first
+    use by :func:`bench.servers.ensure_installed`), each waiting only for ``dense`` and serving
+    the built-in examples.
+
+    Raises:
+        ValueError: ``revision`` names no commit.
+        PeerUnavailable: The baseline did not install.
+    """
+    kinds = [servers.SERVERS["trio-infer"]]
+    if revision:
+        kinds.append(servers.baseline(revision))
+    return [
+        Build(replace(kind, models=("dense",)), servers.ensure_installed(kind, log))
+        for kind in kinds
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# Report
+
+
+def table(rows: Sequence[Row], names: Sequence[str]) -> str:
+    """The markdown table: one line per scenario, instructions per call of each build and,
+    with a baseline, new / baseline."""
+    by_key = {(row.build, row.scenario): row for row in rows}
+    scenarios = list(dict.fromkeys(row.scenario for row in rows))
+    ratio = len(names) == 2
+    header = ["scenario", *(f"{name} Ir/call" for name in names)] + (
+        ["new / baseline"] if ratio else []
+    )
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for scenario in scenarios:
+        found = [by_key.get((name, scenario)) for name in names]
+        cells = [f"{row.per_call:,.0f}" if row else "-" for row in found]
+        if ratio:
+            new, old = found
+            cells.append(f"{new.per_call / old.per_call:.3f}" if new and old else "-")
+        lines.append("| " + " | ".join([scenario, *cells]) + " |")
+    failed = [row for row in rows if row.check != "ok"]
+    lines += [f"\nCHECK: {row.build} {row.scenario}: {row.check}" for row in failed]
+    return "\n".join(lines)
+
+
+def save(run_dir: Path, rows: Sequence[Row], text: str, meta: dict[str, object]) -> None:
+    """``table.md`` and ``results.jsonl`` (a ``"type": "run"`` line, then one per row)."""
+    (run_dir / "table.md").write_text(text + "\n")
+    with (run_dir / "results.jsonl").open("w") as out:
+        out.write(json.dumps({"type": "run", **meta}) + "\n")
+        for row in rows:
+            line = {"type": "result", **asdict(row), "per_call": round(row.per_call)}
+            out.write(json.dumps(line) + "\n")
+
+
+# ------------------------------------------------------------------------------------------
+# Command line
+
+
+def select(text: str) -> list[str]:
+    """``--scenarios``: names or prefixes (``dense``, ``rest``), comma-separated; ``all``.
+
+    Raises:
+        ValueError: A name matches no scenario.
+    """
+    chosen: list[str] = []
+    for token in (t.strip() for t in text.split(",") if t.strip()):
+        found = [s for s in SCENARIOS if token in ("all", s) or s.startswith(token + "-")]
+        if not found:
+            raise ValueError(f"unknown scenario {token!r}; known: {', '.join(SCENARIOS)}")
+        chosen += [s for s in found if s not in chosen]
+    return [s for s in SCENARIOS if s in chosen]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.instructions", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument("--baseline", metavar="REV", help="also measure trio-infer as of REV")
+    parser.add_argument("--calls", type=int, default=300, help="measured calls per scenario")
+    parser.add_argument(
+        "--warmup", type=int, default=100, help="calls before each scenario's count (default 100)"
+    )
+    parser.add_argument(
+        "--scenarios", default="all", help=f"names or prefixes of {', '.join(SCENARIOS)}"
+    )
+    return parser
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM and SIGHUP act as Ctrl+C: the servers are stopped on the way out."""
+    raise KeyboardInterrupt
+
+
+def tree_state() -> str:
+    """The working tree's commit, with ``+dirty`` when ``trio_infer/`` has changes not
+    committed (a count of a tree edited meanwhile is not that commit's)."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=servers.REPO, capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    changes = subprocess.run(
+        ["git", "status", "--porcelain", "--", "trio_infer"],
+        cwd=servers.REPO, capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    return head + ("+dirty" if changes else "")
+
+
+def _run(args: argparse.Namespace, chosen: list[str], run_dir: Path) -> int:
+    """Measure every build one after the other, then print and save the table."""
+    began = time.monotonic()
+    tree = tree_state()
+    measured = builds(args.baseline)
+    rows: list[Row] = []
+    for build in measured:
+        rows += measure_build(build, chosen, args.calls, args.warmup, run_dir)
+    names = [build.kind.name for build in measured]
+    text = table(rows, names)
+    meta = {
+        "stamp": run_dir.name.removesuffix("-instructions"),
+        "builds": names,
+        "tree": tree,
+        "tree_after": tree_state(),
+        "scenarios": chosen,
+        "calls": args.calls,
+        "warmup": args.warmup,
+        "python": platform.python_version(),
+        "seconds": round(time.monotonic() - began, 1),
+    }
+    save(run_dir, rows, text, meta)
+    if meta["tree_after"] != tree:
+        log(
+            f"trio_infer/ changed during the run ({tree} -> {meta['tree_after']}): "
+            f"the {names[0]} rows may mix versions"
+        )
+    print(text)
+    log(f"{len(rows)} rows in {meta['seconds']} s; {run_dir / 'results.jsonl'}")
+    return 0 if all(row.check == "ok" for row in rows) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Count, print and save; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        require_tools()
+        chosen = select(args.scenarios)
+    except ValueError as error:
+        log(str(error))
+        return 2
+    if args.calls < 1 or args.warmup < 1:
+        log("--calls and --warmup must be at least 1")
+        return 2
+    run_dir = servers.RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-instructions"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
+    # The same string hashes in every run: dict and set layouts (and so the instructions
+    # spent probing them) do not change from one start to the next.
+    os.environ["PYTHONHASHSEED"] = "0"
+    try:
+        return _run(args, chosen, run_dir)
+    except (ValueError, PeerUnavailable, RuntimeError, grpc.RpcError, OSError) as error:
+        log(f"failed: {error}")
+        return 1
+    except KeyboardInterrupt:
+        log("interrupted: servers stopped")
+        return 130
+    finally:
+        servers.stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
