@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,6 +139,34 @@ class Reservation:
         self.nbytes += nbytes
 
 
+class _Held:
+    """The ``async with`` of :meth:`Admission.reserve`: a class rather than a generator, as it
+    is entered on every call's path."""
+
+    __slots__ = ("_admission", "_deadline", "_nbytes", "_owner", "_reservation")
+
+    def __init__(
+        self, admission: Admission, nbytes: int, deadline: float, owner: Hashable | None
+    ) -> None:
+        self._admission = admission
+        self._nbytes = nbytes
+        self._deadline = deadline
+        self._owner = owner
+        self._reservation: Reservation | None = None
+
+    async def __aenter__(self) -> Reservation:
+        self._reservation = await self._admission._reserve(
+            self._nbytes, self._deadline, self._owner
+        )
+        return self._reservation
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        reservation = self._reservation
+        assert reservation is not None, "exited after it was entered"
+        if not reservation._kept:
+            reservation._release()
+
+
 @dataclass
 class _Waiter:
     nbytes: int
@@ -221,10 +249,9 @@ class Admission:
             shedding=self._shedding,
         )
 
-    @asynccontextmanager
-    async def reserve(
+    def reserve(
         self, nbytes: int, deadline: float, owner: Hashable | None = None
-    ) -> AsyncIterator[Reservation]:
+    ) -> AbstractAsyncContextManager[Reservation]:
         """Hold ``nbytes`` of the budget for the duration of the ``async with`` block.
 
         Waits first come, first served for room until ``deadline`` (the caller's cancel scope
@@ -240,6 +267,10 @@ class Admission:
             Overloaded: ``nbytes`` exceeds the whole budget, no room came within
                 ``max_wait``, or the owner's share has no room for ``nbytes`` more.
         """
+        return _Held(self, nbytes, deadline, owner)
+
+    async def _reserve(self, nbytes: int, deadline: float, owner: Hashable | None) -> Reservation:
+        """What entering :meth:`reserve`'s block does."""
         if nbytes > self.budget_bytes:
             raise self._refuse(
                 "memory_budget",
@@ -272,11 +303,7 @@ class Admission:
                     f"memory budget full: waited {self.max_wait:g} s for {nbytes} bytes "
                     "(--memory-budget)",
                 )
-        try:
-            yield reservation
-        finally:
-            if not reservation._kept:
-                reservation._release()
+        return reservation
 
     @contextmanager
     def model_slot(self, settings: ModelSettings) -> Iterator[None]:

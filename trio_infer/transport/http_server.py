@@ -6,7 +6,8 @@ Ownership, top to bottom::
     ├── accept loops                   one per listener, in the server's accepting scope
     └── HttpConnection.run             one per client connection: reads a request, runs it,
         │                              writes its response, and again (keep-alive)
-        └── request nursery            one per request, in the request's cancel scope
+        └── request nursery            one per request that may have a body (not GET or
+            │                          HEAD), in the request's cancel scope
             ├── handler(request)       the front-end: reads the body, works, responds
             └── disconnect watch       once the body is read: the client closing its socket
                                        cancels the request
@@ -123,6 +124,10 @@ class HttpLimits:
     max_connection_age: float | None = None
 
 
+#: Methods whose handlers read no body (their requests run without a disconnect watch).
+_BODILESS = frozenset(("GET", "HEAD"))
+
+
 class HttpError(Exception):
     """A request the transport, or a handler, answers with an HTTP error status.
 
@@ -214,7 +219,8 @@ class HttpRequest:
         return None
 
     async def receive_body(self, on_data: Callable[[int], None] | None = None) -> bytearray:
-        """Read the whole request body and return it (once per request).
+        """Read the whole request body and return it (once per request; not for ``GET`` and
+        ``HEAD``, whose handlers read none).
 
         Args:
             on_data: Called with each piece's size before the piece is kept, so a chunked body
@@ -265,7 +271,7 @@ class HttpRequest:
         self.bytes_in = len(body)
         # From now on the client has nothing more to send for this request: its socket
         # becoming readable means it closed it (or pipelines, which is served in turn).
-        assert self._nursery is not None
+        assert self._nursery is not None, "GET and HEAD requests have no body to read"
         self._nursery.start_soon(connection.watch_disconnect, self)
         return body
 
@@ -504,17 +510,15 @@ class HttpConnection:
         try:
             failure: HttpError | None = None
             with request._scope:
-                async with trio.open_nursery() as nursery:
-                    request._nursery = nursery
-                    try:
-                        await self._handler(request)
-                    except HttpError as error:
-                        failure = error
-                    except Exception:
-                        logger.exception("unexpected error in %s %s", request.method, request.path)
-                        failure = HttpError(500, "internal server error")
-                    # The disconnect watch ends with the handler.
-                    nursery.cancel_scope.cancel()
+                if request.method in _BODILESS:
+                    # Nothing to read, so no disconnect watch: no nursery to hold one.
+                    failure = await self._run_handler(request)
+                else:
+                    async with trio.open_nursery() as nursery:
+                        request._nursery = nursery
+                        failure = await self._run_handler(request)
+                        # The disconnect watch ends with the handler.
+                        nursery.cancel_scope.cancel()
             if request._client_gone:
                 return False
             if request._response_started:
@@ -550,6 +554,17 @@ class HttpConnection:
                         request.request_id,
                     )
                 )
+
+    async def _run_handler(self, request: HttpRequest) -> HttpError | None:
+        """Run the handler; the error it ended with, if any (500 for a bug)."""
+        try:
+            await self._handler(request)
+        except HttpError as error:
+            return error
+        except Exception:
+            logger.exception("unexpected error in %s %s", request.method, request.path)
+            return HttpError(500, "internal server error")
+        return None
 
     async def _answer_error(
         self, status: int, message: str, request: HttpRequest | None = None
