@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, pairwise
 from typing import Protocol
@@ -545,7 +545,9 @@ class ModelBatcher:
             # Nothing of the model runs or waits: a running batcher would take this request
             # alone at once, so it goes from this task, without the batcher's two turns (a
             # pass of the scheduler each, on the call's path).
-            return await self._run_alone(inputs, parameters, priority, timing, rows)
+            return await self._as_batch_of_one(
+                self._alone(inputs, parameters, priority, timing, rows), rows
+            )
         # Requests overlap: they go through the batchers, which let those that arrive together
         # (a wave of a closed loop, read in one pass) form one batch rather than one going alone.
         self._one_at_a_time = False
@@ -576,26 +578,16 @@ class ModelBatcher:
         self._recorder.executed(rows, timing.compute)
         return outputs
 
-    async def _run_alone(
-        self,
-        inputs: dict[str, np.ndarray],
-        parameters: Parameters,
-        priority: int,
-        timing: Timing,
-        rows: int,
-    ) -> ModelOutputs:
-        """Run a request that found the queue empty and a worker free as a batch of one,
-        counted as the batcher counts one."""
+    async def _as_batch_of_one(self, alone: Awaitable[ModelOutputs], rows: int) -> ModelOutputs:
+        """Await ``alone`` (a request's :meth:`_alone`, from its own task) as the batcher runs a
+        batch of one: counted as one, its outputs' rows checked."""
         self._statistics = self._statistics.with_batch(rows, [0.0])
         self._in_pool += 1
         try:
             started = trio.current_time()
-            outputs = await self._pool.predict(
-                self.settings, inputs, parameters, priority, timing=timing
-            )
+            outputs = await alone
             self._learn_run_time(trio.current_time() - started)
             (part,) = self._split(outputs, [rows])
-            self._recorder.executed(rows, timing.compute)
             return part
         except InferError:
             raise
