@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import select
 import socket
 import threading
@@ -142,3 +143,47 @@ def test_a_message_read_ahead_with_the_one_before_it_is_waiting() -> None:
         assert receiver.waiting()
         assert receiver.receive() == "second"
         assert not receiver.waiting()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(_messages, min_size=1, max_size=4),
+    st.lists(st.integers(1, 70_000), min_size=1, max_size=30),
+)
+def test_a_non_blocking_reader_loses_no_byte_whatever_arrives_when(
+    messages: list[object], pieces: list[int]
+) -> None:
+    # As the pool reads: read until the socket would block, then more arrives. Bytes staged
+    # with the end of one part must land in the next part, never be read over.
+    sender, receiving = socket.socketpair()
+    with sender, receiving:
+        receiving.setblocking(False)
+        data = b"".join(bytes(b) for message in messages for b in wire.pack(message))
+        sizes = itertools.cycle(pieces)
+        staging = wire.Staging()
+        got: list[object] = []
+        position = 0
+        parse = wire.reader()
+        view: memoryview | None = next(parse)
+        while len(got) < len(messages):
+            if view:
+                try:
+                    view = staging.read(receiving, view)
+                except BlockingIOError:
+                    assert position < len(data), "the reader wants more bytes than were sent"
+                    size = next(sizes)
+                    wire.send(sender, [data[position : position + size]])
+                    position += size
+                    continue
+                assert view is not None, "the sender is still open"
+                if view:
+                    continue
+            try:
+                view = parse.send(None)
+            except StopIteration as done:
+                got.append(done.value)
+                parse = wire.reader()
+                view = next(parse)
+        assert position >= len(data)
+        for received, sent in zip(got, messages, strict=True):
+            _assert_same(received, sent)

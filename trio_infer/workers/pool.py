@@ -1282,10 +1282,9 @@ class _Lane:
             view = next(parse)
             reporting = False  # part of a report is read: the call it reports on has ended
             while True:
-                rest = staging.fill(view)
-                if rest:
+                if view:
                     try:
-                        received = staging.receive(connection, rest)
+                        received = staging.read(connection, view)
                     except BlockingIOError:
                         if not reporting:
                             # Every report the worker has sent is read, so the first
@@ -1298,11 +1297,10 @@ class _Lane:
                         return
                     if received is None:
                         return
-                    rest = received
-                reporting = True
-                view = rest
-                if view:
-                    continue
+                    reporting = True
+                    view = received
+                    if view:
+                        continue
                 try:
                     view = parse.send(None)
                     continue

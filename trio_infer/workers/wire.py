@@ -116,7 +116,7 @@ class Staging:
         """Whether bytes are staged (a message has started, or more than one arrived)."""
         return self._start < self._end
 
-    def fill(self, view: memoryview) -> memoryview:
+    def _fill(self, view: memoryview) -> memoryview:
         """Copy what is staged into ``view``; return the part of it still to fill."""
         count = min(self._end - self._start, view.nbytes)
         if count:
@@ -124,16 +124,19 @@ class Staging:
             self._start += count
         return view[count:]
 
-    def receive(self, sock: socket.socket, view: memoryview) -> memoryview | None:
-        """One read for ``view`` (nothing may be staged): into it when it is large, else into
-        the staging buffer and copied; the part of ``view`` still to fill, or None at the end
-        of the connection.
+    def read(self, sock: socket.socket, view: memoryview) -> memoryview | None:
+        """Put the next bytes into ``view`` (not empty): what is staged, else one read from
+        ``sock`` (into ``view`` itself when it is large, else into the staging buffer, then
+        copied). Returns the part of ``view`` still to fill (empty when full), or None at the
+        end of the connection; some bytes went in either way.
 
         Raises:
-            BlockingIOError: The socket is non-blocking and has nothing to read.
+            BlockingIOError: The socket is non-blocking and has nothing to read; ``view`` is
+                unchanged then.
             OSError: The connection is broken.
         """
-        assert not self.held, "staged bytes come first"
+        if self.held:
+            return self._fill(view)
         if view.nbytes >= _OUT_OF_BAND_BYTES:
             received = sock.recv_into(view)
             return view[received:] if received else None
@@ -141,7 +144,7 @@ class Staging:
         if not received:
             return None
         self._start, self._end = 0, received
-        return self.fill(view)
+        return self._fill(view)
 
 
 class Receiver:
@@ -158,12 +161,11 @@ class Receiver:
             EOFError: The peer closed the connection.
         """
         parse = reader()
-        view = next(parse)
+        view: memoryview | None = next(parse)
         while True:
-            rest: memoryview | None = self._staging.fill(view)
-            while rest:
-                rest = self._staging.receive(self._sock, rest)
-                if rest is None:
+            while view:
+                view = self._staging.read(self._sock, view)
+                if view is None:
                     raise EOFError
             try:
                 view = parse.send(None)
