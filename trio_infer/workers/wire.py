@@ -40,9 +40,11 @@ _HEADER = struct.Struct("!IQ")
 ITEMS_AHEAD = 4
 #: Buffers smaller than this stay in the pickle: a buffer of its own costs the receiver a
 #: read call, more than copying a few KiB. Parts at least this large are read straight into
-#: their own memory, smaller ones through a Staging buffer of _STAGING_BYTES.
+#: their own memory, smaller ones through a Staging buffer of _STAGING_BYTES: room for a
+#: message whose tensors all travel in its pickle, and little of a large buffer behind it
+#: (what the staging read takes of that is copied once more).
 _OUT_OF_BAND_BYTES = 16 * 1024
-_STAGING_BYTES = 64 * 1024
+_STAGING_BYTES = _OUT_OF_BAND_BYTES + 4 * 1024
 
 
 def pack(message: object) -> list[Buffer]:
