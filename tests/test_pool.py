@@ -610,6 +610,27 @@ async def test_a_call_with_more_large_tensors_than_one_send_takes_crosses_both_w
     assert pool.statistics().crashed == 0
 
 
+async def test_concurrent_large_calls_each_get_their_own_tensors_back(
+    pool: WorkerPool, examples: dict[str, ModelSettings]
+) -> None:
+    # Frames larger than the socket takes at once, two sent ahead to the one worker, reports
+    # read in pieces through the staging buffer: every call's bytes stay its own, in order.
+    results: dict[int, np.ndarray] = {}
+
+    async def call(i: int) -> None:
+        x = np.full((64 + 997 * i, 256), i, np.float32)  # 64 KiB to 11 MiB
+        results[i] = (await pool.predict(examples["echo"], {"x": x}, NO_PARAMETERS))["x"]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(12):
+            nursery.start_soon(call, i)
+    assert sorted(results) == list(range(12))
+    for i, y in results.items():
+        assert y.shape == (64 + 997 * i, 256)
+        assert (y == i).all()
+    assert pool.statistics().crashed == 0
+
+
 async def test_a_call_cancelled_after_it_ended_in_the_worker_leaves_the_next_one_running(
     repo: dict[str, ModelSettings], examples: dict[str, ModelSettings], tmp_path: Path
 ) -> None:
