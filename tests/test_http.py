@@ -20,6 +20,7 @@ from trio_infer.frontends.http_service import http_status
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs
 from trio_infer.server import RunningServer
+from trio_infer.transport.http_server import response_head
 
 MiB = 1024 * 1024
 
@@ -579,3 +580,18 @@ def test_every_status_code_has_an_http_status() -> None:
     assert http_status(StatusCode.UNIMPLEMENTED) == 501
     assert http_status(StatusCode.DEADLINE_EXCEEDED) == 504
     assert http_status(StatusCode.CANCELLED) == 400
+
+
+def test_a_response_head_is_a_status_line_and_fields_and_refuses_line_breaks() -> None:
+    assert response_head(200, [(b"content-length", b"2")]) == (
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+    )
+    assert response_head(599, []) == b"HTTP/1.1 599 \r\n\r\n"  # no reason phrase known
+    for fields in (
+        [(b"x-a", b"b\r\nset-cookie: c")],
+        [(b"x-a", b"b\nc")],
+        [(b"x-a", b"b\rc")],
+        [(b"x\r\na", b"b")],
+    ):
+        with pytest.raises(ValueError, match="line break"):
+            response_head(200, fields)

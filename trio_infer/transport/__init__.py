@@ -4,10 +4,11 @@
 fixes it needs), ``header_blocks`` the HPACK coders that remember repeated header blocks,
 ``grpc_server`` the Trio side: listeners, a nursery per connection, a cancel scope per call, and
 ``tls`` the server's TLS context, built from PEM files that it checks. ``http_server`` is the
-REST port's HTTP/1.1 on Trio, driven by h11: a task per connection, one request at a time.
+REST port's HTTP/1.1 on Trio, parsed by httptools: a task per connection, one request at a
+time.
 ``connection_age`` says when either server retires a connection (``--max-connection-age``).
 
-May import: the standard library, trio, h2/hpack/hyperframe/purerpc, h11,
+May import: the standard library, trio, h2/hpack/hyperframe/purerpc, httptools,
 ``trio_infer.errors`` and ``trio_infer.buffers``. Never the V2 core, protobuf messages,
 scheduling or workers: a handler sees bytes.
 """

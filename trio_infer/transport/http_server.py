@@ -1,4 +1,11 @@
-"""HTTP/1.1 on Trio, driven by h11: one task per connection, one request at a time on it.
+"""HTTP/1.1 on Trio, parsed by httptools (llhttp, Node.js's parser, in C): one task per
+connection, one request at a time on it.
+
+The parser is the only C on the REST path: h11, in pure Python, took about 44 us to parse a
+small request and frame its answer, a third of an empty call's CPU; httptools parses one in
+about 3 (``docs/performance.md``, "REST: the HTTP parser"). llhttp checks the syntax; what it
+leaves to its caller (the head's size, ``Host``, the version, the transfer coding) is checked
+by :class:`_Parse`, and responses are framed here (a status line and a header block).
 
 Ownership, top to bottom::
 
@@ -33,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import http
@@ -43,8 +51,9 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
-import h11
+import httptools
 import trio
 
 from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
@@ -88,7 +97,14 @@ _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _JSON = (b"content-type", b"application/json")
 _CLOSE = (b"connection", b"close")
 _REQUEST_ID = REQUEST_ID_HEADER.encode("ascii")
-_CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: How much of a chunked body is parsed at a time: its end is known only once parsed, so what
+#: follows it in the same piece (a pipelined request) is parsed ahead, at most this much.
+_CHUNKED_SLICE = 16 * 1024
+#: A chunked body's framing (size lines, extensions, trailers) may take this many bytes per
+#: byte of body, beyond ``max_header_size``: a chunk of one byte takes five.
+_FRAMING_PER_BYTE = 8
+_BOTH_FRAMINGS = "the request has both Content-Length and Transfer-Encoding"
 
 
 @dataclass(frozen=True)
@@ -154,6 +170,166 @@ def error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
+class _Message:
+    """What the parser has read of one request: its head, the body pieces not yet taken, and
+    whether it has ended."""
+
+    __slots__ = (
+        "body",
+        "body_size",
+        "complete",
+        "content_length",
+        "expects_continue",
+        "framing",
+        "head_done",
+        "head_size",
+        "headers",
+        "keep_alive",
+        "method",
+        "target",
+        "trailer_size",
+        "upgrade",
+    )
+
+    def __init__(self) -> None:
+        self.method = b""
+        self.target = b""
+        #: Header names lower-case, in the order sent.
+        self.headers: list[tuple[bytes, bytes]] = []
+        #: Bytes of the target and the header fields (each counted with ": " and CRLF).
+        self.head_size = 0
+        self.head_done = False
+        #: From ``Content-Length``; None for a chunked body.
+        self.content_length: int | None = 0
+        self.keep_alive = True
+        self.expects_continue = False
+        #: The client asked to switch protocols (or CONNECT): the parser stops at the end of
+        #: this message, and the connection closes after its response.
+        self.upgrade = False
+        #: Body pieces parsed and not yet taken by the handler.
+        self.body: list[bytes] = []
+        #: Bytes of body parsed so far.
+        self.body_size = 0
+        #: Bytes of a chunked body's framing (size lines, extensions, trailers) parsed so far.
+        self.framing = 0
+        self.trailer_size = 0
+        self.complete = False
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop at a request this module refuses; the status and
+    message wait in :attr:`_Parse.refusal`."""
+
+
+class _Parse:
+    """httptools' callbacks: they turn what llhttp finds into :class:`_Message` records.
+
+    llhttp validates the syntax (request line, header names and values, ``Content-Length``,
+    chunked framing); what it leaves to its caller is checked here, in the order a request's
+    head completes: the head's size, ``Host``, the HTTP version and ``Transfer-Encoding``.
+    """
+
+    def __init__(self, max_header_size: int) -> None:
+        self.parser = httptools.HttpRequestParser(self)
+        #: Messages begun and not yet served, oldest first. Holds more than one only when a
+        #: client pipelines, and then at most what one parse slice held (see _feed_sizes).
+        self.messages: collections.deque[_Message] = collections.deque()
+        #: Why the callbacks stopped the parser: (status, message).
+        self.refusal: tuple[int, str] | None = None
+        self._max_header_size = max_header_size
+
+    def _refuse(self, status: int, message: str) -> NoReturn:
+        self.refusal = (status, message)
+        raise _Refused
+
+    def on_message_begin(self) -> None:
+        self.messages.append(_Message())
+
+    def on_url(self, url: bytes) -> None:
+        message = self.messages[-1]
+        message.target += url
+        message.head_size += len(url)
+        if message.head_size > self._max_header_size:
+            self._refuse(431, headers_too_large(self._max_header_size))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        message = self.messages[-1]
+        size = len(name) + len(value) + 4
+        if message.head_done:
+            # A chunked body's trailers: counted against the head's bound, not kept.
+            message.trailer_size += size
+            if message.trailer_size > self._max_header_size:
+                self._refuse(
+                    400,
+                    f"malformed request body: its trailers are larger than the maximum of "
+                    f"{self._max_header_size} bytes",
+                )
+            return
+        message.head_size += size
+        if message.head_size > self._max_header_size:
+            self._refuse(431, headers_too_large(self._max_header_size))
+        message.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        message = self.messages[-1]
+        parser = self.parser
+        message.method = parser.get_method()
+        message.keep_alive = parser.should_keep_alive()
+        message.upgrade = parser.should_upgrade()
+        version = parser.get_http_version()
+        hosts = 0
+        for name, value in message.headers:
+            if name == b"content-length":
+                message.content_length = int(value)  # llhttp checked it is one number
+            elif name == b"transfer-encoding":
+                if value.strip().lower() != b"chunked":
+                    # RFC 9112 6.1: a coding the server does not understand is 501.
+                    self._refuse(501, "only the chunked transfer coding is implemented")
+                message.content_length = None
+            elif name == b"host":
+                hosts += 1
+            elif name == b"expect":
+                message.expects_continue = value.lower() == b"100-continue"
+        if version not in ("1.1", "1.0"):
+            self._refuse(505, f"HTTP/{version} is not supported; this port serves HTTP/1.1")
+        if version == "1.1" and hosts != 1:
+            # RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without exactly one.
+            self._refuse(400, f"malformed request: {hosts} Host headers; HTTP/1.1 needs one")
+        message.expects_continue &= version == "1.1"
+        message.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        message = self.messages[-1]
+        message.body.append(body)
+        message.body_size += len(body)
+
+    def on_message_complete(self) -> None:
+        self.messages[-1].complete = True
+
+
+def headers_too_large(limit: int) -> str:
+    """The 431 answer's message."""
+    return f"the request's headers are larger than the maximum of {limit} bytes"
+
+
+def response_head(status: int, fields: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """An HTTP/1.1 response's status line and header block.
+
+    The fields are the server's own, or a model's that its worker checked (printable ASCII);
+    a line break in one would start a header of the client's choosing, so it is refused.
+
+    Raises:
+        ValueError: A name or value holds a CR or LF.
+    """
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
+    lines += [name + b": " + value + b"\r\n" for name, value in fields]
+    lines.append(b"\r\n")
+    head = b"".join(lines)
+    if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines):
+        raise ValueError("a response header's name or value holds a line break")
+    return head
+
+
 class HttpRequest:
     """One HTTP request as its handler sees it: the request line, headers, and the body to read.
 
@@ -162,20 +338,19 @@ class HttpRequest:
     a shutdown's grace period, cancels.
     """
 
-    def __init__(self, connection: HttpConnection, event: h11.Request) -> None:
-        target = event.target
-        path, _, query = target.partition(b"?")
-        self.method: str = event.method.decode("ascii")
+    def __init__(self, connection: HttpConnection, message: _Message) -> None:
+        path, _, query = message.target.partition(b"?")
+        self.method: str = message.method.decode("ascii")
         """The request method, upper-case as sent: ``GET``, ``POST``..."""
         self.path: str = path.decode("latin-1")
         """The target's path, still percent-encoded: ``/v2/models/add_sub/infer``."""
         self.query: str = query.decode("latin-1")
         """The target's query string, without the ``?`` (empty when none)."""
         self.headers: list[tuple[str, str]] = [
-            (name.decode("latin-1"), value.decode("latin-1")) for name, value in event.headers
+            (name.decode("latin-1"), value.decode("latin-1")) for name, value in message.headers
         ]
         """The request headers in order, names lower-case."""
-        self.content_length: int | None = None
+        self.content_length: int | None = message.content_length
         """The body's announced size; ``None`` for a chunked body (its size is known only once
         it has arrived)."""
         self.connection_id: int = connection.connection_id
@@ -194,22 +369,19 @@ class HttpRequest:
         self.bytes_out = 0
         """Bytes of response body sent."""
         self._connection = connection
+        self._message = message
         self._body_read = False
         self._response_started = False
+        #: Set once a response has been written whole.
+        self._response_sent = False
+        #: Set when the response said ``Connection: close``.
+        self._closes = False
         #: Set when the client is gone: nothing is to be sent any more.
         self._client_gone = False
         #: Why the request's scope was cancelled by the server (None: it was not).
         self._cancel_message: str | None = None
         self._scope = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
-        chunked = False
-        for name, value in event.headers:
-            if name == b"content-length":
-                self.content_length = int(value)  # h11 checked it is one decimal number
-            elif name == b"transfer-encoding":
-                chunked = True
-        if self.content_length is None and not chunked:
-            self.content_length = 0
 
     def header(self, name: str) -> str | None:
         """The value of the first header called ``name`` (lower-case), or None."""
@@ -234,35 +406,30 @@ class HttpRequest:
         assert not self._body_read, "a request body is read once"
         self._body_read = True
         connection = self._connection
-        protocol = connection.protocol
+        message = self._message
         limits = connection.limits
-        if protocol.they_are_waiting_for_100_continue:
-            await connection.send([protocol.send(_CONTINUE) or b""], self)
+        if message.expects_continue and not message.body_size and not connection.buffered:
+            await connection.send([_CONTINUE], self)
         body = bytearray()
         with trio.move_on_after(limits.receive_timeout) as waiting:
             while True:
-                try:
-                    event = protocol.next_event()
-                except h11.RemoteProtocolError as exc:
-                    if connection.at_end:
-                        # The client closed its socket in the middle of its body: it is gone.
-                        self._cancel_as_gone()
-                        await trio.lowlevel.checkpoint()
-                    raise HttpError(400, f"malformed request body: {exc}") from None
-                if event is h11.NEED_DATA:
-                    protocol.receive_data(await connection.receive())
-                elif isinstance(event, h11.Data):
-                    if len(body) + len(event.data) > limits.max_body_size:
+                for piece in message.body:
+                    if len(body) + len(piece) > limits.max_body_size:
                         raise HttpError(
                             413,
                             f"the request body is larger than the maximum of "
                             f"{limits.max_body_size} bytes",
                         )
                     if on_data is not None:
-                        on_data(len(event.data))
-                    body += event.data
-                elif isinstance(event, h11.EndOfMessage):
+                        on_data(len(piece))
+                    body += piece
+                message.body.clear()
+                if message.complete:
                     break
+                if not connection.parse_body(message) and not await connection.fill():
+                    # The client closed its socket in the middle of its body: it is gone.
+                    self._cancel_as_gone()
+                    await trio.lowlevel.checkpoint()
         if waiting.cancelled_caught:
             raise HttpError(
                 408,
@@ -289,34 +456,22 @@ class HttpRequest:
         taken as gone: the request's scope is cancelled and this raises ``Cancelled``.
         """
         assert not self._response_started, "one response per request"
-        self._response_started = True
         connection = self._connection
-        protocol = connection.protocol
         views = [memoryview(part).cast("B") for part in body]
-        head_fields = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+        fields = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+        size = sum(len(view) for view in views)
+        fields.append((b"content-length", str(size).encode()))
+        fields.append((_REQUEST_ID, self.request_id.encode("ascii")))
+        if connection.closes_after(self):
+            fields.append(_CLOSE)
+        head = response_head(status, fields)
+        self._response_started = True
         self.status = status
-        self.bytes_out = sum(len(view) for view in views)
-        head_fields.append((b"content-length", str(self.bytes_out).encode()))
-        head_fields.append((_REQUEST_ID, self.request_id.encode("ascii")))
-        connection.retire_if_due()
-        if connection.closing or not connection.skip_unread_body():
-            # Closed after this response: the server drains, the connection is past its age,
-            # or the body was not read whole (what is left of it cannot be told from the next
-            # request).
-            head_fields.append(_CLOSE)
-        head = protocol.send(
-            h11.Response(status_code=status, headers=head_fields, reason=_REASONS.get(status, b""))
-        )
-        assert head is not None
+        self.bytes_out = size
         parts: list[Buffer] = [head]
-        for view in views:
-            if view and not connection.head_only:
-                # h11 checks the length against content-length and passes the view through
-                # untouched (its annotation says bytes; any buffer with a len works).
-                data = h11.Data(data=view)  # type: ignore[arg-type]
-                parts.extend(protocol.send_with_data_passthrough(data) or ())
-        protocol.send(h11.EndOfMessage())
-        await connection.send(parts, self)
+        if not connection.head_only:
+            parts.extend(view for view in views if view)
+        self._response_sent = await connection.send(parts, self)
 
     def _cancel_as_gone(self) -> None:
         self._client_gone = True
@@ -330,7 +485,12 @@ class HttpRequest:
 
 
 class HttpConnection:
-    """One client connection: h11's state, the socket, and the request being served.
+    """One client connection: the parser, the socket, and the request being served.
+
+    What has been received and not yet parsed is kept as bytes; the parser (httptools, llhttp)
+    is fed a request's head up to the blank line that ends it, and its body up to its end when
+    its length is known, so a pipelined request is parsed only when its turn comes (a chunked
+    body's end is found by parsing: at most a slice past it is parsed ahead).
 
     Args:
         stream: The accepted socket, or TLS over one.
@@ -353,15 +513,18 @@ class HttpConnection:
         """Unique among the process's connections, never reused."""
         self.limits = limits
         """The bounds this connection keeps."""
-        # h11 bounds what it buffers of an incomplete header block; a complete one that came
-        # in one read is measured in _next_request.
-        self.protocol = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_size)
-        """h11's state machine for the connection."""
         self.closing = False
         """Set when the server drains or the connection is past its maximum age: the request
         in flight is the connection's last."""
         self.at_end = False
         """Set once the client's input has ended (or the socket broke)."""
+        self._parse = _Parse(limits.max_header_size)
+        #: Received, not yet parsed.
+        self._buffer = bytearray()
+        #: Why the parser stopped; raised when the request it concerns is read.
+        self._broken: HttpError | None = None
+        #: Bytes of the next request's head parsed before its end arrived.
+        self._head_fed = 0
         self._stream = stream
         self._plain: trio.socket.SocketType | None = None
         if isinstance(stream, trio.SocketStream):
@@ -384,23 +547,27 @@ class HttpConnection:
         #: When the connection reaches its maximum age (Trio clock; inf: never).
         self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received from the client and not parsed yet."""
+        return len(self._buffer)
+
     async def run(self) -> None:
         """Serve requests one after the other until the connection ends; then close it."""
         linger = False
         try:
             while True:
                 try:
-                    event = await self._next_request()
+                    message = await self._next_request()
                 except HttpError as error:
                     await self._answer_error(error.status, error.message)
                     linger = True
                     break
-                if event is None:
+                if message is None:
                     break
-                if not await self._serve_request(event):
+                if not await self._serve_request(message):
                     linger = not self.at_end
                     break
-                self.protocol.start_next_cycle()
             if linger:
                 await self._linger()
         finally:
@@ -423,7 +590,87 @@ class HttpConnection:
         if self._request is not None:
             self._request._cancel(message)
 
-    async def _next_request(self) -> h11.Request | None:
+    async def fill(self) -> bool:
+        """Receive more from the client into the buffer; False at the end of its input."""
+        data = await self.receive()
+        self._buffer += data
+        return bool(data)
+
+    def parse_body(self, message: _Message) -> bool:
+        """Parse what is buffered of ``message``'s body; False if nothing was.
+
+        Raises:
+            HttpError: The body is malformed (400), or the parser stopped on it.
+        """
+        if self._broken is not None:
+            raise self._broken
+        buffer = self._buffer
+        if not buffer:
+            return False
+        if message.content_length is not None:
+            size = min(len(buffer), message.content_length - message.body_size)
+            self._feed(size)
+        else:
+            size = min(len(buffer), _CHUNKED_SLICE)
+            before = message.body_size
+            self._feed(size)
+            message.framing += size - (message.body_size - before)
+            limit = self.limits.max_header_size + _FRAMING_PER_BYTE * message.body_size
+            if message.framing > limit and not message.complete:
+                self._broken = HttpError(
+                    400,
+                    f"malformed request body: its chunked framing (sizes, extensions, "
+                    f"trailers) took {message.framing} bytes for {message.body_size} of data",
+                )
+        if self._broken is not None and not message.complete:
+            raise self._broken
+        return True
+
+    def _feed(self, size: int) -> None:
+        """Parse the first ``size`` bytes buffered; a parse error is kept in ``_broken``."""
+        buffer = self._buffer
+        with memoryview(buffer) as view, view[:size] as piece:
+            try:
+                self._parse.parser.feed_data(piece)
+            except httptools.HttpParserUpgrade:
+                # llhttp stops after a request that asks to switch protocols (or CONNECT).
+                # None is switched here: the request is answered as it is, the connection
+                # closed after it (_Message.upgrade), and nothing after it parsed.
+                self._broken = HttpError(400, "nothing is read after a protocol upgrade")
+                if self._parse.messages:
+                    self._parse.messages[-1].upgrade = True
+            except httptools.HttpParserError as exc:
+                self._broken = self._parse_error(exc)
+        del buffer[:size]
+
+    def _parse_error(self, exc: httptools.HttpParserError) -> HttpError:
+        """The answer to the request the parser stopped on."""
+        if self._parse.refusal is not None:
+            return HttpError(*self._parse.refusal)
+        reason = str(exc)
+        if "Content-Length" in reason and "Transfer-Encoding" in reason:
+            # A proxy in front that believed one framing would see another request in the
+            # body (request smuggling). RFC 9112 6.3: an error, and the connection closes.
+            return HttpError(400, _BOTH_FRAMINGS)
+        messages = self._parse.messages
+        if messages and messages[-1].head_done:
+            return HttpError(400, f"malformed request body: {reason}")
+        return HttpError(400, f"malformed request: {reason}")
+
+    def _parse_head(self) -> bool:
+        """Parse what is buffered of the next request's head, up to the blank line that ends
+        it (what follows stays buffered), or all but its last 3 bytes when the head has not
+        come whole (its end may come split across reads); False if nothing was."""
+        buffer = self._buffer
+        end = buffer.find(b"\r\n\r\n")
+        size = end + 4 if end >= 0 else len(buffer) - 3
+        if size <= 0:
+            return False
+        self._feed(size)
+        self._head_fed += size
+        return True
+
+    async def _next_request(self) -> _Message | None:
         """The next request's line and headers; None when the connection is to end: the
         client closed it or sent nothing in time, or the server drains.
 
@@ -433,67 +680,47 @@ class HttpConnection:
 
         Raises:
             HttpError: the request's head is malformed (400), too large (431), or too slow
-                to arrive once started (408).
+                to arrive once started (408), or it asks for what is not served (501, 505).
         """
-        protocol = self.protocol
         limits = self.limits
         timeout = limits.idle_timeout if self._served else limits.handshake_timeout
         self._waiting = trio.CancelScope(deadline=trio.current_time() + timeout)
         if self.closing:
             self._waiting.cancel()
-        started = bool(protocol.trailing_data[0])
+        messages = self._parse.messages
+        started = bool(self._buffer or messages)
         self.head_only = False
+        self._head_fed = 0
         with self._waiting:
             while True:
-                try:
-                    event = protocol.next_event()
-                except h11.RemoteProtocolError as exc:
-                    if self.at_end:
-                        return None  # the client closed in the middle of a request head
-                    if exc.error_status_hint == 431:
-                        raise HttpError(431, self._headers_too_large()) from None
-                    raise HttpError(exc.error_status_hint, f"malformed request: {exc}") from None
-                if isinstance(event, h11.Request):
-                    size = len(event.target) + sum(
-                        len(name) + len(value) + 4 for name, value in event.headers
-                    )
-                    if size > limits.max_header_size:
-                        raise HttpError(431, self._headers_too_large())
-                    if _framed_twice(event):
-                        # h11 lets Transfer-Encoding win; a proxy in front may have believed
-                        # Content-Length, and would see another request in this body (request
-                        # smuggling). RFC 9112 6.3: an error, and the connection closes.
-                        raise HttpError(
-                            400, "the request has both Content-Length and Transfer-Encoding"
-                        )
+                if messages and messages[0].head_done:
+                    message = messages[0]
                     self._served += 1
-                    self.head_only = event.method == b"HEAD"
-                    return event
-                if event is not h11.NEED_DATA:
-                    return None  # ConnectionClosed, or PAUSED after a close
-                data = await self.receive()
-                if data and not started:
+                    self.head_only = message.method == b"HEAD"
+                    return message
+                if self._broken is not None:
+                    raise self._broken
+                if self._head_fed > limits.max_header_size:
+                    raise HttpError(431, headers_too_large(limits.max_header_size))
+                if self._parse_head():
+                    continue
+                if not await self.fill():
+                    return None  # the client closed, in the middle of a head or not
+                if not started:
                     started = True
                     self._waiting.deadline = min(
                         self._waiting.deadline, trio.current_time() + limits.handshake_timeout
                     )
-                protocol.receive_data(data)
         if started and not self.closing:
             raise HttpError(
                 408, f"the request's head did not arrive within {limits.handshake_timeout:g} s"
             )
         return None
 
-    def _headers_too_large(self) -> str:
-        return (
-            f"the request's headers are larger than the maximum of "
-            f"{self.limits.max_header_size} bytes"
-        )
-
-    async def _serve_request(self, event: h11.Request) -> bool:
+    async def _serve_request(self, message: _Message) -> bool:
         """Run the handler on one request and make sure it is answered; whether the connection
         may carry another."""
-        request = HttpRequest(self, event)
+        request = HttpRequest(self, message)
         length = request.content_length
         if length is not None and length > self.limits.max_body_size:
             # Refused before any of the body is read, let alone buffered.
@@ -522,7 +749,7 @@ class HttpConnection:
             if request._client_gone:
                 return False
             if request._response_started:
-                if request._scope.cancelled_caught or self.protocol.our_state is not h11.DONE:
+                if request._scope.cancelled_caught or not request._response_sent:
                     return False  # cut off in the middle of the response
             elif request._cancel_message is not None:
                 failure = HttpError(503, request._cancel_message)
@@ -533,13 +760,10 @@ class HttpConnection:
                 await self._answer_error(failure.status, failure.message, request)
                 if request._client_gone:
                     return False
-            return (
-                not self.closing
-                and self.protocol.our_state is h11.DONE
-                and self.protocol.their_state is h11.DONE
-            )
+            return request._response_sent and not request._closes
         finally:
             self._request = None
+            self._parse.messages.popleft()
             counter.decrement()
             if self._access_log and ACCESS_LOGGER.isEnabledFor(logging.INFO):
                 log_call(
@@ -569,42 +793,48 @@ class HttpConnection:
     async def _answer_error(
         self, status: int, message: str, request: HttpRequest | None = None
     ) -> None:
-        """Answer ``{"error": message}`` with ``status``, if a response can still be sent."""
-        if self.protocol.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        if request is None:
-            # The server's own answer to a request no handler saw: the connection closes.
-            self.closing = True
+        """Answer ``{"error": message}`` with ``status``, if a response can still be sent:
+        for ``request``, or (None) for a request no handler saw, after which the connection
+        closes."""
         body = error_body(message)
         fields = [_JSON, (b"content-length", str(len(body)).encode())]
-        if request is not None:
+        if request is None:
+            self.closing = True
+            fields.append(_CLOSE)
+        else:
+            if request._response_started:
+                return
+            request._response_started = True
             request.status = status
             request.bytes_out = len(body)
             fields.append((_REQUEST_ID, request.request_id.encode("ascii")))
+            if self.closes_after(request):
+                fields.append(_CLOSE)
+        data: list[Buffer] = [response_head(status, fields)]
+        if not self.head_only:
+            data.append(body)
+        sent = await self.send(data, request)
+        if request is not None:
+            request._response_sent = sent
+
+    def closes_after(self, request: HttpRequest) -> bool:
+        """Whether ``request``'s response is the connection's last (it then says so): the
+        server drains, the connection is past its age, the client asked, the request asked to
+        switch protocols, or its body was not read whole (what is left of it cannot be told
+        from the next request: what has arrived of it is dropped)."""
         self.retire_if_due()
-        if self.closing or not self.skip_unread_body():
-            fields.append(_CLOSE)
-        response = h11.Response(
-            status_code=status, headers=fields, reason=_REASONS.get(status, b"")
+        message = request._message
+        if not message.complete:
+            with contextlib.suppress(HttpError):
+                while not message.complete and self.parse_body(message):
+                    pass
+            message.body.clear()
+        request._closes = (
+            self.closing or not message.keep_alive or message.upgrade or not message.complete
         )
-        with contextlib.suppress(h11.LocalProtocolError):
-            data: list[Buffer] = [self.protocol.send(response) or b""]
-            if not self.head_only:
-                data.append(self.protocol.send(h11.Data(data=body)) or b"")
-            data.append(self.protocol.send(h11.EndOfMessage()) or b"")
-            await self.send(data, request)
+        return request._closes
 
-    def skip_unread_body(self) -> bool:
-        """Drop what has arrived of a body the handler did not read; whether all of it had
-        (an empty body always has), so the connection can carry another request."""
-        protocol = self.protocol
-        with contextlib.suppress(h11.RemoteProtocolError):
-            while protocol.their_state is h11.SEND_BODY:
-                if protocol.next_event() is h11.NEED_DATA:
-                    break
-        return protocol.their_state is h11.DONE
-
-    async def receive(self) -> bytes:
+    async def receive(self) -> bytes | bytearray:
         """The next bytes from the client; ``b""`` at the end of its input (or a broken
         socket), after which :attr:`at_end` is set."""
         if self.at_end:
@@ -616,13 +846,12 @@ class HttpConnection:
             data = b""
         if not data:
             self.at_end = True
-        # A socket's reads are bytes already (no copy); h11 takes bytes.
-        return bytes(data)
+        return data
 
-    async def send(self, data: Sequence[Buffer], request: HttpRequest | None) -> None:
-        """Write ``data`` in order. A client that takes none of it for the send timeout, or
-        whose socket broke, is gone: ``request`` (if any) is cancelled, and the connection
-        ends after it."""
+    async def send(self, data: Sequence[Buffer], request: HttpRequest | None) -> bool:
+        """Write ``data`` in order; whether it was. A client that takes none of it for the
+        send timeout, or whose socket broke, is gone: ``request`` (if any) is cancelled, and
+        the connection ends after it."""
         limit = self.limits.send_timeout
         try:
             if self._plain is not None:
@@ -650,6 +879,8 @@ class HttpConnection:
             if request is not None:
                 request._cancel_as_gone()
                 await trio.lowlevel.checkpoint()
+            return False
+        return True
 
     async def watch_disconnect(self, request: HttpRequest) -> None:
         """Cancel ``request`` when its client closes its socket (or it breaks) while the
@@ -677,12 +908,6 @@ class HttpConnection:
                 if not data:
                     break
                 received += len(data)
-
-
-def _framed_twice(event: h11.Request) -> bool:
-    """Whether a request's head gives its body's length both ways."""
-    names = {name for name, _ in event.headers}
-    return b"content-length" in names and b"transfer-encoding" in names
 
 
 @dataclass(frozen=True)
