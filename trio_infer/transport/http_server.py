@@ -47,6 +47,7 @@ import http
 import itertools
 import json
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
@@ -527,6 +528,8 @@ class HttpConnection:
         self._head_fed = 0
         self._stream = stream
         self._plain: trio.socket.SocketType | None = None
+        #: The last read filled the read size: the next is tried before waiting.
+        self._more_likely = False
         if isinstance(stream, trio.SocketStream):
             self._plain = stream.socket
             self._socket = stream.socket
@@ -688,9 +691,9 @@ class HttpConnection:
         if self.closing:
             self._waiting.cancel()
         messages = self._parse.messages
-        started = bool(self._buffer or messages)
         self.head_only = False
         self._head_fed = 0
+        hurried = False
         with self._waiting:
             while True:
                 if messages and messages[0].head_done:
@@ -704,14 +707,16 @@ class HttpConnection:
                     raise HttpError(431, headers_too_large(limits.max_header_size))
                 if self._parse_head():
                     continue
-                if not await self.fill():
-                    return None  # the client closed, in the middle of a head or not
-                if not started:
-                    started = True
+                if not hurried and (self._buffer or self._head_fed or messages):
+                    # A head has begun and must wait for the rest of it (most come whole in
+                    # one read, and never get here).
+                    hurried = True
                     self._waiting.deadline = min(
                         self._waiting.deadline, trio.current_time() + limits.handshake_timeout
                     )
-        if started and not self.closing:
+                if not await self.fill():
+                    return None  # the client closed, in the middle of a head or not
+        if (self._buffer or self._head_fed or messages) and not self.closing:
             raise HttpError(
                 408, f"the request's head did not arrive within {limits.handshake_timeout:g} s"
             )
@@ -841,12 +846,33 @@ class HttpConnection:
             await trio.lowlevel.checkpoint()
             return b""
         try:
-            data = await self._stream.receive_some(_READ_SIZE)
+            if self._plain is None:
+                data = await self._stream.receive_some(_READ_SIZE)
+            else:
+                data = await self._read_plain(self._plain)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             data = b""
         if not data:
             self.at_end = True
         return data
+
+    async def _read_plain(self, sock: trio.socket.SocketType) -> bytes:
+        """Read on the descriptor (Trio keeps it non-blocking). Trio's ``recv`` tries a read
+        first, which on a keep-alive connection fails (the client sends its next request only
+        once answered), and yields again after reading; here a read is tried at once only
+        after one that filled the read size (more is likely waiting), with a checkpoint."""
+        if self._more_likely:
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.lowlevel.wait_readable(sock)
+        while True:
+            try:
+                data = os.read(sock.fileno(), _READ_SIZE)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)  # woken without data after all
+                continue
+            self._more_likely = len(data) == _READ_SIZE
+            return data
 
     async def send(self, data: Sequence[Buffer], request: HttpRequest | None) -> bool:
         """Write ``data`` in order; whether it was. A client that takes none of it for the
