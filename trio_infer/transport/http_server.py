@@ -412,36 +412,41 @@ class HttpRequest:
         if message.expects_continue and not message.body_size and not connection.buffered:
             await connection.send([_CONTINUE], self)
         body = bytearray()
-        with trio.move_on_after(limits.receive_timeout) as waiting:
-            while True:
-                for piece in message.body:
-                    if len(body) + len(piece) > limits.max_body_size:
-                        raise HttpError(
-                            413,
-                            f"the request body is larger than the maximum of "
-                            f"{limits.max_body_size} bytes",
-                        )
-                    if on_data is not None:
-                        on_data(len(piece))
-                    body += piece
-                message.body.clear()
-                if message.complete:
-                    break
-                if not connection.parse_body(message) and not await connection.fill():
-                    # The client closed its socket in the middle of its body: it is gone.
-                    self._cancel_as_gone()
-                    await trio.lowlevel.checkpoint()
-        if waiting.cancelled_caught:
-            raise HttpError(
-                408,
-                f"the request body did not arrive within {limits.receive_timeout:g} s",
-            )
+        self._take_body(body, on_data)
+        if not message.complete:
+            # A body that did not come with its head (most small ones do): waited for.
+            with trio.move_on_after(limits.receive_timeout) as waiting:
+                while not message.complete:
+                    if not connection.parse_body(message) and not await connection.fill():
+                        # The client closed its socket in the middle of its body: it is gone.
+                        self._cancel_as_gone()
+                        await trio.lowlevel.checkpoint()
+                    self._take_body(body, on_data)
+            if waiting.cancelled_caught:
+                raise HttpError(
+                    408,
+                    f"the request body did not arrive within {limits.receive_timeout:g} s",
+                )
         self.bytes_in = len(body)
         # From now on the client has nothing more to send for this request: its socket
         # becoming readable means it closed it (or pipelines, which is served in turn).
         assert self._nursery is not None, "GET and HEAD requests have no body to read"
         self._nursery.start_soon(connection.watch_disconnect, self)
         return body
+
+    def _take_body(self, body: bytearray, on_data: Callable[[int], None] | None) -> None:
+        """Move the body's pieces parsed so far to ``body``."""
+        message = self._message
+        limit = self._connection.limits.max_body_size
+        for piece in message.body:
+            if len(body) + len(piece) > limit:
+                raise HttpError(
+                    413, f"the request body is larger than the maximum of {limit} bytes"
+                )
+            if on_data is not None:
+                on_data(len(piece))
+            body += piece
+        message.body.clear()
 
     async def respond(
         self,
