@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.settings
 import pytest
 from h2.stream import StreamClosedBy
@@ -223,3 +224,28 @@ def test_window_updates_grow_the_windows_they_name_and_an_overflow_fails_what_it
     # The connection's is the connection's: it ends.
     with pytest.raises(ProtocolViolation, match="flow control window past 2147483647"):
         server.receive_data(_frame(0x8, 0, 0, (2**31 - 1).to_bytes(4, "big")))
+
+
+@pytest.mark.parametrize("state", list(h2.connection.ConnectionState))
+@pytest.mark.parametrize(
+    "sent", [h2.connection.ConnectionInputs.SEND_HEADERS, h2.connection.ConnectionInputs.SEND_DATA]
+)
+def test_sending_headers_or_data_moves_the_connection_state_as_h2_does(
+    state: h2.connection.ConnectionState, sent: h2.connection.ConnectionInputs
+) -> None:
+    # _connection_input skips h2's state machine where its transition is to stay: in every
+    # state, it must leave the state (or refuse the input) exactly as the machine would.
+    ours, h2s = h2.connection.H2ConnectionStateMachine(), h2.connection.H2ConnectionStateMachine()
+    ours.state = h2s.state = state
+    connection = type("Connection", (), {"state_machine": ours})()
+    try:
+        h2s.process_input(sent)
+        expected: object = h2s.state
+    except h2.exceptions.ProtocolError:
+        expected = h2.exceptions.ProtocolError
+    try:
+        grpc_protocol._connection_input(connection, sent)
+        got: object = ours.state
+    except h2.exceptions.ProtocolError:
+        got = h2.exceptions.ProtocolError
+    assert got == expected

@@ -35,7 +35,7 @@ import contextlib
 import re
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 from urllib.parse import quote
@@ -436,6 +436,14 @@ class _WindowUpdateRecord:
     def __init__(self, stream_id: int, window_increment: int) -> None:
         self.stream_id = stream_id
         self.window_increment = window_increment
+
+
+def _connection_input(h2_connection: Any, sent: ConnectionInputs) -> None:
+    """Give h2's connection state machine a SEND_HEADERS or SEND_DATA input. In SERVER_OPEN,
+    where a connection spends its life, h2's transition for either is to stay, doing nothing:
+    only another state needs the machine (which refuses the input after a GOAWAY)."""
+    if h2_connection.state_machine.state is not ConnectionState.SERVER_OPEN:
+        h2_connection.state_machine.process_input(sent)
 
 
 class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
@@ -862,6 +870,27 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         )
         self.h2_connection.clear_outbound_data_buffer()
         self._set_h2_connection_local_settings()
+        events = h2.events
+        #: h2's events, by type, to their handlers (purerpc's, or this class's): purerpc finds
+        #: each with a chain of isinstance checks, about fifty a call.
+        self._handlers: dict[type, Callable[[Any], list[Event]]] = {
+            events.RequestReceived: self._request_received,
+            events.ResponseReceived: self._response_received,
+            events.TrailersReceived: self._trailers_received,
+            events.InformationalResponseReceived: self._informational_response_received,
+            events.DataReceived: self._data_received,
+            events.WindowUpdated: self._window_updated,
+            events.RemoteSettingsChanged: self._remote_settings_changed,
+            events.PingAcknowledged: self._ping_acknowledged,
+            events.StreamEnded: self._stream_ended,
+            events.StreamReset: self._stream_reset,
+            events.PushedStreamReceived: self._push_stream_received,
+            events.SettingsAcknowledged: self._settings_acknowledged,
+            events.PriorityUpdated: self._priority_updated,
+            events.ConnectionTerminated: self._connection_terminated,
+            events.AlternativeServiceAvailable: self._alternative_service_available,
+            events.UnknownFrameReceived: self._unknown_frame_received,
+        }
         # Invariant: a stream is here while the client may still send on it and no status has
         # been sent for it.
         self._inbound: dict[int, _InboundStream] = {}
@@ -1030,8 +1059,13 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             ProtocolViolation: the peer broke HTTP/2; a GOAWAY is queued and the connection
                 must be closed after sending it.
         """
+        events: list[Event] = []
+        handlers = self._handlers
         try:
-            events: list[Event] = super().receive_data(data)
+            for event in self.h2_connection.receive_data(data):
+                handler = handlers.get(type(event))
+                if handler is not None:  # as purerpc: an event it has no handler for is dropped
+                    events.extend(handler(event))
         except h2.exceptions.ProtocolError as exc:
             raise ProtocolViolation(f"HTTP/2 protocol error: {exc}") from exc
         return events
@@ -1095,7 +1129,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             # A closed stream, or a payload over the window: h2 raises what it raises for those.
             h2_connection.send_data(stream_id, data)
             return
-        h2_connection.state_machine.process_input(ConnectionInputs.SEND_DATA)
+        _connection_input(h2_connection, ConnectionInputs.SEND_DATA)
         stream.state_machine.process_input(StreamInputs.SEND_DATA)
         h2_connection.pings.data_sent()
         stream.outbound_flow_control_window -= size
@@ -1120,7 +1154,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if stream is None:
             h2_connection.send_headers(stream_id, headers, end_stream=end_stream)
             return
-        h2_connection.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
+        _connection_input(h2_connection, ConnectionInputs.SEND_HEADERS)
         h2_connection.pings.data_sent()
         stream_states = stream.state_machine
         stream_states.process_input(StreamInputs.SEND_HEADERS)

@@ -39,6 +39,7 @@ import ssl
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -477,6 +478,18 @@ class Connection:
         self._no_calls: trio.Event | None = None
         #: When the connection reaches its maximum age (Trio clock; inf: never).
         self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
+        #: The protocol's events, by type, to what the connection does with them.
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            RequestReceived: self._start_call,
+            MessageAnnounced: self._message_announced,
+            MessageReceived: self._message_received,
+            RequestEnded: self._request_ended,
+            MessageRefused: self._message_refused,
+            StreamReset: self._stream_reset,
+            WindowUpdated: self._window_opened,
+            CallRejected: self._call_rejected,
+            ConnectionTerminated: self._connection_terminated,
+        }
 
     def flush(self) -> None:
         """Ask the writer to send whatever the protocol has queued."""
@@ -720,9 +733,12 @@ class Connection:
                 return
             if self.protocol.handshake_done and not self._handshake.is_set():
                 self._handshake.set()
-            self._reset_in_read = {e.stream_id for e in events if isinstance(e, StreamReset)}
+            self._reset_in_read = {e.stream_id for e in events if type(e) is StreamReset}
+            handlers = self._handlers
             for event in events:
-                self._dispatch(event)
+                handler = handlers.get(type(event))
+                if handler is not None:  # others (a PING's ACK, SETTINGS' ACK) need nothing
+                    handler(event)
             if self.protocol.has_data_to_send():
                 self.flush()
 
@@ -776,38 +792,42 @@ class Connection:
                 return  # reset: the client is gone
             pause = min(pause * 2, 1.0)
 
-    def _dispatch(self, event: object) -> None:
-        if isinstance(event, RequestReceived):
-            self._start_call(event)
-        elif isinstance(event, MessageAnnounced):
-            state = self._calls.get(event.stream_id)
-            if state is not None:
-                state.call._inbound.put(event.length)
-        elif isinstance(event, MessageReceived):
-            state = self._calls.get(event.stream_id)
-            if state is not None:
-                state.call._inbound.put(event.data)
-        elif isinstance(event, RequestEnded):
-            state = self._calls.get(event.stream_id)
-            if state is not None:
-                state.call._inbound.close()
-        elif isinstance(event, MessageRefused):
-            state = self._calls.get(event.stream_id)
-            if state is not None:
-                state.call._inbound.put(InferError(event.message, event.status))
-                state.call._inbound.close()
-        elif isinstance(event, StreamReset):
-            state = self._calls.get(event.stream_id)
-            if state is not None:
-                state.call._reset = True
-                state.scope.cancel()
-        elif isinstance(event, WindowUpdated):
-            self._window_updated.set()
-        elif isinstance(event, CallRejected):
-            self._refuse(event.stream_id, event.status, event.message)
-        elif isinstance(event, ConnectionTerminated):
-            # The client said it starts no new calls; one that does anyway gets an answer.
-            self._refusing = self._refusing or "the client sent GOAWAY on this connection"
+    def _message_announced(self, event: MessageAnnounced) -> None:
+        state = self._calls.get(event.stream_id)
+        if state is not None:
+            state.call._inbound.put(event.length)
+
+    def _message_received(self, event: MessageReceived) -> None:
+        state = self._calls.get(event.stream_id)
+        if state is not None:
+            state.call._inbound.put(event.data)
+
+    def _request_ended(self, event: RequestEnded) -> None:
+        state = self._calls.get(event.stream_id)
+        if state is not None:
+            state.call._inbound.close()
+
+    def _message_refused(self, event: MessageRefused) -> None:
+        state = self._calls.get(event.stream_id)
+        if state is not None:
+            state.call._inbound.put(InferError(event.message, event.status))
+            state.call._inbound.close()
+
+    def _stream_reset(self, event: StreamReset) -> None:
+        state = self._calls.get(event.stream_id)
+        if state is not None:
+            state.call._reset = True
+            state.scope.cancel()
+
+    def _window_opened(self, event: WindowUpdated) -> None:
+        self._window_updated.set()
+
+    def _call_rejected(self, event: CallRejected) -> None:
+        self._refuse(event.stream_id, event.status, event.message)
+
+    def _connection_terminated(self, event: ConnectionTerminated) -> None:
+        # The client said it starts no new calls; one that does anyway gets an answer.
+        self._refusing = self._refusing or "the client sent GOAWAY on this connection"
 
     def _start_call(self, event: RequestReceived) -> None:
         stream_id: int = event.stream_id
