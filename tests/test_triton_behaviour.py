@@ -224,6 +224,17 @@ async def test_a_version_that_is_not_an_integer_is_invalid_unless_the_model_decl
         )
     error = await client.error("ModelReady", pb.ModelReadyRequest(name="nope", version="3"))
     assert error.code() == grpc.StatusCode.NOT_FOUND
+    # Thousands of digits (more than int() converts): invalid, not an internal error; leading
+    # zeros do not count against an int64's 19 digits.
+    for version in ("9" * 5000, "0" * 5000 + "1" * 20):
+        error = await client.error(
+            "ModelReady", pb.ModelReadyRequest(name="versioned", version=version)
+        )
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    error = await client.error(
+        "ModelReady", pb.ModelReadyRequest(name="versioned", version="0" * 5000 + "7")
+    )
+    assert error.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_tritonclient_sees_the_messages_tritons_examples_check(server: RunningServer) -> None:

@@ -183,5 +183,10 @@ class ModelRegistry:
 
 def _is_int64(version: str) -> bool:
     """Whether ``version`` is a version number as Triton takes one: decimal digits (ASCII
-    only; no sign, space or ``_``, which ``int`` would take) of an int64 at least 0."""
-    return version.isascii() and version.isdigit() and int(version) <= _INT64_MAX
+    only; no sign, space or ``_``, which ``int`` would take) of an int64 at least 0. Its
+    length is checked first: ``int`` refuses strings of thousands of digits, and an int64 has at
+    most 19 (leading zeros aside)."""
+    if not (version.isascii() and version.isdigit()):
+        return False
+    digits = version.lstrip("0")
+    return len(digits) <= 19 and int(digits or "0") <= _INT64_MAX

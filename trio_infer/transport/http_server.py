@@ -66,6 +66,7 @@ from trio_infer.transport.access_log import (
     request_id,
 )
 from trio_infer.transport.connection_age import retirement_time
+from trio_infer.transport.grpc_protocol import shown
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
@@ -102,9 +103,6 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: How much of a chunked body is parsed at a time: its end is known only once parsed, so what
 #: follows it in the same piece (a pipelined request) is parsed ahead, at most this much.
 _CHUNKED_SLICE = 16 * 1024
-#: A chunked body's framing (size lines, extensions, trailers) may take this many bytes per
-#: byte of body, beyond ``max_header_size``: a chunk of one byte takes five.
-_FRAMING_PER_BYTE = 8
 _BOTH_FRAMINGS = "the request has both Content-Length and Transfer-Encoding"
 
 
@@ -116,6 +114,9 @@ class HttpLimits:
         max_body_size: The largest request body accepted, in bytes (413 past it).
         max_header_size: The largest request line and header block accepted, in bytes (431
             past it).
+        max_header_fields: The most header fields a request may have (431 past it): each is
+            kept as objects some fifty times its size on the wire, so a head of many tiny
+            fields would cost far more than ``max_header_size``.
         handshake_timeout: Seconds a new connection may take to send its first request's
             headers, and any request its headers once they have started.
         receive_timeout: Seconds a request's body may take to arrive once its handler starts
@@ -134,6 +135,7 @@ class HttpLimits:
 
     max_body_size: int = 64 * 1024 * 1024
     max_header_size: int = 16 * 1024
+    max_header_fields: int = 256
     handshake_timeout: float = 10.0
     receive_timeout: float = 30.0
     idle_timeout: float = 300.0
@@ -211,7 +213,8 @@ class _Message:
         self.body: list[bytes] = []
         #: Bytes of body parsed so far.
         self.body_size = 0
-        #: Bytes of a chunked body's framing (size lines, extensions, trailers) parsed so far.
+        #: Bytes of a chunked body parsed since its last piece of data: framing (size lines,
+        #: extensions, trailers), to the nearest slice.
         self.framing = 0
         self.trailer_size = 0
         self.complete = False
@@ -230,7 +233,7 @@ class _Parse:
     head completes: the head's size, ``Host``, the HTTP version and ``Transfer-Encoding``.
     """
 
-    def __init__(self, max_header_size: int) -> None:
+    def __init__(self, max_header_size: int, max_header_fields: int) -> None:
         self.parser = httptools.HttpRequestParser(self)
         #: Messages begun and not yet served, oldest first. Holds more than one only when a
         #: client pipelines, and then at most what one parse slice held (see _feed_sizes).
@@ -238,6 +241,7 @@ class _Parse:
         #: Why the callbacks stopped the parser: (status, message).
         self.refusal: tuple[int, str] | None = None
         self._max_header_size = max_header_size
+        self._max_header_fields = max_header_fields
 
     def _refuse(self, status: int, message: str) -> NoReturn:
         self.refusal = (status, message)
@@ -269,6 +273,10 @@ class _Parse:
         message.head_size += size
         if message.head_size > self._max_header_size:
             self._refuse(431, headers_too_large(self._max_header_size))
+        if len(message.headers) == self._max_header_fields:
+            self._refuse(
+                431, f"the request has more than the maximum of {self._max_header_fields} headers"
+            )
         message.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -287,6 +295,9 @@ class _Parse:
                     # RFC 9112 6.1: a coding the server does not understand is 501.
                     self._refuse(501, "only the chunked transfer coding is implemented")
                 message.content_length = None
+                # RFC 9112 6.1: in HTTP/1.0 its framing is to be taken as faulty (a proxy of
+                # that version would not have read it so): served, then the connection closes.
+                message.keep_alive &= parser.get_http_version() != "1.0"
             elif name == b"host":
                 hosts += 1
             elif name == b"expect":
@@ -296,6 +307,11 @@ class _Parse:
         if version == "1.1" and hosts != 1:
             # RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without exactly one.
             self._refuse(400, f"malformed request: {hosts} Host headers; HTTP/1.1 needs one")
+        if message.upgrade and message.content_length != 0:
+            # llhttp does not parse the body of a request that asks to switch protocols (the
+            # bytes after the head would be the new protocol's); none is switched here, and
+            # such a body cannot be told from what follows it.
+            self._refuse(400, "a request that asks to switch protocols may not have a body")
         message.expects_continue &= version == "1.1"
         message.head_done = True
 
@@ -402,10 +418,20 @@ class HttpRequest:
 
         Raises:
             HttpError: A chunked body grew over ``max_body_size`` (413), the body did not
-                arrive within ``receive_timeout`` of this call (408), or it is malformed (400).
+                arrive within ``receive_timeout`` of this call (408), it is malformed (400), or
+                it is compressed (415: no content coding is decoded here).
         """
         assert not self._body_read, "a request body is read once"
         self._body_read = True
+        coding = self.header("content-encoding")
+        if coding is not None and coding.strip().lower() not in ("", "identity"):
+            # RFC 9110 15.5.16: 415 for a content coding the server does not take; read as it
+            # is, a compressed body would only fail later with a misleading message.
+            raise HttpError(
+                415,
+                f"the request body's Content-Encoding {shown(coding)!r} is not supported: "
+                f"send it uncompressed",
+            )
         connection = self._connection
         message = self._message
         limits = connection.limits
@@ -524,7 +550,7 @@ class HttpConnection:
         in flight is the connection's last."""
         self.at_end = False
         """Set once the client's input has ended (or the socket broke)."""
-        self._parse = _Parse(limits.max_header_size)
+        self._parse = _Parse(limits.max_header_size, limits.max_header_fields)
         #: Received, not yet parsed.
         self._buffer = bytearray()
         #: Why the parser stopped; raised when the request it concerns is read.
@@ -622,13 +648,16 @@ class HttpConnection:
             size = min(len(buffer), _CHUNKED_SLICE)
             before = message.body_size
             self._feed(size)
-            message.framing += size - (message.body_size - before)
-            limit = self.limits.max_header_size + _FRAMING_PER_BYTE * message.body_size
-            if message.framing > limit and not message.complete:
+            # Framing (a size line, its extensions, the trailers) is bounded like a head: at
+            # most max_header_size between two pieces of data, or after the last, counted a
+            # slice at a time. llhttp holds none of it, but httptools builds a trailer field
+            # in memory until its line ends.
+            message.framing = 0 if message.body_size > before else message.framing + size
+            if message.framing > self.limits.max_header_size and not message.complete:
                 self._broken = HttpError(
                     400,
-                    f"malformed request body: its chunked framing (sizes, extensions, "
-                    f"trailers) took {message.framing} bytes for {message.body_size} of data",
+                    f"malformed request body: over {self.limits.max_header_size} bytes of "
+                    f"chunked framing (size lines, extensions, trailers) without data",
                 )
         if self._broken is not None and not message.complete:
             raise self._broken
