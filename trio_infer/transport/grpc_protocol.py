@@ -565,6 +565,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     _data_to_send: bytearray
     encoder: Any
     decoder: Any
+    #: See :attr:`open_inbound_streams`.
+    _inbound_counted: int | None = None
 
     def __init__(self, config: h2.config.H2Configuration, pings: PingPolicy) -> None:
         super().__init__(config)
@@ -658,21 +660,34 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             and stream_id <= self.highest_inbound_stream_id
         )
 
+    @property
+    def open_inbound_streams(self) -> int:
+        """h2's count of the open inbound streams (which also forgets closed ones), or the
+        count just made for the header block being received: h2 counts again, over the same
+        streams, before it opens the block's stream."""
+        if self._inbound_counted is not None:
+            return self._inbound_counted
+        count: int = self._open_streams(int(not self.config.client_side))
+        return count
+
     def _receive_headers_frame(self, frame: Any) -> Any:
-        if (
-            frame.stream_id > self.highest_inbound_stream_id
-            and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
-        ):
-            # RFC 9113 §5.1.2: a stream over the limit is refused, not the whole connection
-            # (h2 raises a connection error). Its header block is still decoded, because HPACK
-            # state is shared by every stream of the connection.
-            _decode_headers(self.decoder, frame.data)
-            self.highest_inbound_stream_id = frame.stream_id
-            self._closed_streams[frame.stream_id] = StreamClosedBy.SEND_RST_STREAM
-            refusal = RstStreamFrame(frame.stream_id)
-            refusal.error_code = ErrorCodes.REFUSED_STREAM
-            return [refusal], []
-        frames, events = super()._receive_headers_frame(frame)
+        if frame.stream_id > self.highest_inbound_stream_id:
+            counted = self.open_inbound_streams
+            if counted >= self.local_settings.max_concurrent_streams:
+                # RFC 9113 §5.1.2: a stream over the limit is refused, not the whole connection
+                # (h2 raises a connection error). Its header block is still decoded, because
+                # HPACK state is shared by every stream of the connection.
+                _decode_headers(self.decoder, frame.data)
+                self.highest_inbound_stream_id = frame.stream_id
+                self._closed_streams[frame.stream_id] = StreamClosedBy.SEND_RST_STREAM
+                refusal = RstStreamFrame(frame.stream_id)
+                refusal.error_code = ErrorCodes.REFUSED_STREAM
+                return [refusal], []
+            self._inbound_counted = counted
+        try:
+            frames, events = super()._receive_headers_frame(frame)
+        finally:
+            self._inbound_counted = None
         try:
             for event in events:
                 if isinstance(event, h2.events.RequestReceived):
