@@ -204,10 +204,13 @@ async def test_metrics_count_exactly_the_traffic_sent_and_survive_a_worker_crash
         error = await client.error("ModelInfer", add_sub_request(INPUT0=x), timeout=10)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     for _ in range(K_EXPIRED):
+        # The request's own timeout (microseconds), not the call's: at grpc-timeout the client
+        # resets the stream, and on a busy machine the reset can reach the server before its
+        # own deadline passes, which is then a cancellation (CANCELLED), not an expiry.
         request = pb.ModelInferRequest(model_name="sleep")
         encode_inputs(request, [("x", x)], raw=True)
-        encode_parameters(request.parameters, {"delay_ms": 5000})
-        error = await client.error("ModelInfer", request, timeout=0.3)
+        encode_parameters(request.parameters, {"delay_ms": 5000, "timeout": 300_000})
+        error = await client.error("ModelInfer", request, timeout=10)
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     began = trio.current_time()

@@ -47,6 +47,7 @@ import http
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import ssl
@@ -571,8 +572,11 @@ class HttpConnection:
         self._requests_in_flight = requests_in_flight
         #: The request being served (None between requests).
         self._request: HttpRequest | None = None
-        #: Cancelled by the drain while the connection waits for its next request.
+        #: The connection's scope: a deadline while it waits for a request's head (see run),
+        #: cancelled by a drain while it waits.
         self._waiting = trio.CancelScope()
+        #: Whether the connection waits for a request's head.
+        self._idle = False
         #: Requests whose heads were received on this connection.
         self._served = 0
         self.head_only = False
@@ -587,21 +591,36 @@ class HttpConnection:
         return len(self._buffer)
 
     async def run(self) -> None:
-        """Serve requests one after the other until the connection ends; then close it."""
+        """Serve requests one after the other until the connection ends; then close it.
+
+        The connection's scope has a deadline only while it waits for a request's head, and a
+        drain cancels it only then: one scope for the connection's life, its deadline moved
+        twice a request, costs half what a scope of its own for each wait would.
+        """
         linger = False
         try:
-            while True:
-                try:
-                    message = await self._next_request()
-                except HttpError as error:
-                    await self._answer_error(error.status, error.message)
-                    linger = True
-                    break
-                if message is None:
-                    break
-                if not await self._serve_request(message):
-                    linger = not self.at_end
-                    break
+            error: HttpError | None = None
+            with self._waiting:
+                while True:
+                    try:
+                        message = await self._next_request()
+                    except HttpError as exc:
+                        error = exc
+                        break
+                    if message is None:
+                        break
+                    if not await self._serve_request(message):
+                        linger = not self.at_end
+                        break
+            if self._waiting.cancelled_caught and self._head_begun() and not self.closing:
+                error = HttpError(
+                    408,
+                    f"the request's head did not arrive within "
+                    f"{self.limits.handshake_timeout:g} s",
+                )
+            if error is not None:
+                await self._answer_error(error.status, error.message)
+                linger = True
             if linger:
                 await self._linger()
         finally:
@@ -611,7 +630,8 @@ class HttpConnection:
         """Serve no request after the one in flight: close the connection now if it waits for
         its next request, or once its response is written."""
         self.closing = True
-        self._waiting.cancel()
+        if self._idle:
+            self._waiting.cancel()
 
     def retire_if_due(self) -> None:
         """Past its maximum age, make the response about to be sent the connection's last."""
@@ -709,26 +729,28 @@ class HttpConnection:
 
     async def _next_request(self) -> _Message | None:
         """The next request's line and headers; None when the connection is to end: the
-        client closed it or sent nothing in time, or the server drains.
+        client closed it, or the server drains.
 
         A new connection has the handshake timeout to send its first request's head; a
         keep-alive one the idle timeout to start the next, and the handshake timeout to finish
-        it once started.
+        it once started: the connection's scope is cancelled past them (:meth:`run` answers 408
+        to a head begun and not finished).
 
         Raises:
-            HttpError: the request's head is malformed (400), too large (431), or too slow
-                to arrive once started (408), or it asks for what is not served (501, 505).
+            HttpError: the request's head is malformed (400) or too large (431), or it asks for
+                what is not served (501, 505).
         """
+        if self.closing:
+            return None
         limits = self.limits
         timeout = limits.idle_timeout if self._served else limits.handshake_timeout
-        self._waiting = trio.CancelScope(deadline=trio.current_time() + timeout)
-        if self.closing:
-            self._waiting.cancel()
+        self._waiting.deadline = trio.current_time() + timeout
+        self._idle = True
         messages = self._parse.messages
         self.head_only = False
         self._head_fed = 0
         hurried = False
-        with self._waiting:
+        try:
             while True:
                 if messages and messages[0].head_done:
                     message = messages[0]
@@ -741,7 +763,7 @@ class HttpConnection:
                     raise HttpError(431, headers_too_large(limits.max_header_size))
                 if self._parse_head():
                     continue
-                if not hurried and (self._buffer or self._head_fed or messages):
+                if not hurried and self._head_begun():
                     # A head has begun and must wait for the rest of it (most come whole in
                     # one read, and never get here).
                     hurried = True
@@ -750,11 +772,13 @@ class HttpConnection:
                     )
                 if not await self.fill():
                     return None  # the client closed, in the middle of a head or not
-        if (self._buffer or self._head_fed or messages) and not self.closing:
-            raise HttpError(
-                408, f"the request's head did not arrive within {limits.handshake_timeout:g} s"
-            )
-        return None
+        finally:
+            self._idle = False
+            self._waiting.deadline = math.inf
+
+    def _head_begun(self) -> bool:
+        """Whether some of a request's head has arrived (and not all of it)."""
+        return bool(self._buffer or self._head_fed or self._parse.messages)
 
     async def _serve_request(self, message: _Message) -> bool:
         """Run the handler on one request and make sure it is answered; whether the connection
