@@ -247,6 +247,14 @@ def _tritonclient_calls(port: int) -> dict[str, Any]:
             outputs = [httpclient.InferRequestedOutput("OUTPUT1", binary_data=binary)]
             answer = client.infer("add_sub", [first, second], outputs=outputs, request_id="t")
             results[f"add_sub {binary}"] = (answer.get_response(), answer.as_numpy("OUTPUT1"))
+            for coding in ("gzip", "deflate"):  # the body compressed (Content-Encoding)
+                answer = client.infer(
+                    "add_sub",
+                    [first, second],
+                    outputs=outputs,
+                    request_compression_algorithm=coding,
+                )
+                results[f"add_sub {binary} {coding}"] = answer.as_numpy("OUTPUT1")
         x = np.linspace(-1, 1, 256, dtype=np.float32).reshape(1, 256)
         dense_input = httpclient.InferInput("x", [1, 256], "FP32")
         dense_input.set_data_from_numpy(x, binary_data=True)
@@ -285,6 +293,8 @@ async def test_tritonclient_http_works_unchanged_and_agrees_with_grpc(
     for binary in (False, True):
         response, output = results[f"add_sub {binary}"]
         np.testing.assert_array_equal(output, expected["OUTPUT1"])
+        np.testing.assert_array_equal(results[f"add_sub {binary} gzip"], expected["OUTPUT1"])
+        np.testing.assert_array_equal(results[f"add_sub {binary} deflate"], expected["OUTPUT1"])
         # Only the output asked for, binary when asked.
         assert [o["name"] for o in response["outputs"]] == ["OUTPUT1"]
         assert ("data" not in response["outputs"][0]) is binary

@@ -12,6 +12,7 @@ import gzip
 import json
 import socket
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -860,24 +861,85 @@ async def test_versions_and_upgrades_are_answered_and_closed_unless_kept_alive(
     await Bystander(server).call()
 
 
-async def test_a_compressed_body_is_415_and_identity_is_served(server: RunningServer) -> None:
-    # No content coding is decoded: a gzip body read as JSON would fail with a misleading
-    # message (tritonclient.http can send one: request_compression_algorithm).
-    compressed = gzip.compress(ADD_SUB_JSON)
+COMPRESSED_BODIES = [
+    # (what, the coding, the body as sent, the status, the start of the error)
+    ("gzip", "gzip", gzip.compress(ADD_SUB_JSON), 200, ""),
+    ("deflate (zlib)", "deflate", zlib.compress(ADD_SUB_JSON), 200, ""),
+    ("identity", "identity", ADD_SUB_JSON, 200, ""),
+    ("x-gzip", "x-gzip", gzip.compress(ADD_SUB_JSON), 200, ""),
+    ("brotli", "br", ADD_SUB_JSON, 415, "the request body's Content-Encoding 'br'"),
+    ("two codings", "gzip, gzip", ADD_SUB_JSON, 415, "the request body's Content-Encoding"),
+    ("not gzip", "gzip", ADD_SUB_JSON, 400, "malformed request body: its gzip data is corrupt"),
+    (
+        "cut short",
+        "gzip",
+        gzip.compress(ADD_SUB_JSON)[:-12],
+        400,
+        "malformed request body: its gzip data ends before",
+    ),
+    (
+        "bytes after the stream",
+        "deflate",
+        zlib.compress(ADD_SUB_JSON) + b"GET / HTTP/1.1\r\n\r\n",
+        400,
+        "malformed request body: bytes after the end",
+    ),
+    # Raw deflate without zlib's header: not what HTTP's deflate is.
+    ("raw deflate", "deflate", zlib.compress(ADD_SUB_JSON)[2:-4], 400, "malformed request body"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "coding", "body", "status", "message"),
+    COMPRESSED_BODIES,
+    ids=[c[0] for c in COMPRESSED_BODIES],
+)
+async def test_compressed_bodies_are_decoded_or_refused_precisely(
+    server: RunningServer, what: str, coding: str, body: bytes, status: int, message: str
+) -> None:
     async with await Raw.open(server.http_port) as raw:
-        for coding, body, status in [
-            ("gzip", compressed, 415),
-            ("deflate", compressed, 415),
-            ("identity", ADD_SUB_JSON, 200),
-        ]:
-            await raw.send(infer(body, f"Content-Encoding: {coding}", model="add_sub"))
-            with trio.fail_after(5):
-                answer = await raw.final()
-            assert answer.status == status, (coding, answer)
-            if status == 415:
-                assert coding in answer.error()
+        await raw.send(infer(body, f"Content-Encoding: {coding}", model="add_sub"))
+        with trio.fail_after(5):
+            answer = await raw.final()
+        assert answer.status == status, answer
+        if status == 200:
+            assert json.loads(answer.body)["outputs"][0]["data"] == [i + 1 for i in range(16)]
+        else:
+            assert answer.error().startswith(message), answer.error()
     assert reserved(server) == 0
     await Bystander(server).call()
+
+
+async def test_a_compression_bomb_is_413_as_it_decodes_and_holds_nothing(
+    nursery: trio.Nursery,
+) -> None:
+    # 1 GiB of zeros is about 1 MB of gzip; the decoded bound (here 8 MiB) is kept as it is
+    # decoded, chunked or not, so the server never holds more than the bound.
+    server = await start_server(nursery, workers=1, max_message_size=8 * MiB, **TIMEOUTS)
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(MiB)
+    bomb = b"".join(compressor.compress(zeros) for _ in range(1024)) + compressor.flush()
+    assert len(bomb) < 2 * MiB
+    bystander = Bystander(server)
+    for framing in ("length", "chunked"):
+        if framing == "length":
+            data = infer(bomb, "Content-Encoding: gzip")
+        else:
+            data = chunked(
+                "/v2/models/echo/infer",
+                f"{len(bomb):x}\r\n".encode() + bomb + b"\r\n0\r\n\r\n",
+                "Content-Encoding: gzip",
+            )
+        async with await Raw.open(server.http_port) as raw:
+            await raw.send(data)
+            with trio.fail_after(10):
+                answer = await raw.final()
+        assert answer.status == 413, (framing, answer)
+        assert answer.error() == (
+            f"the request body is larger than the maximum of {8 * MiB} bytes decoded"
+        )
+        assert reserved(server) == 0
+    await bystander.call()
 
 
 async def test_a_client_that_pipelines_10000_requests_and_reads_nothing_is_bounded(

@@ -5,7 +5,7 @@ fixes it needs), ``header_blocks`` the HPACK coders that remember repeated heade
 ``grpc_server`` the Trio side: listeners, a nursery per connection, a cancel scope per call, and
 ``tls`` the server's TLS context, built from PEM files that it checks. ``http_server`` is the
 REST port's HTTP/1.1 on Trio, parsed by httptools: a task per connection, one request at a
-time.
+time; ``content_coding`` decodes its gzip and deflate bodies within their bound.
 ``connection_age`` says when either server retires a connection (``--max-connection-age``).
 
 May import: the standard library, trio, h2/hpack/hyperframe/purerpc, httptools,

@@ -67,7 +67,7 @@ from trio_infer.transport.access_log import (
     request_id,
 )
 from trio_infer.transport.connection_age import retirement_time
-from trio_infer.transport.grpc_protocol import shown
+from trio_infer.transport.content_coding import BodyDecoder, ContentCodingError, body_decoder
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
@@ -368,9 +368,11 @@ class HttpRequest:
             (name.decode("latin-1"), value.decode("latin-1")) for name, value in message.headers
         ]
         """The request headers in order, names lower-case."""
-        self.content_length: int | None = message.content_length
-        """The body's announced size; ``None`` for a chunked body (its size is known only once
-        it has arrived)."""
+        self._coding = self.header("content-encoding")
+        coded = self._coding is not None and message.content_length != 0
+        self.content_length: int | None = None if coded else message.content_length
+        """The body's size as announced; ``None`` when it is known only once it has arrived:
+        chunked, or compressed (the size is what it decodes to)."""
         self.connection_id: int = connection.connection_id
         """The connection the request came on: unique among the process's connections."""
         self.request_id = request_id(self.header(REQUEST_ID_HEADER))
@@ -417,29 +419,28 @@ class HttpRequest:
                 can be counted against a budget as it arrives (its exception, if any, ends the
                 read and passes to the caller).
 
+        Returns:
+            The body, decoded when it was sent gzip or deflate (Content-Encoding); ``on_data``
+            and ``max_body_size`` count what it decodes to.
+
         Raises:
-            HttpError: A chunked body grew over ``max_body_size`` (413), the body did not
-                arrive within ``receive_timeout`` of this call (408), it is malformed (400), or
-                it is compressed (415: no content coding is decoded here).
+            HttpError: A body of unannounced size grew over ``max_body_size`` (413), the body
+                did not arrive within ``receive_timeout`` of this call (408), it is malformed
+                or its compressed data corrupt (400), or its coding is not decoded here (415).
         """
         assert not self._body_read, "a request body is read once"
         self._body_read = True
-        coding = self.header("content-encoding")
-        if coding is not None and coding.strip().lower() not in ("", "identity"):
-            # RFC 9110 15.5.16: 415 for a content coding the server does not take; read as it
-            # is, a compressed body would only fail later with a misleading message.
-            raise HttpError(
-                415,
-                f"the request body's Content-Encoding {shown(coding)!r} is not supported: "
-                f"send it uncompressed",
-            )
         connection = self._connection
         message = self._message
         limits = connection.limits
+        try:
+            decoder = body_decoder(self._coding, limits.max_body_size)
+        except ContentCodingError as exc:
+            raise HttpError(exc.status, exc.message) from None
         if message.expects_continue and not message.body_size and not connection.buffered:
             await connection.send([_CONTINUE], self)
         body = bytearray()
-        self._take_body(body, on_data)
+        self._take_body(body, on_data, decoder)
         if not message.complete:
             # A body that did not come with its head (most small ones do): waited for.
             with trio.move_on_after(limits.receive_timeout) as waiting:
@@ -448,12 +449,17 @@ class HttpRequest:
                         # The client closed its socket in the middle of its body: it is gone.
                         self._cancel_as_gone()
                         await trio.lowlevel.checkpoint()
-                    self._take_body(body, on_data)
+                    self._take_body(body, on_data, decoder)
             if waiting.cancelled_caught:
                 raise HttpError(
                     408,
                     f"the request body did not arrive within {limits.receive_timeout:g} s",
                 )
+        if decoder is not None:
+            try:
+                decoder.finish()
+            except ContentCodingError as exc:
+                raise HttpError(exc.status, exc.message) from None
         self.bytes_in = len(body)
         # From now on the client has nothing more to send for this request: its socket
         # becoming readable means it closed it (or pipelines, which is served in turn).
@@ -461,11 +467,22 @@ class HttpRequest:
         self._nursery.start_soon(connection.watch_disconnect, self)
         return body
 
-    def _take_body(self, body: bytearray, on_data: Callable[[int], None] | None) -> None:
-        """Move the body's pieces parsed so far to ``body``."""
+    def _take_body(
+        self,
+        body: bytearray,
+        on_data: Callable[[int], None] | None,
+        decoder: BodyDecoder | None,
+    ) -> None:
+        """Move the body's pieces parsed so far to ``body`` (decoded, with a decoder)."""
         message = self._message
         limit = self._connection.limits.max_body_size
-        for piece in message.body:
+        for sent in message.body:
+            piece = sent
+            if decoder is not None:
+                try:
+                    piece = decoder.feed(sent)
+                except ContentCodingError as exc:
+                    raise HttpError(exc.status, exc.message) from None
             if len(body) + len(piece) > limit:
                 raise HttpError(
                     413, f"the request body is larger than the maximum of {limit} bytes"
@@ -615,8 +632,7 @@ class HttpConnection:
             if self._waiting.cancelled_caught and self._head_begun() and not self.closing:
                 error = HttpError(
                     408,
-                    f"the request's head did not arrive within "
-                    f"{self.limits.handshake_timeout:g} s",
+                    f"the request's head did not arrive within {self.limits.handshake_timeout:g} s",
                 )
             if error is not None:
                 await self._answer_error(error.status, error.message)
@@ -784,7 +800,7 @@ class HttpConnection:
         """Run the handler on one request and make sure it is answered; whether the connection
         may carry another."""
         request = HttpRequest(self, message)
-        length = request.content_length
+        length = message.content_length
         if length is not None and length > self.limits.max_body_size:
             # Refused before any of the body is read, let alone buffered.
             await self._answer_error(
