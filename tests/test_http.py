@@ -4,6 +4,7 @@ tritonclient.http and raw sockets, compared with the same calls over gRPC."""
 from __future__ import annotations
 
 import json
+import socket
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
+import trio.testing
 
 from tests.support import GrpcioClient, eventually, start_server
 from trio_infer.errors import StatusCode
@@ -20,7 +23,8 @@ from trio_infer.frontends.http_service import http_status
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs
 from trio_infer.server import RunningServer
-from trio_infer.transport.http_server import response_head
+from trio_infer.transport.http_server import HttpConnection, HttpLimits, HttpRequest, response_head
+from trio_infer.transport.listening import CallCounter
 
 MiB = 1024 * 1024
 
@@ -605,3 +609,53 @@ def test_a_response_head_is_a_status_line_and_fields_and_refuses_line_breaks() -
     ):
         with pytest.raises(ValueError, match="line break"):
             response_head(200, fields)
+
+
+@pytest.mark.parametrize("race", ["deadline", "drain"])
+def test_a_head_whose_wait_is_cancelled_as_it_arrives_is_served(race: str) -> None:
+    # The connection's scope is cancelled while it waits for a head (a drain, the deadline). If
+    # that lands in the same pass of the run loop as the head's bytes, the head has arrived
+    # and is served: answered whole, its handler not cancelled.
+    async def main() -> tuple[list[str], bytes]:
+        clock = trio.lowlevel.current_clock()
+        assert isinstance(clock, trio.testing.MockClock)
+        ours, theirs = socket.socketpair()
+        log: list[str] = []
+
+        async def handler(request: HttpRequest) -> None:
+            body = await request.receive_body()
+            await trio.lowlevel.checkpoint()
+            log.append("past a checkpoint")
+            await request.respond(200, body=[body])
+
+        connection = HttpConnection(
+            trio.SocketStream(trio.socket.from_stdlib_socket(ours)),
+            handler,
+            HttpLimits(handshake_timeout=10),
+            CallCounter(),
+        )
+        if race == "drain":
+            fill = connection.fill
+
+            async def fill_then_drain() -> bool:
+                filled = await fill()
+                connection.drain()  # as if the drain ran between the wake-up and the read
+                return filled
+
+            connection.fill = fill_then_drain  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(connection.run)
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.sendall(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+            if race == "deadline":
+                clock.jump(10.5)  # the bytes and the passed deadline seen in one pass
+            await trio.testing.wait_all_tasks_blocked()
+            theirs.settimeout(5)
+            answer = theirs.recv(1000)
+            theirs.close()
+        return log, answer
+
+    log, answer = trio.run(main, clock=trio.testing.MockClock())
+    assert log == ["past a checkpoint"]
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert answer.endswith(b"\r\n\r\nhi")

@@ -468,12 +468,13 @@ async def _small_json(request: HttpRequest) -> dict[str, Any]:
     body is ``{}``).
 
     Raises:
-        HttpError: The body is larger (413), refused before it is read.
+        HttpError: The body is larger (413): refused before it is read when its size is
+            announced, as it arrives (or decodes) when it is not.
         InvalidInput: It is not a JSON object.
     """
-    if request.content_length is None or request.content_length > _MAX_SMALL_BODY:
+    if request.content_length is not None and request.content_length > _MAX_SMALL_BODY:
         raise HttpError(413, f"this request's body may be at most {_MAX_SMALL_BODY} bytes")
-    body = await request.receive_body()
+    body = await request.receive_body(limit=_MAX_SMALL_BODY)
     if not body.strip():
         return {}
     return json_object(body, "the request body")

@@ -1,10 +1,13 @@
-"""Request bodies in a content coding (RFC 9110 8.4.1): gzip and deflate, decoded piece by
-piece as they arrive, within a bound on what they decode to.
+"""Request bodies in a content coding (RFC 9110 8.4.1): gzip and deflate, decoded once they
+have arrived whole, a slice at a time, within a bound on what they decode to.
 
-A few kilobytes of gzip can stand for gigabytes, so the decoded size is bounded as it is made
-(``zlib``'s ``max_length``), never after; and the compressed bytes are bounded too, since
-deflate's empty blocks decode to nothing however many arrive. ``deflate`` is the zlib format
-(RFC 1950), as HTTP defines it and as tritonclient sends it; ``gzip`` one gzip member.
+A few kilobytes of gzip can stand for gigabytes. So nothing is decoded before the body has
+arrived (a client that never finishes one holds only what it sent, as with any other body); the
+decoded size is bounded as it is made (``zlib``'s ``max_length``), never after; it is made in
+slices, so that the caller can let other work run between them; and the compressed bytes are
+bounded too, since deflate's empty blocks decode to nothing however many arrive. ``deflate`` is
+the zlib format (RFC 1950), as HTTP defines it and as tritonclient sends it; ``gzip`` one gzip
+member.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ _WINDOW_BITS = {
     "x-gzip": 16 + zlib.MAX_WBITS,
     "deflate": zlib.MAX_WBITS,
 }
+#: Compressed bytes given to zlib at a time: what it leaves unconsumed when a slice of output
+#: is full is copied, so a bounded piece keeps that copy small.
+_INPUT_SLICE = 64 * 1024
 
 
 class ContentCodingError(Exception):
@@ -31,8 +37,8 @@ class ContentCodingError(Exception):
 
 
 def body_decoder(content_encoding: str | None, limit: int) -> BodyDecoder | None:
-    """The decoder for a body sent with ``content_encoding`` (a header's value), or None when
-    it is sent as it is (no header, ``identity``).
+    """The decoder for a body sent with ``content_encoding`` (the header's values, joined with
+    commas), or None when it is sent as it is (no header, ``identity``).
 
     Args:
         content_encoding: The ``Content-Encoding`` header's value, if any.
@@ -43,7 +49,7 @@ def body_decoder(content_encoding: str | None, limit: int) -> BodyDecoder | None
     """
     if content_encoding is None:
         return None
-    name = content_encoding.strip().lower()
+    name = content_encoding.strip(" \t").lower()  # HTTP's whitespace only (RFC 9110 5.6.3)
     if name in ("", "identity"):
         return None
     bits = _WINDOW_BITS.get(name)
@@ -58,38 +64,58 @@ def body_decoder(content_encoding: str | None, limit: int) -> BodyDecoder | None
 
 
 class BodyDecoder:
-    """Decodes one body's pieces in order, within ``limit`` bytes in and out."""
+    """One body: its compressed bytes kept as they arrive (:meth:`add`), then decoded a slice at
+    a time (:meth:`decode`), within ``limit`` bytes in and out."""
 
     def __init__(self, name: str, window_bits: int, limit: int) -> None:
         self.name = name
         """The coding, lower-case."""
         self._limit = limit
         self._decoder = zlib.decompressobj(window_bits)
-        self._received = 0
+        self._sent = bytearray()
+        self._taken = 0  # bytes of _sent given to zlib
+        self._tail = b""  # of those, what zlib left unconsumed
         self._decoded = 0
 
-    def feed(self, piece: bytes) -> bytes:
-        """What ``piece`` (the next bytes of the body as sent) decodes to.
+    def add(self, piece: bytes) -> None:
+        """Keep ``piece``, the next bytes of the body as sent.
 
         Raises:
-            ContentCodingError: 413 past the limit (sent or decoded), 400 for corrupt data or
-                bytes after the end of the compressed stream.
+            ContentCodingError: 413 past the limit.
         """
-        self._received += len(piece)
-        if self._received > self._limit:
+        if len(self._sent) + len(piece) > self._limit:
             raise self._too_large("sent")
+        self._sent += piece
+
+    @property
+    def done(self) -> bool:
+        """Whether every byte added has been decoded."""
+        return not self._tail and self._taken == len(self._sent)
+
+    def decode(self, max_output: int) -> bytes:
+        """The next slice of the decoded body: at most ``max_output`` bytes (empty when zlib
+        consumed input without output, e.g. a header).
+
+        Raises:
+            ContentCodingError: 413 past the limit, 400 for corrupt data or bytes after the end
+                of the compressed stream.
+        """
+        if self._tail:
+            data = self._tail
+        else:
+            data = bytes(self._sent[self._taken : self._taken + _INPUT_SLICE])
+            self._taken += len(data)
         if self._decoder.eof:
-            if piece:
-                raise self._trailing()
-            return b""
+            raise self._trailing()
         room = self._limit - self._decoded
         try:
-            decoded = self._decoder.decompress(piece, room + 1)
+            decoded = self._decoder.decompress(data, min(max_output, room + 1))
         except zlib.error as exc:
             raise ContentCodingError(
                 400, f"malformed request body: its {self.name} data is corrupt ({exc})"
             ) from None
-        if len(decoded) > room or self._decoder.unconsumed_tail:
+        self._tail = self._decoder.unconsumed_tail
+        if len(decoded) > room:
             raise self._too_large("decoded")
         if self._decoder.unused_data:
             raise self._trailing()
@@ -97,12 +123,13 @@ class BodyDecoder:
         return decoded
 
     def finish(self) -> None:
-        """Check that the body ended where its compressed stream does.
+        """Check that the body ended where its compressed stream does (an empty body is
+        empty: no stream at all).
 
         Raises:
             ContentCodingError: 400 for a stream cut short.
         """
-        if not self._decoder.eof:
+        if self._sent and not self._decoder.eof:
             raise ContentCodingError(
                 400, f"malformed request body: its {self.name} data ends before its stream does"
             )

@@ -1079,7 +1079,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         try:
             for event in self.h2_connection.receive_data(data):
                 handler = handlers.get(type(event))
-                if handler is not None:  # as purerpc: an event it has no handler for is dropped
+                if handler is not None:  # others (PingAckReceived...) carry nothing for gRPC
                     events.extend(handler(event))
         except h2.exceptions.ProtocolError as exc:
             raise ProtocolViolation(f"HTTP/2 protocol error: {exc}") from exc

@@ -105,6 +105,8 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: follows it in the same piece (a pipelined request) is parsed ahead, at most this much.
 _CHUNKED_SLICE = 16 * 1024
 _BOTH_FRAMINGS = "the request has both Content-Length and Transfer-Encoding"
+#: Decoded bytes of a compressed body made between two checkpoints.
+_DECODE_SLICE = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,8 @@ class _Message:
         #: Bytes of body parsed so far.
         self.body_size = 0
         #: Bytes of a chunked body parsed since its last piece of data: framing (size lines,
-        #: extensions, trailers), to the nearest slice.
+        #: extensions, trailers), to the nearest slice. Its bound is on memory (httptools
+        #: keeps a trailer field until its line ends); the time is the receive timeout's.
         self.framing = 0
         self.trailer_size = 0
         self.complete = False
@@ -237,7 +240,7 @@ class _Parse:
     def __init__(self, max_header_size: int, max_header_fields: int) -> None:
         self.parser = httptools.HttpRequestParser(self)
         #: Messages begun and not yet served, oldest first. Holds more than one only when a
-        #: client pipelines, and then at most what one parse slice held (see _feed_sizes).
+        #: client pipelines, and then at most what one chunked slice held past its body's end.
         self.messages: collections.deque[_Message] = collections.deque()
         #: Why the callbacks stopped the parser: (status, message).
         self.refusal: tuple[int, str] | None = None
@@ -298,7 +301,7 @@ class _Parse:
                 message.content_length = None
                 # RFC 9112 6.1: in HTTP/1.0 its framing is to be taken as faulty (a proxy of
                 # that version would not have read it so): served, then the connection closes.
-                message.keep_alive &= parser.get_http_version() != "1.0"
+                message.keep_alive &= version != "1.0"
             elif name == b"host":
                 hosts += 1
             elif name == b"expect":
@@ -309,9 +312,9 @@ class _Parse:
             # RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without exactly one.
             self._refuse(400, f"malformed request: {hosts} Host headers; HTTP/1.1 needs one")
         if message.upgrade and message.content_length != 0:
-            # llhttp does not parse the body of a request that asks to switch protocols (the
-            # bytes after the head would be the new protocol's); none is switched here, and
-            # such a body cannot be told from what follows it.
+            # httptools has llhttp skip the body of a request that asks to switch protocols
+            # (the bytes after its head would be the new protocol's); none is switched here,
+            # and such a body could not be told from what follows it.
             self._refuse(400, "a request that asks to switch protocols may not have a body")
         message.expects_continue &= version == "1.1"
         message.head_done = True
@@ -348,6 +351,23 @@ def response_head(status: int, fields: Sequence[tuple[bytes, bytes]]) -> bytes:
     return head
 
 
+async def _decode(
+    decoder: BodyDecoder, body: bytearray, on_data: Callable[[int], None] | None
+) -> None:
+    """Decode a compressed body that has arrived whole into ``body``, a slice at a time, with a
+    checkpoint between slices: a body that decodes to megabytes does not hold the event loop."""
+    try:
+        while not decoder.done:
+            piece = decoder.decode(_DECODE_SLICE)
+            if on_data is not None:
+                on_data(len(piece))
+            body += piece
+            await trio.lowlevel.checkpoint()
+        decoder.finish()
+    except ContentCodingError as exc:
+        raise HttpError(exc.status, exc.message) from None
+
+
 class HttpRequest:
     """One HTTP request as its handler sees it: the request line, headers, and the body to read.
 
@@ -368,8 +388,14 @@ class HttpRequest:
             (name.decode("latin-1"), value.decode("latin-1")) for name, value in message.headers
         ]
         """The request headers in order, names lower-case."""
-        self._coding = self.header("content-encoding")
-        coded = self._coding is not None and message.content_length != 0
+        # Repeated, a header is one list (RFC 9110 5.3): several codings are refused together.
+        codings = [value for name, value in self.headers if name == "content-encoding"]
+        self._coding = ", ".join(codings) if codings else None
+        coded = (
+            self._coding is not None
+            and self._coding.strip(" \t").lower() not in ("", "identity")
+            and message.content_length != 0
+        )
         self.content_length: int | None = None if coded else message.content_length
         """The body's size as announced; ``None`` when it is known only once it has arrived:
         chunked, or compressed (the size is what it decodes to)."""
@@ -410,37 +436,42 @@ class HttpRequest:
                 return value
         return None
 
-    async def receive_body(self, on_data: Callable[[int], None] | None = None) -> bytearray:
+    async def receive_body(
+        self, on_data: Callable[[int], None] | None = None, limit: int | None = None
+    ) -> bytearray:
         """Read the whole request body and return it (once per request; not for ``GET`` and
         ``HEAD``, whose handlers read none).
 
         Args:
             on_data: Called with each piece's size before the piece is kept, so a chunked body
                 can be counted against a budget as it arrives (its exception, if any, ends the
-                read and passes to the caller).
+                read and passes to the caller). A compressed body calls it for what is sent,
+                then for what that decodes to.
+            limit: The most bytes the body may take, if less than ``max_body_size``.
 
         Returns:
-            The body, decoded when it was sent gzip or deflate (Content-Encoding); ``on_data``
-            and ``max_body_size`` count what it decodes to.
+            The body, decoded when it was sent gzip or deflate (Content-Encoding): decoded
+            once it has arrived whole, the limit bounding what is sent and what it decodes to.
 
         Raises:
-            HttpError: A body of unannounced size grew over ``max_body_size`` (413), the body
-                did not arrive within ``receive_timeout`` of this call (408), it is malformed
-                or its compressed data corrupt (400), or its coding is not decoded here (415).
+            HttpError: A body of unannounced size grew over the limit (413), the body did not
+                arrive within ``receive_timeout`` of this call (408), it is malformed or its
+                compressed data corrupt (400), or its coding is not decoded here (415).
         """
         assert not self._body_read, "a request body is read once"
         self._body_read = True
         connection = self._connection
         message = self._message
         limits = connection.limits
+        limit = limits.max_body_size if limit is None else min(limit, limits.max_body_size)
         try:
-            decoder = body_decoder(self._coding, limits.max_body_size)
+            decoder = body_decoder(self._coding, limit)
         except ContentCodingError as exc:
             raise HttpError(exc.status, exc.message) from None
         if message.expects_continue and not message.body_size and not connection.buffered:
             await connection.send([_CONTINUE], self)
         body = bytearray()
-        self._take_body(body, on_data, decoder)
+        self._take_body(body, on_data, decoder, limit)
         if not message.complete:
             # A body that did not come with its head (most small ones do): waited for.
             with trio.move_on_after(limits.receive_timeout) as waiting:
@@ -449,17 +480,14 @@ class HttpRequest:
                         # The client closed its socket in the middle of its body: it is gone.
                         self._cancel_as_gone()
                         await trio.lowlevel.checkpoint()
-                    self._take_body(body, on_data, decoder)
+                    self._take_body(body, on_data, decoder, limit)
             if waiting.cancelled_caught:
                 raise HttpError(
                     408,
                     f"the request body did not arrive within {limits.receive_timeout:g} s",
                 )
         if decoder is not None:
-            try:
-                decoder.finish()
-            except ContentCodingError as exc:
-                raise HttpError(exc.status, exc.message) from None
+            await _decode(decoder, body, on_data)
         self.bytes_in = len(body)
         # From now on the client has nothing more to send for this request: its socket
         # becoming readable means it closed it (or pipelines, which is served in turn).
@@ -472,24 +500,25 @@ class HttpRequest:
         body: bytearray,
         on_data: Callable[[int], None] | None,
         decoder: BodyDecoder | None,
+        limit: int,
     ) -> None:
-        """Move the body's pieces parsed so far to ``body`` (decoded, with a decoder)."""
+        """Move the body's pieces parsed so far to ``body``, or to the decoder that keeps a
+        compressed body until it has arrived whole."""
         message = self._message
-        limit = self._connection.limits.max_body_size
-        for sent in message.body:
-            piece = sent
+        for piece in message.body:
             if decoder is not None:
                 try:
-                    piece = decoder.feed(sent)
+                    decoder.add(piece)
                 except ContentCodingError as exc:
                     raise HttpError(exc.status, exc.message) from None
-            if len(body) + len(piece) > limit:
+            elif len(body) + len(piece) > limit:
                 raise HttpError(
                     413, f"the request body is larger than the maximum of {limit} bytes"
                 )
             if on_data is not None:
                 on_data(len(piece))
-            body += piece
+            if decoder is None:
+                body += piece
         message.body.clear()
 
     async def respond(
@@ -612,24 +641,40 @@ class HttpConnection:
 
         The connection's scope has a deadline only while it waits for a request's head, and a
         drain cancels it only then: one scope for the connection's life, its deadline moved
-        twice a request, costs half what a scope of its own for each wait would.
+        twice a request, costs half what a scope of its own for each wait would. A scope once
+        cancelled stays so: a head that arrived in the pass that cancelled it is served
+        outside it, and the next wait gets a new one.
         """
         linger = False
         try:
             error: HttpError | None = None
-            with self._waiting:
-                while True:
-                    try:
-                        message = await self._next_request()
-                    except HttpError as exc:
-                        error = exc
-                        break
-                    if message is None:
-                        break
-                    if not await self._serve_request(message):
-                        linger = not self.at_end
-                        break
-            if self._waiting.cancelled_caught and self._head_begun() and not self.closing:
+            while True:
+                scope = self._waiting
+                late: _Message | None = None
+                with scope:
+                    while True:
+                        try:
+                            message = await self._next_request()
+                        except HttpError as exc:
+                            error = exc
+                            break
+                        if message is None:
+                            break
+                        if scope.cancel_called:
+                            # Cancelled (a drain, the deadline) in the pass its head arrived
+                            # in: a scope stays cancelled, so the request is served outside it.
+                            late = message
+                            break
+                        if not await self._serve_request(message):
+                            linger = not self.at_end
+                            break
+                if late is None:
+                    break
+                self._waiting = trio.CancelScope()
+                if not await self._serve_request(late):
+                    linger = not self.at_end
+                    break
+            if scope.cancelled_caught and self._head_begun() and not self.closing:
                 error = HttpError(
                     408,
                     f"the request's head did not arrive within {self.limits.handshake_timeout:g} s",
@@ -720,6 +765,10 @@ class HttpConnection:
         """The answer to the request the parser stopped on."""
         if self._parse.refusal is not None:
             return HttpError(*self._parse.refusal)
+        if isinstance(exc, httptools.HttpParserCallbackError):
+            # A bug in a callback, not the client's doing.
+            logger.error("the HTTP parser's callback failed", exc_info=exc.__context__)
+            return HttpError(500, "internal server error")
         reason = str(exc)
         if "Content-Length" in reason and "Transfer-Encoding" in reason:
             # A proxy in front that believed one framing would see another request in the
@@ -770,6 +819,7 @@ class HttpConnection:
             while True:
                 if messages and messages[0].head_done:
                     message = messages[0]
+                    self._head_fed = 0
                     self._served += 1
                     self.head_only = message.method == b"HEAD"
                     return message
