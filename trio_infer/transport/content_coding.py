@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import zlib
 
-__all__ = ["BodyDecoder", "ContentCodingError", "body_decoder"]
+from trio_infer.transport.grpc_protocol import shown
+
+__all__ = ["BodyDecoder", "ContentCodingError", "body_decoder", "is_coded"]
 
 #: Codings by name (RFC 9110 8.4.1; ``x-gzip`` is gzip's old name), as zlib's window bits.
 _WINDOW_BITS = {
@@ -47,20 +49,27 @@ def body_decoder(content_encoding: str | None, limit: int) -> BodyDecoder | None
     Raises:
         ContentCodingError: 415 for a coding not decoded here (brotli, zstd, several codings).
     """
-    if content_encoding is None:
+    if not is_coded(content_encoding):
         return None
-    name = content_encoding.strip(" \t").lower()  # HTTP's whitespace only (RFC 9110 5.6.3)
-    if name in ("", "identity"):
-        return None
+    assert content_encoding is not None
+    name = content_encoding.strip(" \t").lower()
     bits = _WINDOW_BITS.get(name)
     if bits is None:
-        shown = content_encoding if len(content_encoding) <= 64 else content_encoding[:64] + "..."
         raise ContentCodingError(
             415,
-            f"the request body's Content-Encoding {shown!r} is not supported: send it as gzip, "
-            f"deflate or uncompressed",
+            f"the request body's Content-Encoding {shown(content_encoding)!r} is not supported: "
+            f"send it as gzip, deflate or uncompressed",
         )
     return BodyDecoder(name, bits, limit)
+
+
+def is_coded(content_encoding: str | None) -> bool:
+    """Whether a ``Content-Encoding`` value names a coding: not absent, empty or ``identity``
+    (HTTP's whitespace only around it, RFC 9110 5.6.3)."""
+    return content_encoding is not None and content_encoding.strip(" \t").lower() not in (
+        "",
+        "identity",
+    )
 
 
 class BodyDecoder:

@@ -67,7 +67,12 @@ from trio_infer.transport.access_log import (
     request_id,
 )
 from trio_infer.transport.connection_age import retirement_time
-from trio_infer.transport.content_coding import BodyDecoder, ContentCodingError, body_decoder
+from trio_infer.transport.content_coding import (
+    BodyDecoder,
+    ContentCodingError,
+    body_decoder,
+    is_coded,
+)
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
@@ -184,6 +189,7 @@ class _Message:
         "body",
         "body_size",
         "complete",
+        "content_encoding",
         "content_length",
         "expects_continue",
         "framing",
@@ -207,6 +213,9 @@ class _Message:
         self.head_done = False
         #: From ``Content-Length``; None for a chunked body.
         self.content_length: int | None = 0
+        #: The ``Content-Encoding`` values, joined: repeated, a header is one list (RFC 9110
+        #: 5.3), so several codings are refused together. None without the header.
+        self.content_encoding: str | None = None
         self.keep_alive = True
         self.expects_continue = False
         #: The client asked to switch protocols (or CONNECT): the parser stops at the end of
@@ -304,6 +313,10 @@ class _Parse:
                 message.keep_alive &= version != "1.0"
             elif name == b"host":
                 hosts += 1
+            elif name == b"content-encoding":
+                coding = value.decode("latin-1")
+                previous = message.content_encoding
+                message.content_encoding = coding if previous is None else f"{previous}, {coding}"
             elif name == b"expect":
                 message.expects_continue = value.lower() == b"100-continue"
         if version not in ("1.1", "1.0"):
@@ -388,14 +401,8 @@ class HttpRequest:
             (name.decode("latin-1"), value.decode("latin-1")) for name, value in message.headers
         ]
         """The request headers in order, names lower-case."""
-        # Repeated, a header is one list (RFC 9110 5.3): several codings are refused together.
-        codings = [value for name, value in self.headers if name == "content-encoding"]
-        self._coding = ", ".join(codings) if codings else None
-        coded = (
-            self._coding is not None
-            and self._coding.strip(" \t").lower() not in ("", "identity")
-            and message.content_length != 0
-        )
+        self._coding = message.content_encoding
+        coded = is_coded(self._coding) and message.content_length != 0
         self.content_length: int | None = None if coded else message.content_length
         """The body's size as announced; ``None`` when it is known only once it has arrived:
         chunked, or compressed (the size is what it decodes to)."""
