@@ -484,6 +484,18 @@ def _grpcio_command(python: Path, ports: Ports, workers: int) -> list[str]:
     return [str(python), "-m", "bench.peers.grpcio_server", str(ports.grpc), str(ports.http)]
 
 
+def _h2_floor_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    return [str(python), "-m", "bench.peers.h2_floor", str(ports.grpc)]
+
+
+def _frames_floor_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    return [str(python), "-m", "bench.peers.frames_floor", str(ports.grpc)]
+
+
+def _tasks_floor_command(python: Path, ports: Ports, workers: int) -> list[str]:
+    return [*_frames_floor_command(python, ports, workers), "tasks"]
+
+
 def _no_env(ports: Ports, workers: int) -> dict[str, str]:
     return {}
 
@@ -607,6 +619,42 @@ SERVERS: dict[str, ServerKind] = {
             find_workers=None,
             workers_note="bare grpc.aio server (ServerLive) and canned HTTP/1.1 answers",
             models=(),
+        ),
+        ServerKind(
+            name="h2-floor",
+            requirements=(),
+            serves=frozenset({"live"}),
+            command=_h2_floor_command,
+            environment=_no_env,
+            find_workers=None,
+            workers_note="bare h2 on Trio, one task per connection, canned ServerLive answers",
+            has_rest=lambda python: False,
+            models=(),
+            by_default=False,
+        ),
+        ServerKind(
+            name="frames-floor",
+            requirements=(),
+            serves=frozenset({"live"}),
+            command=_frames_floor_command,
+            environment=_no_env,
+            find_workers=None,
+            workers_note="HTTP/2 frames parsed by hand on Trio, canned ServerLive answers",
+            has_rest=lambda python: False,
+            models=(),
+            by_default=False,
+        ),
+        ServerKind(
+            name="tasks-floor",
+            requirements=(),
+            serves=frozenset({"live"}),
+            command=_tasks_floor_command,
+            environment=_no_env,
+            find_workers=None,
+            workers_note="frames-floor with a task, a cancel scope and a writer wake-up per call",
+            has_rest=lambda python: False,
+            models=(),
+            by_default=False,
         ),
     )
 }
