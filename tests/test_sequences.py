@@ -20,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.support import GrpcioClient, eventually, start_server, write_repository
 from trio_infer.errors import InvalidInput
+from trio_infer.model import Parameters, ParameterValue
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
 from trio_infer.scheduling.sequences import SequenceFlags, sequence_of
@@ -122,6 +123,22 @@ def test_the_sequence_parameters_are_read_as_tritonclient_sends_them() -> None:
     ):
         with pytest.raises(InvalidInput):
             sequence_of(bad)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"sequence_id": 0}, {"sequence_id": 7, "sequence_start": True}, {"sequence_id": "s"}],
+)
+def test_a_models_parameters_read_as_the_dict_they_were_made_from(
+    values: dict[str, ParameterValue],
+) -> None:
+    # The server reads a request's sequence flags from the Parameters its model will see.
+    parameters = Parameters(values)
+    assert sequence_of(parameters) == sequence_of(values)
+    for key in ("sequence_id", "sequence_start", "absent"):
+        assert (key in parameters) is (key in values)
+        assert parameters.get(key) == values.get(key)
+        assert parameters.get(key, "default") == values.get(key, "default")
 
 
 async def test_interleaved_sequences_on_a_stream_and_unary_calls_each_run_in_order_on_one_worker(

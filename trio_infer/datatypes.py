@@ -27,6 +27,8 @@ __all__ = [
 #: numpy 1.x caps arrays at 32 dimensions (2.x at 64): the smaller, so every supported numpy
 #: can reshape what passes.
 MAX_RANK = 32
+#: The most bytes numpy can index (its index type's largest value).
+MAX_INDEX = int(np.iinfo(np.intp).max)
 
 #: BYTES elements sent as bytes (gRPC's raw contents, REST's binary tensor data) are each
 #: prefixed by their length, a little-endian uint32.
@@ -161,10 +163,11 @@ def shape_problem(shape: tuple[int, ...], itemsize: int, kind: str = "request") 
     """
     if len(shape) > MAX_RANK:
         return f"shape has {len(shape)} dimensions; at most {MAX_RANK} are supported"
-    if any(dim < 0 for dim in shape):
+    if min(shape, default=0) < 0:
         return f"shape {shape_text(shape)} has a negative dimension; {kind} shapes must be concrete"
     # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
     # dimension is 0, so that product is bounded too.
-    if math.prod(dim for dim in shape if dim) * itemsize > np.iinfo(np.intp).max:
+    size = math.prod(shape) if all(shape) else math.prod(dim for dim in shape if dim)
+    if size * itemsize > MAX_INDEX:
         return f"shape {shape_text(shape)} is too large"
     return None

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar, overload
 
 import numpy as np
 
@@ -87,6 +88,7 @@ __all__ = [
 
 #: The types a request parameter can have (the protocol's ``InferParameter`` choices).
 ParameterValue = bool | int | float | str
+_T = TypeVar("_T")
 
 
 #: The most bytes (names and values) of headers, or of trailers, one model response may set, and
@@ -159,6 +161,19 @@ class Parameters(Mapping[str, ParameterValue]):
 
     def __getitem__(self, key: str) -> ParameterValue:
         return self._values[key]
+
+    # Mapping's own get and __contains__ go through __getitem__ and a KeyError for each absent
+    # key; every request asks for parameters it usually lacks (the sequence flags).
+    @overload
+    def get(self, key: str, /) -> ParameterValue | None: ...
+    @overload
+    def get(self, key: str, /, default: ParameterValue | _T) -> ParameterValue | _T: ...
+    def get(self, key: str, /, default: object = None) -> object:
+        """The parameter ``key``, or ``default`` when the request has none."""
+        return self._values.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)

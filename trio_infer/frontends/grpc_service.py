@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -186,7 +186,9 @@ class GrpcService:
         route = self._routes.get(call.method)
         if route is None:
             raise Unimplemented(f"method {shown(call.method, 200)} is not served here")
-        async with self._received(call, route) as (request, reservation):
+        length = await self._announced_length(call, route)
+        async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
+            request = await self._received(call, route)
             response = await route.handler(request, call, reservation)
             # A unary call is one message. One more that arrived by now fails the call; the
             # end of the request is not waited for (a client may half-close late, or never).
@@ -203,14 +205,14 @@ class GrpcService:
                 last=True,
             )
 
-    @contextlib.asynccontextmanager
-    async def _received(self, call: Call, route: _Route) -> AsyncIterator[tuple[Any, Reservation]]:
-        """The call's one request message, parsed, and the room reserved for it (``async
-        with``: held until the block exits), reserved before the message is read.
+    @staticmethod
+    async def _announced_length(call: Call, route: _Route) -> int:
+        """The length of the call's one request message, announced by its prefix; the room
+        for it is reserved before the message is read.
 
         Raises:
-            InvalidInput: The client sent no message, or not a valid one.
-            Overloaded: The message is larger than the route takes, or the budget is full.
+            InvalidInput: The client sent no message.
+            Overloaded: The message is larger than the route takes.
         """
         length = await call.receive_message_length()
         if length is None:
@@ -220,12 +222,18 @@ class GrpcService:
                 f"request message of {length} bytes is larger than the maximum of "
                 f"{route.max_message} bytes for {call.method}"
             )
-        async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
-            data = await call.receive_message()
-            assert data is not None, "an announced message arrives or the call fails"
-            request = _parsed(route, data)
-            del data  # the parsed request holds its own copy; drop this one early
-            yield request, reservation
+        return length
+
+    @staticmethod
+    async def _received(call: Call, route: _Route) -> Any:
+        """The call's announced request message, read and parsed (its room reserved first).
+
+        Raises:
+            InvalidInput: The message is not a valid one.
+        """
+        data = await call.receive_message()
+        assert data is not None, "an announced message arrives or the call fails"
+        return _parsed(route, data)
 
     async def _server_live(
         self, request: pb.ServerLiveRequest, call: Call, reservation: Reservation
@@ -674,8 +682,10 @@ class GrpcService:
         it (a model loaded or lost, the drain); an unknown service is SERVICE_UNKNOWN until it
         is served. The drain's NOT_SERVING is the last: the call then ends UNAVAILABLE, so
         that watchers do not hold the grace period."""
-        async with self._received(call, self._routes[_HEALTH + "Check"]) as (request, _):
-            service = request.service
+        route = self._routes[_HEALTH + "Check"]
+        length = await self._announced_length(call, route)
+        async with self.core.reserve(length, call.deadline, call.connection_id):
+            service = (await self._received(call, route)).service
         sent: int | None = None
         while True:
             changes = self.core.health_changes

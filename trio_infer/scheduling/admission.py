@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, contextmanager
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -305,8 +305,7 @@ class Admission:
                 )
         return reservation
 
-    @contextmanager
-    def model_slot(self, settings: ModelSettings) -> Iterator[None]:
+    def model_slot(self, settings: ModelSettings) -> ModelSlot:
         """Hold one of the model's ``max_queue_size`` slots for the ``with`` block.
 
         Raises:
@@ -322,18 +321,19 @@ class Admission:
         self._in_flight[name] += 1
         key = id(settings)
         self._by_settings[key] = self._by_settings.get(key, 0) + 1
-        try:
-            yield
-        finally:
-            self._in_flight[name] -= 1
-            held = self._by_settings[key] - 1
-            if held:
-                self._by_settings[key] = held
-            else:
-                del self._by_settings[key]
-                idle = self._idle.pop(key, None)
-                if idle is not None:
-                    idle.set()
+        return ModelSlot(self, name, key)
+
+    def _release_slot(self, name: str, key: int) -> None:
+        """Give back a slot :meth:`model_slot` took (its ``with`` block has exited)."""
+        self._in_flight[name] -= 1
+        held = self._by_settings[key] - 1
+        if held:
+            self._by_settings[key] = held
+        else:
+            del self._by_settings[key]
+            idle = self._idle.pop(key, None)
+            if idle is not None:
+                idle.set()
 
     async def wait_idle(self, settings: ModelSettings) -> None:
         """Wait until no request holds a slot of these very settings (by identity: the calls
@@ -490,3 +490,21 @@ def estimate_output_bytes(inputs: Mapping[str, np.ndarray], outputs: Sequence[Te
             return 0
         total += math.prod(dims) * DATATYPES[spec.datatype].itemsize
     return total
+
+
+class ModelSlot:
+    """One request's slot under its model's ``max_queue_size``, taken when made and given back
+    when its ``with`` block exits (a class, not a generator: it is entered once per request)."""
+
+    __slots__ = ("_admission", "_key", "_name")
+
+    def __init__(self, admission: Admission, name: str, key: int) -> None:
+        self._admission = admission
+        self._name = name
+        self._key = key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._admission._release_slot(self._name, self._key)

@@ -338,12 +338,16 @@ class Call:
         pending = _data_frames(message)
         self.bytes_out += _size(pending)
         send_timeout = protocol.limits.send_timeout
-        progress = trio.current_time()
+        # When the client last let the message progress: read at the first stall after it
+        # (a few microseconds late at most), not after every chunk sent.
+        progress: float | None = None
         self._message_half_sent = True
         while pending:
             room = connection.unsent_room()
             window = min(protocol.send_window(self._stream_id), room)
             if window <= 0:
+                if progress is None:
+                    progress = trio.current_time()
                 connection.flush()
                 # A client that stops reading must not hold its call (and what the call has
                 # reserved) for ever, deadline or not.
@@ -365,7 +369,7 @@ class Call:
                 pending.append(chunk[window:])
                 chunk = chunk[:window]
             protocol.send_data(self._stream_id, chunk)
-            progress = trio.current_time()
+            progress = None
         self._message_half_sent = False
         if not last:
             connection.flush()
