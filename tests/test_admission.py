@@ -28,6 +28,7 @@ from tests.support import GrpcioClient, MiB, eventually, start_server
 from trio_infer.errors import Overloaded
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import encode_inputs
+from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.admission import Admission
 from trio_infer.server import RunningServer
 
@@ -124,6 +125,28 @@ async def test_a_request_larger_than_the_budget_is_refused_at_once() -> None:
         "request needs 101 bytes, more than the whole memory budget of 100 bytes (--memory-budget)"
     )
     assert admission.statistics().rejected == {"memory_budget": 1}
+
+
+async def test_a_model_slot_is_held_from_entering_its_block_to_leaving_it() -> None:
+    admission = Admission(budget_bytes=100)
+    settings = ModelSettings("m", "a.B", max_queue_size=1)
+    slot = admission.model_slot(settings)
+    assert admission.statistics().in_flight == {}  # made, not entered: nothing taken
+
+    def failing_request() -> None:
+        with slot:
+            assert admission.statistics().in_flight == {"m": 1}
+            with pytest.raises(Overloaded), admission.model_slot(settings):
+                pass  # pragma: no cover - refused on entering
+            raise RuntimeError("the request failed")
+
+    with pytest.raises(RuntimeError):
+        failing_request()
+    assert admission.statistics().in_flight == {}
+    assert admission.statistics().rejected == {"max_queue_size": 1}
+    with trio.move_on_after(1) as idle:  # no slot of these settings is held
+        await admission.wait_idle(settings)
+    assert not idle.cancelled_caught
 
 
 async def test_a_caller_without_a_deadline_waits_at_most_max_wait(

@@ -5,8 +5,10 @@ UNIMPLEMENTED to any other method, so their rows measure calls that were really 
 from __future__ import annotations
 
 import socket
+import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FLOORS = {
     "h2-floor": ["bench.peers.h2_floor"],
     "frames-floor": ["bench.peers.frames_floor"],
@@ -32,10 +35,17 @@ def free_port() -> int:
     return port
 
 
+@pytest.fixture
+def floor_port() -> int:
+    return free_port()
+
+
 @pytest.fixture(params=sorted(FLOORS))
-def floor(request: pytest.FixtureRequest) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+def floor(
+    request: pytest.FixtureRequest, floor_port: int
+) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
     module, *extra = FLOORS[request.param]
-    port = free_port()
+    port = floor_port
     process = subprocess.Popen([sys.executable, "-m", module, str(port), *extra], cwd=ROOT)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -63,3 +73,16 @@ def test_a_floor_answers_every_call_of_a_burst_on_one_connection(
     for _ in range(10):
         calls = [floor.ServerLive.future(pb.ServerLiveRequest(), timeout=30) for _ in range(200)]
         assert all(call.result().live for call in calls)
+
+
+def test_a_floor_outlives_a_client_that_resets_its_connection(
+    floor: pb_grpc.GRPCInferenceServiceStub, floor_port: int
+) -> None:
+    # A round whose client aborts must not take the server away from the rounds after it.
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", floor_port)) as rude:
+            rude.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # and SETTINGS
+            assert rude.recv(1024)  # the floor's SETTINGS: it is reading this connection
+            rude.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    time.sleep(0.5)  # the resets reach the floor before the next call
+    assert floor.ServerLive(pb.ServerLiveRequest(), timeout=10).live

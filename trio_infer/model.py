@@ -165,10 +165,10 @@ class Parameters(Mapping[str, ParameterValue]):
     # Mapping's own get and __contains__ go through __getitem__ and a KeyError for each absent
     # key; every request asks for parameters it usually lacks (the sequence flags).
     @overload
-    def get(self, key: str, /) -> ParameterValue | None: ...
+    def get(self, key: str) -> ParameterValue | None: ...
     @overload
-    def get(self, key: str, /, default: ParameterValue | _T) -> ParameterValue | _T: ...
-    def get(self, key: str, /, default: object = None) -> object:
+    def get(self, key: str, default: ParameterValue | _T) -> ParameterValue | _T: ...
+    def get(self, key: str, default: object = None) -> object:
         """The parameter ``key``, or ``default`` when the request has none."""
         return self._values.get(key, default)
 

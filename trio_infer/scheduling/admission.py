@@ -306,11 +306,15 @@ class Admission:
         return reservation
 
     def model_slot(self, settings: ModelSettings) -> ModelSlot:
-        """Hold one of the model's ``max_queue_size`` slots for the ``with`` block.
+        """One of the model's ``max_queue_size`` slots, held for the ``with`` block.
 
         Raises:
-            Overloaded: every slot of the model is taken.
+            Overloaded: on entering the block, every slot of the model is taken.
         """
+        return ModelSlot(self, settings)
+
+    def _take_slot(self, settings: ModelSettings) -> None:
+        """Take a slot for :class:`ModelSlot` entering its block, or refuse it."""
         name = settings.name
         if self._in_flight[name] >= settings.max_queue_size:
             raise self._refuse(
@@ -321,11 +325,11 @@ class Admission:
         self._in_flight[name] += 1
         key = id(settings)
         self._by_settings[key] = self._by_settings.get(key, 0) + 1
-        return ModelSlot(self, name, key)
 
-    def _release_slot(self, name: str, key: int) -> None:
-        """Give back a slot :meth:`model_slot` took (its ``with`` block has exited)."""
-        self._in_flight[name] -= 1
+    def _release_slot(self, settings: ModelSettings) -> None:
+        """Give back a slot :meth:`_take_slot` took (its ``with`` block has exited)."""
+        self._in_flight[settings.name] -= 1
+        key = id(settings)
         held = self._by_settings[key] - 1
         if held:
             self._by_settings[key] = held
@@ -493,18 +497,18 @@ def estimate_output_bytes(inputs: Mapping[str, np.ndarray], outputs: Sequence[Te
 
 
 class ModelSlot:
-    """One request's slot under its model's ``max_queue_size``, taken when made and given back
-    when its ``with`` block exits (a class, not a generator: it is entered once per request)."""
+    """One request's slot under its model's ``max_queue_size``: taken on entering the ``with``
+    block, given back on leaving it (a class, not a generator: one is made per request). It
+    holds the settings, whose identity keys :meth:`Admission.wait_idle`."""
 
-    __slots__ = ("_admission", "_key", "_name")
+    __slots__ = ("_admission", "_settings")
 
-    def __init__(self, admission: Admission, name: str, key: int) -> None:
+    def __init__(self, admission: Admission, settings: ModelSettings) -> None:
         self._admission = admission
-        self._name = name
-        self._key = key
+        self._settings = settings
 
     def __enter__(self) -> None:
-        return None
+        self._admission._take_slot(self._settings)
 
     def __exit__(self, *exc_info: object) -> None:
-        self._admission._release_slot(self._name, self._key)
+        self._admission._release_slot(self._settings)
