@@ -1182,12 +1182,18 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         block = h2_connection.encoder.encode(headers)
         if extra:
             block += extra
-        # Usually one frame; but the block has no bound of its own (metadata, or the table size
-        # updates the encoder owes the client, one for each change of its setting).
         frame_size = h2_connection.max_outbound_frame_size
+        if len(block) <= frame_size:  # the usual case: one frame
+            h2_connection._data_to_send += _frame_header(
+                len(block), _HEADERS, flags | _END_HEADERS, stream_id
+            )
+            h2_connection._data_to_send += block
+            return
+        # The block has no bound of its own (metadata, or the table size updates the encoder
+        # owes the client, one for each change of its setting).
         kind = _HEADERS
         with memoryview(block) as view:
-            for start in range(0, max(len(block), 1), frame_size):
+            for start in range(0, len(block), frame_size):
                 piece = view[start : start + frame_size]
                 size = len(piece)
                 if start + frame_size >= len(block):
