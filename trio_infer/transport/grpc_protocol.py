@@ -446,6 +446,11 @@ def _connection_input(h2_connection: Any, sent: ConnectionInputs) -> None:
         h2_connection.state_machine.process_input(sent)
 
 
+#: Below this, a frame's body is copied out of the read buffer by slicing (two copies, but a
+#: fifth of the time for a small frame); from it, through a memoryview (one copy).
+_SLICE_COPY_BYTES = 4096
+
+
 class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
     """h2's inbound frame buffer, without its quadratic copying, and with the frames every call
     brings parsed by hand.
@@ -498,8 +503,11 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
                 if kind == _WINDOW_UPDATE:
                     record = _WindowUpdateRecord(stream_id, _UINT32.unpack_from(data, 9)[0])
                 else:
-                    with memoryview(data) as view, view[9 : 9 + length] as body:
-                        payload = bytes(body)
+                    if length < _SLICE_COPY_BYTES:
+                        payload = bytes(data[9 : 9 + length])
+                    else:
+                        with memoryview(data) as view, view[9 : 9 + length] as body:
+                            payload = bytes(body)
                     record = (_DataRecord if kind == _DATA else _HeadersRecord)(
                         stream_id, flags, payload
                     )
