@@ -383,6 +383,8 @@ def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
     prefix, the protobuf fields and the output's field key, then the output. A payload larger
     than the client's window or frame size is cut when it is sent.
     """
+    if type(message) is bytes and len(message) < BY_REFERENCE_BYTES:  # a small serialised one
+        return [memoryview(_MESSAGE_PREFIX.pack(False, len(message)) + message)]
     parts = [message] if isinstance(message, bytes | bytearray | memoryview) else message
     views = [memoryview(part).cast("B") for part in parts]
     frames: list[memoryview] = []
