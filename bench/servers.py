@@ -484,16 +484,28 @@ def _grpcio_command(python: Path, ports: Ports, workers: int) -> list[str]:
     return [str(python), "-m", "bench.peers.grpcio_server", str(ports.grpc), str(ports.http)]
 
 
-def _h2_floor_command(python: Path, ports: Ports, workers: int) -> list[str]:
-    return [str(python), "-m", "bench.peers.h2_floor", str(ports.grpc)]
+def _floor_command(module: str, *extra: str) -> Callable[[Path, Ports, int], list[str]]:
+    def command(python: Path, ports: Ports, workers: int) -> list[str]:
+        return [str(python), "-m", module, str(ports.grpc), *extra]
+
+    return command
 
 
-def _frames_floor_command(python: Path, ports: Ports, workers: int) -> list[str]:
-    return [str(python), "-m", "bench.peers.frames_floor", str(ports.grpc)]
-
-
-def _tasks_floor_command(python: Path, ports: Ports, workers: int) -> list[str]:
-    return [*_frames_floor_command(python, ports, workers), "tasks"]
+def _floor(name: str, command: Callable[[Path, Ports, int], list[str]], note: str) -> ServerKind:
+    """A floor of a Python front-end (``bench/peers/h2_floor.py``, ``frames_floor.py``):
+    ServerLive only, no REST, no workers, run only when named."""
+    return ServerKind(
+        name=name,
+        requirements=(),
+        serves=frozenset({"live"}),
+        command=command,
+        environment=_no_env,
+        find_workers=None,
+        workers_note=note,
+        has_rest=lambda python: False,
+        models=(),
+        by_default=False,
+    )
 
 
 def _no_env(ports: Ports, workers: int) -> dict[str, str]:
@@ -620,41 +632,20 @@ SERVERS: dict[str, ServerKind] = {
             workers_note="bare grpc.aio server (ServerLive) and canned HTTP/1.1 answers",
             models=(),
         ),
-        ServerKind(
-            name="h2-floor",
-            requirements=(),
-            serves=frozenset({"live"}),
-            command=_h2_floor_command,
-            environment=_no_env,
-            find_workers=None,
-            workers_note="bare h2 on Trio, one task per connection, canned ServerLive answers",
-            has_rest=lambda python: False,
-            models=(),
-            by_default=False,
+        _floor(
+            "h2-floor",
+            _floor_command("bench.peers.h2_floor"),
+            "bare h2 on Trio, one task per connection, canned ServerLive answers",
         ),
-        ServerKind(
-            name="frames-floor",
-            requirements=(),
-            serves=frozenset({"live"}),
-            command=_frames_floor_command,
-            environment=_no_env,
-            find_workers=None,
-            workers_note="HTTP/2 frames parsed by hand on Trio, canned ServerLive answers",
-            has_rest=lambda python: False,
-            models=(),
-            by_default=False,
+        _floor(
+            "frames-floor",
+            _floor_command("bench.peers.frames_floor"),
+            "HTTP/2 frames parsed by hand on Trio, canned ServerLive answers",
         ),
-        ServerKind(
-            name="tasks-floor",
-            requirements=(),
-            serves=frozenset({"live"}),
-            command=_tasks_floor_command,
-            environment=_no_env,
-            find_workers=None,
-            workers_note="frames-floor with a task, a cancel scope and a writer wake-up per call",
-            has_rest=lambda python: False,
-            models=(),
-            by_default=False,
+        _floor(
+            "tasks-floor",
+            _floor_command("bench.peers.frames_floor", "tasks"),
+            "frames-floor with a task, a cancel scope and a writer wake-up per call",
         ),
     )
 }
