@@ -576,6 +576,53 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(
     await server.calls_in_flight.wait_idle()
 
 
+def _stalled_answer_amid_connection_updates(port: int, updates: int) -> str | None:
+    """Send a 1 MiB call to an echo server and never open its stream's window again; meanwhile
+    send up to ``updates`` connection-level WINDOW_UPDATEs, 0.1 s apart, each of which wakes a
+    sender waiting for window but opens none on the stream. The error code of the stream's
+    reset, or None if it was not reset while they were sent."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    stream_id = connection.get_next_available_stream_id()
+    connection.send_headers(stream_id, GOOD_HEADERS)
+    body = b"\x00" + MiB.to_bytes(4, "big") + b"u" * MiB
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(0.1)
+        while updates > 0:
+            step = min(
+                connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size
+            )
+            if body and step > 0:
+                chunk, body = body[:step], body[step:]
+                connection.send_data(stream_id, chunk, end_stream=not body)
+            elif not body:
+                connection.increment_flow_control_window(1)
+                updates -= 1
+            sock.sendall(connection.data_to_send())
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.StreamReset):
+                    return str(event.error_code)
+    return None
+
+
+async def test_window_updates_that_open_no_room_do_not_hold_off_the_send_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    # Each connection-level update wakes the call's sender, which finds its stream's window
+    # still shut: the send timeout counts from the stall, not from the last wake-up, so the call
+    # is dropped 0.3 s in, long before the client's 100 updates (10 s) run out.
+    server, port = await serve_echo(nursery, ProtocolLimits(send_timeout=0.3))
+    reset = await trio.to_thread.run_sync(_stalled_answer_amid_connection_updates, port, 100)
+    assert reset == str(h2.errors.ErrorCodes.CANCEL)
+    await server.calls_in_flight.wait_idle()
+
+
 async def test_shutdown_lets_calls_finish_then_cancels_the_rest(harness: Harness) -> None:
     future = harness.method("Sleep").future(b"x")
     await harness.sleeping.wait()
