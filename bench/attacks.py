@@ -47,6 +47,7 @@ import os
 import resource
 import signal
 import socket
+import struct
 import sys
 import time
 from collections import Counter
@@ -174,12 +175,16 @@ def error_name(code: int) -> str:
         return str(code)
 
 
+#: A frame's 9-byte header: its 24-bit length as 16 + 8 bits, type, flags, stream id.
+_FRAME_HEADER = struct.Struct(">HBBBL")
+
+
 def frame(
     kind: int, flags: int, stream: int, payload: bytes, *, length: int | None = None
 ) -> bytes:
     """An HTTP/2 frame; ``length`` announces another length than the payload's."""
     size = len(payload) if length is None else length
-    return size.to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+    return _FRAME_HEADER.pack(size >> 8, size & 0xFF, kind, flags, stream) + payload
 
 
 def client_preface(*settings: tuple[int, int]) -> bytes:

@@ -127,7 +127,9 @@ async def test_a_request_larger_than_the_budget_is_refused_at_once() -> None:
     assert admission.statistics().rejected == {"memory_budget": 1}
 
 
-async def test_a_model_slot_is_held_from_entering_its_block_to_leaving_it() -> None:
+async def test_a_model_slot_is_held_from_entering_its_block_to_leaving_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     admission = Admission(budget_bytes=100)
     settings = ModelSettings("m", "a.B", max_queue_size=1)
     slot = admission.model_slot(settings)
@@ -144,9 +146,8 @@ async def test_a_model_slot_is_held_from_entering_its_block_to_leaving_it() -> N
         failing_request()
     assert admission.statistics().in_flight == {}
     assert admission.statistics().rejected == {"max_queue_size": 1}
-    with trio.move_on_after(1) as idle:  # no slot of these settings is held
+    with trio.fail_after(1):  # no slot of these settings is held: it returns at once
         await admission.wait_idle(settings)
-    assert not idle.cancelled_caught
 
 
 async def test_a_caller_without_a_deadline_waits_at_most_max_wait(

@@ -25,23 +25,25 @@ import sys
 import hpack
 import trio
 
-from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from bench.attacks import (
+    ACK,
+    DATA,
+    END_STREAM,
+    HEADERS,
+    PREFACE,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+)
+from bench.peers.h2_floor import FRAMED
 
 #: Bytes read from the socket at a time.
 READ_SIZE = 65536
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, SETTINGS, PING, CONTINUATION = 0x0, 0x1, 0x4, 0x6, 0x9
-END_STREAM, ACK, PADDED, PRIORITY = 0x1, 0x1, 0x8, 0x20
+PING, PADDED, PRIORITY = 0x6, 0x8, 0x20
 FRAME_HEADER = struct.Struct(">HBBBL")
 #: What the connection's receive window is raised by at once: given back (WINDOW_UPDATE) only
 #: once half of it has been used, so a client never waits for it and no read pays for it.
 WINDOW = 2**31 - 1 - 65535
-
-
-def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
-    """One HTTP/2 frame."""
-    size = len(payload)
-    return FRAME_HEADER.pack(size >> 8, size & 0xFF, kind, flags, stream_id) + payload
 
 
 def literal(name: bytes, value: bytes) -> bytes:
@@ -55,21 +57,9 @@ TRAILERS = literal(b"grpc-status", b"0")
 UNIMPLEMENTED = b"\x88" + literal(b"grpc-status", b"12")
 
 
-def framed(message: pb.ServerLiveResponse | pb.ServerReadyResponse) -> bytes:
-    """``message`` as one gRPC length-prefixed message (uncompressed)."""
-    body = message.SerializeToString()
-    return b"\x00" + len(body).to_bytes(4, "big") + body
-
-
-ANSWERS = {
-    b"/inference.GRPCInferenceService/ServerLive": framed(pb.ServerLiveResponse(live=True)),
-    b"/inference.GRPCInferenceService/ServerReady": framed(pb.ServerReadyResponse(ready=True)),
-}
-
-
 def response(stream_id: int, path: bytes) -> bytes:
     """Every frame of the response to the call on ``stream_id``."""
-    message = ANSWERS.get(path)
+    message = FRAMED.get(path)
     if message is None:
         return frame(HEADERS, 0x5, stream_id, UNIMPLEMENTED)
     return (
@@ -131,14 +121,14 @@ class Connection:
                 out += frame(PING, ACK, 0, payload)
         del buffer[:position]
         if self.received >= WINDOW // 2:
-            out += frame(0x8, 0, 0, self.received.to_bytes(4, "big"))
+            out += frame(WINDOW_UPDATE, 0, 0, self.received.to_bytes(4, "big"))
             self.received = 0
         return bytes(out), ended
 
 
 def hello() -> bytes:
     """The server's SETTINGS and its connection window."""
-    return frame(SETTINGS, 0, 0, b"") + frame(0x8, 0, 0, WINDOW.to_bytes(4, "big"))
+    return frame(SETTINGS, 0, 0, b"") + frame(WINDOW_UPDATE, 0, 0, WINDOW.to_bytes(4, "big"))
 
 
 async def serve_connection(stream: trio.SocketStream) -> None:

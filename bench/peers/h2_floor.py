@@ -21,6 +21,7 @@ import h2.events
 import h2.exceptions
 import trio
 
+from bench.attacks import grpc_message
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 
 #: Bytes read from the socket at a time.
@@ -35,13 +36,8 @@ OK_TRAILERS = [(b"grpc-status", b"0")]
 UNIMPLEMENTED_TRAILERS = [(b":status", b"200"), (b"grpc-status", b"12")]
 
 
-def framed(message: pb.ServerLiveResponse | pb.ServerReadyResponse) -> bytes:
-    """``message`` as one gRPC length-prefixed message (uncompressed)."""
-    body = message.SerializeToString()
-    return b"\x00" + len(body).to_bytes(4, "big") + body
-
-
-FRAMED = {path: framed(message) for path, message in ANSWERS.items()}
+#: Each answer as one gRPC length-prefixed message.
+FRAMED = {path: grpc_message(message.SerializeToString()) for path, message in ANSWERS.items()}
 
 
 async def serve_connection(stream: trio.SocketStream) -> None:

@@ -59,8 +59,8 @@ from trio_infer.protobuf.codec import (
 from trio_infer.protobuf.field_count import MODEL_INFER_REQUEST, FieldTree, count_fields
 from trio_infer.protobuf.wire import WireInferRequest
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
-from trio_infer.transport.grpc_protocol import header_text, shown
 from trio_infer.transport.grpc_server import Call
+from trio_infer.transport.quoting import header_text, shown
 
 __all__ = ["GrpcService"]
 

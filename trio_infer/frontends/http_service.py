@@ -43,8 +43,8 @@ from trio_infer.core.types import InferenceRequest, RequestContext, Reservation,
 from trio_infer.errors import InferError, InvalidInput, StatusCode, Unimplemented
 from trio_infer.rest import codec
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
-from trio_infer.transport.grpc_protocol import header_text
 from trio_infer.transport.http_server import HttpError, HttpRequest, error_body
+from trio_infer.transport.quoting import header_text
 
 __all__ = ["HttpService", "MetricsRenderer", "http_status", "metrics_handler", "serve_metrics"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zlib
 
-from trio_infer.transport.grpc_protocol import shown
+from trio_infer.transport.quoting import shown
 
 __all__ = ["BodyDecoder", "ContentCodingError", "body_decoder", "is_coded"]
 
@@ -24,6 +24,8 @@ _WINDOW_BITS = {
     "x-gzip": 16 + zlib.MAX_WBITS,
     "deflate": zlib.MAX_WBITS,
 }
+#: What names no coding: no header, an empty one, or ``identity``.
+_UNCODED = frozenset(("", "identity"))
 #: Compressed bytes given to zlib at a time: what it leaves unconsumed when a slice of output
 #: is full is copied, so a bounded piece keeps that copy small.
 _INPUT_SLICE = 64 * 1024
@@ -49,12 +51,12 @@ def body_decoder(content_encoding: str | None, limit: int) -> BodyDecoder | None
     Raises:
         ContentCodingError: 415 for a coding not decoded here (brotli, zstd, several codings).
     """
-    if not is_coded(content_encoding):
+    name = _coding(content_encoding)
+    if name in _UNCODED:
         return None
-    assert content_encoding is not None
-    name = content_encoding.strip(" \t").lower()
     bits = _WINDOW_BITS.get(name)
     if bits is None:
+        assert content_encoding is not None
         raise ContentCodingError(
             415,
             f"the request body's Content-Encoding {shown(content_encoding)!r} is not supported: "
@@ -64,12 +66,14 @@ def body_decoder(content_encoding: str | None, limit: int) -> BodyDecoder | None
 
 
 def is_coded(content_encoding: str | None) -> bool:
-    """Whether a ``Content-Encoding`` value names a coding: not absent, empty or ``identity``
-    (HTTP's whitespace only around it, RFC 9110 5.6.3)."""
-    return content_encoding is not None and content_encoding.strip(" \t").lower() not in (
-        "",
-        "identity",
-    )
+    """Whether a ``Content-Encoding`` value names a coding: not absent, empty or ``identity``."""
+    return _coding(content_encoding) not in _UNCODED
+
+
+def _coding(content_encoding: str | None) -> str:
+    """The coding a ``Content-Encoding`` value names, lower-case, HTTP's whitespace only
+    stripped around it (RFC 9110 5.6.3); ``""`` without the header."""
+    return "" if content_encoding is None else content_encoding.strip(" \t").lower()
 
 
 class BodyDecoder:

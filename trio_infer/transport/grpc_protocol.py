@@ -73,6 +73,7 @@ from trio_infer.transport.header_blocks import (
     decoded_size,
     never_indexed,
 )
+from trio_infer.transport.quoting import shown
 
 __all__ = [
     "CallRejected",
@@ -157,22 +158,6 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 def _request_id(value: str) -> bytes:
     """The ``x-request-id`` response field, coded; nothing for ``""``."""
     return never_indexed(REQUEST_ID_HEADER, value) if value else b""
-
-
-def shown(value: str, limit: int = 64) -> str:
-    """``value`` as an error message may repeat it: its first ``limit`` characters. One byte of
-    HPACK can stand for a header value of kilobytes, so a message that echoed it whole would
-    answer a few bytes with kilobytes."""
-    return value if len(value) <= limit else value[:limit] + "..."
-
-
-def header_text(value: str, limit: int = 1024) -> str:
-    """``value`` as a header value may carry it (gRPC text metadata, HTTP/1.1): printable
-    ASCII, every other character as ``?``, cut to ``limit`` characters."""
-    cut = shown(value, limit)
-    if cut.isascii() and cut.isprintable():
-        return cut
-    return "".join(c if c.isascii() and c.isprintable() else "?" for c in cut)
 
 
 def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
