@@ -22,6 +22,7 @@ import httpx
 import hyperframe.frame
 import pytest
 import trio
+import trio.testing
 
 from tests.support import start_server
 from tests.test_shutdown import frames
@@ -122,6 +123,34 @@ async def test_a_busy_grpc_channel_reconnects_at_the_age_and_no_call_fails(
     assert answered == len(recorder.connections)
     # One connection at a time, replaced every 0.27-0.33 s (and a moment to reconnect).
     assert 3 <= len(set(recorder.connections)) <= LOOP / (AGE * (1 - AGE_JITTER)) + 1
+
+
+async def test_a_client_still_sending_when_its_connection_is_retired_is_not_reset(
+    nursery: trio.Nursery,
+) -> None:
+    # A grpc client sends new calls until it has read the GOAWAY. Had the server closed its
+    # socket with those bytes unread, or closed it before they came, its host would answer
+    # with a reset, which can cost the client the GOAWAY and fail those calls instead of
+    # retrying them ("broken pipe"). The server half-closes and reads until the client closes.
+    _, port = await _grpc_server(nursery, Recorder(), ProtocolLimits(max_connection_age=AGE))
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    await stream.send_all(client.data_to_send())
+    received = bytearray()
+    with trio.fail_after(TIMEOUT):
+        while data := await stream.receive_some(65536):
+            received += data
+        kinds = [type(f) for f in frames(bytes(received))]
+        assert hyperframe.frame.GoAwayFrame in kinds
+        # The server's side has ended; the client's is open, and what it sends is taken: a
+        # reset in answer to the first PING would fail the second (EPIPE).
+        for _ in range(2):
+            client.ping(b"12345678")
+            await stream.send_all(client.data_to_send())
+            await trio.testing.wait_all_tasks_blocked()
+        assert await stream.receive_some(65536) == b""
+    await stream.aclose()
 
 
 async def test_a_long_call_in_flight_at_the_age_finishes_within_the_grace(

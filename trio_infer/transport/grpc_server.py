@@ -69,6 +69,7 @@ from trio_infer.transport.grpc_protocol import (
     StreamReset,
     WindowUpdated,
 )
+from trio_infer.transport.lingering import linger
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
@@ -554,6 +555,9 @@ class Connection:
             try:
                 if self._goodbye_pending:
                     await self._send_goodbye()
+                if self._closing or self._goodbye_pending:
+                    # The client may still be sending: a reset could cost it the GOAWAY.
+                    await linger(self._socket)
                 await trio.aclose_forcefully(self._stream)
             finally:
                 # Nothing more will be written: what waited for its bytes to leave is free.

@@ -73,6 +73,7 @@ from trio_infer.transport.content_coding import (
     body_decoder,
     is_coded,
 )
+from trio_infer.transport.lingering import linger
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
@@ -92,11 +93,6 @@ HttpHandler = Callable[["HttpRequest"], Awaitable[None]]
 _READ_SIZE = 64 * 1024
 #: The most one TLS write encrypts and sends, so the send timeout measures a client's progress.
 _TLS_WRITE_SIZE = 256 * 1024
-#: How long a connection closed by the server after an error keeps reading (and discarding)
-#: what the client still sends: closing a socket with unread data resets it, and the reset
-#: can reach the client before the response it was sent, which the client then never reads.
-_LINGER = 0.5
-_LINGER_BYTES = 1024 * 1024
 #: Numbers the process's HTTP connections, never reusing a number. Negative, so that they are
 #: never equal to the gRPC transport's (both are owners in the same memory budget).
 _connection_ids = itertools.count(-1, -1)
@@ -652,7 +648,7 @@ class HttpConnection:
         cancelled stays so: a head that arrived in the pass that cancelled it is served
         outside it, and the next wait gets a new one.
         """
-        linger = False
+        should_linger = False
         try:
             error: HttpError | None = None
             while True:
@@ -673,13 +669,13 @@ class HttpConnection:
                             late = message
                             break
                         if not await self._serve_request(message):
-                            linger = not self.at_end
+                            should_linger = not self.at_end
                             break
                 if late is None:
                     break
                 self._waiting = trio.CancelScope()
                 if not await self._serve_request(late):
-                    linger = not self.at_end
+                    should_linger = not self.at_end
                     break
             if scope.cancelled_caught and self._head_begun() and not self.closing:
                 error = HttpError(
@@ -688,9 +684,9 @@ class HttpConnection:
                 )
             if error is not None:
                 await self._answer_error(error.status, error.message)
-                linger = True
-            if linger:
-                await self._linger()
+                should_linger = True
+            if should_linger:
+                await linger(self._socket)
         finally:
             await trio.aclose_forcefully(self._stream)
 
@@ -1050,21 +1046,6 @@ class HttpConnection:
         if not peeked:
             self.at_end = True
             request._cancel_as_gone()
-
-    async def _linger(self) -> None:
-        """Close the sending side and read what the client still sends for a moment, so that
-        the response just written is not lost to a reset."""
-        if self._plain is None:
-            return
-        with contextlib.suppress(OSError):
-            self._plain.shutdown(socket.SHUT_WR)
-        received = 0
-        with trio.move_on_after(_LINGER):
-            while received < _LINGER_BYTES:
-                data = await self.receive()
-                if not data:
-                    break
-                received += len(data)
 
 
 @dataclass(frozen=True)
