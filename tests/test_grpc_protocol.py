@@ -3,10 +3,12 @@ packs by hand must leave both ends in the state h2 would have left them in."""
 
 from __future__ import annotations
 
+import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
 import pytest
 from h2.stream import StreamClosedBy
 
@@ -16,6 +18,7 @@ from trio_infer.transport import grpc_protocol
 from trio_infer.transport.grpc_protocol import (
     MessageReceived,
     PingPolicy,
+    ProtocolLimits,
     ProtocolViolation,
     RateLimit,
     RequestEnded,
@@ -63,6 +66,47 @@ def test_data_with_the_reserved_bit_and_undefined_flags_is_read_as_hyperframe_re
     assert received == MessageReceived(1, b"hi")
     assert isinstance(ended, RequestEnded)
     assert ended.stream_id == 1
+
+
+def _request_data_outcome(connection: h2.connection.H2Connection, receive: object) -> object:
+    """What a request's frames leave in an h2 server connection: its stream's state and the
+    receive windows spent, or that the connection failed."""
+    stream_window = connection.local_settings.initial_window_size
+    connection_window = connection._inbound_flow_control_window_manager.current_window_size
+    try:
+        receive()  # type: ignore[operator]
+    except (h2.exceptions.ProtocolError, ProtocolViolation):
+        return "connection error"
+    stream = connection.streams[1]
+    return (
+        stream.state_machine.state,
+        stream_window - stream._inbound_window_manager.current_window_size,
+        connection_window - connection._inbound_flow_control_window_manager.current_window_size,
+    )
+
+
+@pytest.mark.parametrize("content_length", [None, "10", "3", "12"])
+@pytest.mark.parametrize("end_stream", [False, True])
+def test_request_data_spends_the_windows_and_ends_the_stream_as_h2_does(
+    content_length: str | None, end_stream: bool
+) -> None:
+    # DATA on an open stream is handled by hand: the same bytes must leave the stream, its
+    # window and the connection's where h2 leaves them, or fail the connection as h2 does.
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    extra = [("content-length", content_length)] if content_length is not None else []
+    client.send_headers(1, [*GRPC_REQUEST, *extra])
+    client.send_data(1, b"\x00\x00\x00\x00\x05")
+    client.send_data(1, b"hello", end_stream=end_stream)
+    wire = client.data_to_send()
+    h2s = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    h2s.initiate_connection()
+    ours = ServerProtocol(ProtocolLimits())
+    ours.initiate_connection()
+    expected = _request_data_outcome(h2s, lambda: h2s.receive_data(wire))
+    got = _request_data_outcome(ours.h2_connection, lambda: ours.receive_data(wire))
+    assert got == expected
+    assert expected == "connection error" or expected[1:] == (10, 10)  # type: ignore[index]
 
 
 def test_an_answer_spends_both_windows_and_its_trailers_end_the_stream() -> None:
@@ -224,6 +268,57 @@ def test_window_updates_grow_the_windows_they_name_and_an_overflow_fails_what_it
     # The connection's is the connection's: it ends.
     with pytest.raises(ProtocolViolation, match="flow control window past 2147483647"):
         server.receive_data(_frame(0x8, 0, 0, (2**31 - 1).to_bytes(4, "big")))
+
+
+def _stream_outcome(states: h2.stream.H2StreamStateMachine, send: object) -> object:
+    """What sending does to a stream's state machine: what it leaves, or the error it raises."""
+    try:
+        send()  # type: ignore[operator]
+    except h2.exceptions.ProtocolError:
+        return h2.exceptions.ProtocolError, states.state
+    return (
+        states.state,
+        states.headers_sent,
+        states.trailers_sent,
+        states.stream_closed_by,
+    )
+
+
+def _stream_states(
+    state: h2.stream.StreamState, client: bool | None, sent: tuple[bool | None, bool | None]
+) -> h2.stream.H2StreamStateMachine:
+    states = h2.stream.H2StreamStateMachine(1)
+    states.state = state
+    states.client = client
+    states.headers_sent, states.trailers_sent = sent
+    return states
+
+
+@pytest.mark.parametrize("state", list(h2.stream.StreamState))
+@pytest.mark.parametrize("client", [False, True, None])
+@pytest.mark.parametrize("sent", [(None, None), (True, None), (True, True)])
+@pytest.mark.parametrize("end_stream", [False, True])
+def test_sending_headers_moves_the_stream_state_as_h2_does(
+    state: h2.stream.StreamState,
+    client: bool | None,
+    sent: tuple[bool | None, bool | None],
+    end_stream: bool,
+) -> None:
+    # _headers_sent and _data_sent skip h2's stream state machine where a server's stream
+    # answers: in every state, they must leave it (or refuse) exactly as the machine would.
+    def h2s_headers() -> None:
+        h2s.process_input(h2.stream.StreamInputs.SEND_HEADERS)
+        if end_stream:
+            h2s.process_input(h2.stream.StreamInputs.SEND_END_STREAM)
+
+    h2s, ours = _stream_states(state, client, sent), _stream_states(state, client, sent)
+    assert _stream_outcome(ours, lambda: grpc_protocol._headers_sent(ours, end_stream)) == (
+        _stream_outcome(h2s, h2s_headers)
+    )
+    h2s, ours = _stream_states(state, client, sent), _stream_states(state, client, sent)
+    assert _stream_outcome(ours, lambda: grpc_protocol._data_sent(ours)) == _stream_outcome(
+        h2s, lambda: h2s.process_input(h2.stream.StreamInputs.SEND_DATA)
+    )
 
 
 @pytest.mark.parametrize("state", list(h2.connection.ConnectionState))

@@ -431,6 +431,46 @@ def _connection_input(h2_connection: Any, sent: ConnectionInputs) -> None:
         h2_connection.state_machine.process_input(sent)
 
 
+_OPEN = h2.stream.StreamState.OPEN
+_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
+
+
+def _headers_sent(states: Any, end_stream: bool) -> None:
+    """Give a stream's h2 state machine a SEND_HEADERS input, and SEND_END_STREAM if
+    ``end_stream``: by hand in OPEN and HALF_CLOSED_REMOTE, where a server's stream answers, as
+    h2's transitions do there (headers, then trailers, marked sent; END_STREAM half-closes an
+    OPEN stream and closes a HALF_CLOSED_REMOTE one, closed by the server's END_STREAM); through
+    h2's machine in any other state, or for a block h2 would refuse, to raise what it raises.
+    Each input through h2's machine costs a tuple of enums hashed in Python."""
+    state = states.state
+    if (state is _OPEN or state is _HALF_CLOSED_REMOTE) and states.client is False:
+        if not states.headers_sent:
+            states.headers_sent = True
+        elif not states.trailers_sent:
+            states.trailers_sent = True
+        else:
+            states.process_input(StreamInputs.SEND_HEADERS)  # raises: trailers twice
+        if end_stream:
+            if state is _OPEN:
+                states.state = h2.stream.StreamState.HALF_CLOSED_LOCAL
+            else:
+                states.state = h2.stream.StreamState.CLOSED
+                states.stream_closed_by = StreamClosedBy.SEND_END_STREAM
+        return
+    states.process_input(StreamInputs.SEND_HEADERS)
+    if end_stream:
+        states.process_input(StreamInputs.SEND_END_STREAM)
+
+
+def _data_sent(states: Any) -> None:
+    """Give a stream's h2 state machine a SEND_DATA input: nothing to do in OPEN and
+    HALF_CLOSED_REMOTE, where h2's transition for it is to stay; h2's machine in any other
+    state, which it changes or refuses."""
+    state = states.state
+    if state is not _OPEN and state is not _HALF_CLOSED_REMOTE:
+        states.process_input(StreamInputs.SEND_DATA)
+
+
 #: Below this, a frame's body is copied out of the read buffer by slicing (two copies, but a
 #: fifth of the time for a small frame); from it, through a memoryview (one copy).
 _SLICE_COPY_BYTES = 4096
@@ -732,6 +772,35 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         event.last_stream_id = frame.last_stream_id
         event.additional_data = frame.additional_data or None
         return [], [event]
+
+    def _receive_data_frame(self, frame: Any) -> Any:
+        stream = self.streams.get(frame.stream_id)
+        if (
+            self.state_machine.state is not ConnectionState.SERVER_OPEN
+            or stream is None
+            or stream.state_machine.state is not _OPEN
+        ):
+            return super()._receive_data_frame(frame)
+        # A request's DATA on its open stream: done here as h2 does it (both windows spent,
+        # the body's length checked against a content-length, END_STREAM half-closes the
+        # stream), without the connection's and the stream's state machines, whose inputs
+        # change nothing else here and cost a tuple of enums hashed in Python each.
+        length = frame.flow_controlled_length
+        self._inbound_flow_control_window_manager.window_consumed(length)
+        stream._inbound_window_manager.window_consumed(length)
+        end_stream = "END_STREAM" in frame.flags
+        stream._track_content_length(len(frame.data), end_stream)
+        received = h2.events.DataReceived()
+        received.stream_id = frame.stream_id
+        received.data = frame.data
+        received.flow_controlled_length = length
+        if not end_stream:
+            return [], [received]
+        stream.state_machine.state = _HALF_CLOSED_REMOTE
+        ended = h2.events.StreamEnded()
+        ended.stream_id = frame.stream_id
+        received.stream_ended = ended
+        return [], [received, ended]
 
     def _receive_window_update_frame(self, frame: Any) -> Any:
         increment = frame.window_increment
@@ -1138,7 +1207,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             h2_connection.send_data(stream_id, data)
             return
         _connection_input(h2_connection, ConnectionInputs.SEND_DATA)
-        stream.state_machine.process_input(StreamInputs.SEND_DATA)
+        _data_sent(stream.state_machine)
         h2_connection.pings.data_sent()
         stream.outbound_flow_control_window -= size
         h2_connection.outbound_flow_control_window -= size
@@ -1165,10 +1234,9 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         _connection_input(h2_connection, ConnectionInputs.SEND_HEADERS)
         h2_connection.pings.data_sent()
         stream_states = stream.state_machine
-        stream_states.process_input(StreamInputs.SEND_HEADERS)
+        _headers_sent(stream_states, end_stream)
         flags = 0
         if end_stream:
-            stream_states.process_input(StreamInputs.SEND_END_STREAM)
             flags = _END_STREAM
         elif stream_states.trailers_sent:
             raise h2.exceptions.ProtocolError("Trailers must have END_STREAM set.")
