@@ -174,7 +174,6 @@ def test_without_access_log_no_call_is_logged(
     assert "trio_infer.server" in loggers
 
 
-
 def test_rest_calls_echo_their_id_and_are_in_the_access_log(
     json_server: Callable[..., tuple[Server, int]],
 ) -> None:

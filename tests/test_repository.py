@@ -579,6 +579,7 @@ async def test_a_second_unload_of_a_model_being_unloaded_waits_for_the_first(
     repo.add("model", 2)
     server = await explicit(nursery, repo, "model", grace_period=20)
     triton, grpcio = clients(server)
+
     async def held_call() -> None:
         assert await infer(grpcio, "model", hold=1) == 2
 

@@ -297,9 +297,7 @@ def load_model_settings(
         if key in document:
             raise SettingsError(f"{file}: {_unknown_field((key,))}")
     try:
-        return ModelSettings(
-            **{"name": path.name, **document, "path": path, "revision": revision}
-        )
+        return ModelSettings(**{"name": path.name, **document, "path": path, "revision": revision})
     except ValidationError as exc:
         raise SettingsError(f"{file}: {_describe(_first_problem(exc))}") from None
 

@@ -595,8 +595,7 @@ class ModelBatcher:
             # A bug, as in a batcher (_run): this request fails INTERNAL, the next ones go on.
             self._count_crash()
             logger.error(
-                "internal error: a batch of one of model '%s' crashed (%s: %s); its request "
-                "failed",
+                "internal error: a batch of one of model '%s' crashed (%s: %s); its request failed",
                 self.settings.name,
                 type(crash).__name__,
                 crash,
