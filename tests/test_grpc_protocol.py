@@ -9,6 +9,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.stream
+import hpack
 import pytest
 from h2.stream import StreamClosedBy
 
@@ -66,6 +67,75 @@ def test_data_with_the_reserved_bit_and_undefined_flags_is_read_as_hyperframe_re
     assert received == MessageReceived(1, b"hi")
     assert isinstance(ended, RequestEnded)
     assert ended.stream_id == 1
+
+
+def _request_headers_outcome(connection: h2.connection.H2Connection, receive: object) -> object:
+    """What a request's header block leaves in an h2 server connection: the stream it opened
+    (3), or that the connection failed."""
+    try:
+        receive()  # type: ignore[operator]
+    except (h2.exceptions.ProtocolError, ProtocolViolation):
+        return "connection error"
+    stream = connection.streams[3]
+    states = stream.state_machine
+    return (
+        connection.highest_inbound_stream_id,
+        states.state,
+        states.client,
+        states.headers_received,
+        stream._expected_content_length,
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], [("content-length", "5")], [("content-length", "five")]],
+)
+@pytest.mark.parametrize("end_stream", [False, True])
+def test_a_request_opens_its_stream_as_h2_does(
+    extra: list[tuple[str, str]], end_stream: bool
+) -> None:
+    # A request's header block opening a stream on an open connection (one that has had a
+    # stream before) is handled by hand: the same bytes must leave the stream where h2
+    # (configured as the server configures it) leaves it, or fail the connection as h2 does.
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, GRPC_REQUEST, end_stream=True)
+    client.send_headers(3, [*GRPC_REQUEST, *extra], end_stream=end_stream)
+    wire = client.data_to_send()
+    ours = ServerProtocol(ProtocolLimits())
+    ours.initiate_connection()
+    h2s = h2.connection.H2Connection(ours.h2_connection.config)
+    h2s.initiate_connection()
+    expected = _request_headers_outcome(h2s, lambda: h2s.receive_data(wire))
+    got = _request_headers_outcome(ours.h2_connection, lambda: ours.receive_data(wire))
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        [(":status", "100")],  # an informational response's
+        [(":status", "103"), (":method", "POST")],
+    ],
+)
+def test_a_client_sending_a_response_fails_the_connection_as_with_h2(
+    block: list[tuple[str, str]],
+) -> None:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, GRPC_REQUEST, end_stream=True)
+    encoder = hpack.Encoder()  # its block refers to no entry of the client encoder's table
+    wire = client.data_to_send() + _frame(0x1, 0x4, 3, encoder.encode(block, huffman=False))
+    ours = ServerProtocol(ProtocolLimits())
+    ours.initiate_connection()
+    h2s = h2.connection.H2Connection(ours.h2_connection.config)
+    h2s.initiate_connection()
+    assert _request_headers_outcome(h2s, lambda: h2s.receive_data(wire)) == "connection error"
+    assert (
+        _request_headers_outcome(ours.h2_connection, lambda: ours.receive_data(wire))
+        == "connection error"
+    )
 
 
 def _request_data_outcome(connection: h2.connection.H2Connection, receive: object) -> object:

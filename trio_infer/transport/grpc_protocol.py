@@ -46,14 +46,19 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.stream
-from h2.connection import ConnectionInputs, ConnectionState, _decode_headers
+from h2.connection import AllowedStreamIDs, ConnectionInputs, ConnectionState, _decode_headers
 from h2.errors import ErrorCodes
 from h2.exceptions import FrameDataMissingError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
 from h2.stream import StreamClosedBy, StreamInputs
 from h2.stream import _decode_headers as _headers_to_str
-from h2.utilities import HeaderValidationFlags, normalize_inbound_headers, validate_headers
+from h2.utilities import (
+    HeaderValidationFlags,
+    is_informational_response,
+    normalize_inbound_headers,
+    validate_headers,
+)
 from hpack import HeaderTuple, NeverIndexedHeaderTuple
 from hyperframe.exceptions import InvalidFrameError, InvalidPaddingError
 from hyperframe.frame import GoAwayFrame, RstStreamFrame
@@ -716,11 +721,20 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                 refusal = RstStreamFrame(frame.stream_id)
                 refusal.error_code = ErrorCodes.REFUSED_STREAM
                 return [refusal], []
-            self._inbound_counted = counted
-        try:
+            if (
+                self.state_machine.state is ConnectionState.SERVER_OPEN
+                and frame.stream_id % 2
+                and "PRIORITY" not in frame.flags
+            ):
+                frames, events = [], self._request_opened(frame)
+            else:
+                self._inbound_counted = counted
+                try:
+                    frames, events = super()._receive_headers_frame(frame)
+                finally:
+                    self._inbound_counted = None
+        else:
             frames, events = super()._receive_headers_frame(frame)
-        finally:
-            self._inbound_counted = None
         try:
             for event in events:
                 if isinstance(event, h2.events.RequestReceived):
@@ -733,6 +747,38 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             # (h2's checks index a name's first character: an empty name is an IndexError.)
             return frames, [self._stream_error(frame.stream_id)]
         return frames, events
+
+    def _request_opened(self, frame: Any) -> list[Any]:
+        """A request's header block opening a new stream (one under the limit, with an odd id,
+        on an open connection): done as h2 does it (the block decoded, the stream made, its
+        state machine moved to OPEN, or HALF_CLOSED_REMOTE with END_STREAM, a content-length
+        read), without the two state machines, whose inputs change nothing else here and cost
+        a tuple of enums hashed in Python each. The headers are handed over as decoded, as this
+        connection's configuration asks of h2.
+
+        Raises:
+            h2.exceptions.ProtocolError: what h2 raises for this block.
+        """
+        headers = _decode_headers(self.decoder, frame.data)
+        if is_informational_response(headers):
+            raise h2.exceptions.ProtocolError("an informational response's headers from a client")
+        stream = self._begin_new_stream(frame.stream_id, AllowedStreamIDs.ODD)
+        states = stream.state_machine
+        states.state = _OPEN
+        states.client = False
+        states.headers_received = True
+        received = h2.events.RequestReceived()
+        received.stream_id = frame.stream_id
+        events: list[Any] = [received]
+        if "END_STREAM" in frame.flags:
+            states.state = _HALF_CLOSED_REMOTE
+            ended = h2.events.StreamEnded()
+            ended.stream_id = frame.stream_id
+            received.stream_ended = ended
+            events.append(ended)
+        stream._initialize_content_length(headers)
+        received.headers = list(headers)
+        return events
 
     def _stream_error(self, stream_id: int) -> h2.events.StreamReset:
         """Reset one stream with PROTOCOL_ERROR; the event tells the layers above."""
