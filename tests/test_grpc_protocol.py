@@ -69,16 +69,19 @@ def test_data_with_the_reserved_bit_and_undefined_flags_is_read_as_hyperframe_re
     assert ended.stream_id == 1
 
 
-def _request_headers_outcome(connection: h2.connection.H2Connection, receive: object) -> object:
-    """What a request's header block leaves in an h2 server connection: the stream it opened
-    (3), or that the connection failed."""
+def _request_headers_outcome(
+    connection: h2.connection.H2Connection, stream_id: int, receive: object
+) -> object:
+    """What a request's header block leaves in an h2 server connection: the connection's state
+    and the stream it opened, or that the connection failed."""
     try:
         receive()  # type: ignore[operator]
     except (h2.exceptions.ProtocolError, ProtocolViolation):
         return "connection error"
-    stream = connection.streams[3]
+    stream = connection.streams[stream_id]
     states = stream.state_machine
     return (
+        connection.state_machine.state,
         connection.highest_inbound_stream_id,
         states.state,
         states.client,
@@ -92,50 +95,50 @@ def _request_headers_outcome(connection: h2.connection.H2Connection, receive: ob
     [[], [("content-length", "5")], [("content-length", "five")]],
 )
 @pytest.mark.parametrize("end_stream", [False, True])
+@pytest.mark.parametrize("stream_id", [1, 3])
 def test_a_request_opens_its_stream_as_h2_does(
-    extra: list[tuple[str, str]], end_stream: bool
+    extra: list[tuple[str, str]], end_stream: bool, stream_id: int
 ) -> None:
-    # A request's header block opening a stream on an open connection (one that has had a
-    # stream before) is handled by hand: the same bytes must leave the stream where h2
-    # (configured as the server configures it) leaves it, or fail the connection as h2 does.
+    # A request's header block opening a stream is handled partly by hand, the connection's
+    # first (which opens the connection) and the later ones: the same bytes must leave the
+    # connection and the stream where h2 (configured as the server configures it) leaves
+    # them, or fail the connection as h2 does.
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
-    client.send_headers(1, GRPC_REQUEST, end_stream=True)
-    client.send_headers(3, [*GRPC_REQUEST, *extra], end_stream=end_stream)
+    if stream_id > 1:
+        client.send_headers(1, GRPC_REQUEST)
+    client.send_headers(stream_id, [*GRPC_REQUEST, *extra], end_stream=end_stream)
     wire = client.data_to_send()
     ours = ServerProtocol(ProtocolLimits())
     ours.initiate_connection()
     h2s = h2.connection.H2Connection(ours.h2_connection.config)
     h2s.initiate_connection()
-    expected = _request_headers_outcome(h2s, lambda: h2s.receive_data(wire))
-    got = _request_headers_outcome(ours.h2_connection, lambda: ours.receive_data(wire))
+    expected = _request_headers_outcome(h2s, stream_id, lambda: h2s.receive_data(wire))
+    got = _request_headers_outcome(ours.h2_connection, stream_id, lambda: ours.receive_data(wire))
     assert got == expected
 
 
-@pytest.mark.parametrize(
-    "block",
-    [
-        [(":status", "100")],  # an informational response's
-        [(":status", "103"), (":method", "POST")],
-    ],
-)
-def test_a_client_sending_a_response_fails_the_connection_as_with_h2(
-    block: list[tuple[str, str]],
+@pytest.mark.parametrize("status", ["100", "103", "200"])
+@pytest.mark.parametrize("stream_id", [1, 3])
+def test_a_request_with_a_response_status_fails_its_stream_only(
+    status: str, stream_id: int
 ) -> None:
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    client.send_headers(1, GRPC_REQUEST, end_stream=True)
-    encoder = hpack.Encoder()  # its block refers to no entry of the client encoder's table
-    wire = client.data_to_send() + _frame(0x1, 0x4, 3, encoder.encode(block, huffman=False))
-    ours = ServerProtocol(ProtocolLimits())
-    ours.initiate_connection()
-    h2s = h2.connection.H2Connection(ours.h2_connection.config)
-    h2s.initiate_connection()
-    assert _request_headers_outcome(h2s, lambda: h2s.receive_data(wire)) == "connection error"
-    assert (
-        _request_headers_outcome(ours.h2_connection, lambda: ours.receive_data(wire))
-        == "connection error"
-    )
+    # RFC 9113 §8.3: a response's pseudo-header in a request makes it malformed, a stream
+    # error (§8.1.1), whether it opens the connection or not. (h2 takes an informational
+    # block for a response its state machine refuses, and ends the connection.)
+    client, server = _connected()
+    if stream_id > 1:
+        client.send_headers(1, GRPC_REQUEST)
+    # Never indexed: the block leaves the server's HPACK table as the client's encoder knows it.
+    fields = [(":status", status), *GRPC_REQUEST]
+    block = hpack.Encoder().encode([hpack.NeverIndexedHeaderTuple(*f) for f in fields])
+    events = server.receive_data(client.data_to_send() + _frame(0x1, 0x4, stream_id, block))
+    assert [(type(e), e.stream_id) for e in events][-1] == (StreamReset, stream_id)
+    wire = b"".join(bytes(buffer) for buffer in server.data_to_send())
+    assert _frame(0x3, 0, stream_id, (0x1).to_bytes(4, "big")) in wire  # PROTOCOL_ERROR
+    client.send_headers(5, GRPC_REQUEST)  # the connection goes on
+    events = server.receive_data(client.data_to_send())
+    assert [(type(e), e.stream_id) for e in events] == [(grpc_protocol.RequestReceived, 5)]
 
 
 def _request_data_outcome(connection: h2.connection.H2Connection, receive: object) -> object:

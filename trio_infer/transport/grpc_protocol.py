@@ -55,7 +55,6 @@ from h2.stream import StreamClosedBy, StreamInputs
 from h2.stream import _decode_headers as _headers_to_str
 from h2.utilities import (
     HeaderValidationFlags,
-    is_informational_response,
     normalize_inbound_headers,
     validate_headers,
 )
@@ -721,11 +720,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                 refusal = RstStreamFrame(frame.stream_id)
                 refusal.error_code = ErrorCodes.REFUSED_STREAM
                 return [refusal], []
-            if (
-                self.state_machine.state is ConnectionState.SERVER_OPEN
-                and frame.stream_id % 2
-                and "PRIORITY" not in frame.flags
-            ):
+            if frame.stream_id % 2 and "PRIORITY" not in frame.flags:
                 frames, events = [], self._request_opened(frame)
             else:
                 self._inbound_counted = counted
@@ -749,19 +744,24 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         return frames, events
 
     def _request_opened(self, frame: Any) -> list[Any]:
-        """A request's header block opening a new stream (one under the limit, with an odd id,
-        on an open connection): done as h2 does it (the block decoded, the stream made, its
-        state machine moved to OPEN, or HALF_CLOSED_REMOTE with END_STREAM, a content-length
-        read), without the two state machines, whose inputs change nothing else here and cost
-        a tuple of enums hashed in Python each. The headers are handed over as decoded, as this
-        connection's configuration asks of h2.
+        """A request's header block opening a new stream (one under the limit, with an odd id):
+        done as h2 does it (the block decoded, the connection's state machine given the block
+        unless it is open, where that changes nothing; the stream made, its state machine moved
+        to OPEN, or HALF_CLOSED_REMOTE with END_STREAM; a content-length read), but the
+        stream's state machine set by hand: its inputs cost a tuple of enums hashed in Python
+        each. The headers are handed over as decoded (a list
+        of the decoder's own), as this connection's configuration asks of h2.
+
+        One difference from h2, on purpose: a block with a response's ``:status`` (h2 takes an
+        informational one for a response its state machine refuses, and ends the connection)
+        is a malformed request like any other, and :meth:`_checked` fails its stream only.
 
         Raises:
             h2.exceptions.ProtocolError: what h2 raises for this block.
         """
         headers = _decode_headers(self.decoder, frame.data)
-        if is_informational_response(headers):
-            raise h2.exceptions.ProtocolError("an informational response's headers from a client")
+        if self.state_machine.state is not ConnectionState.SERVER_OPEN:
+            self.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
         stream = self._begin_new_stream(frame.stream_id, AllowedStreamIDs.ODD)
         states = stream.state_machine
         states.state = _OPEN
@@ -777,7 +777,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             received.stream_ended = ended
             events.append(ended)
         stream._initialize_content_length(headers)
-        received.headers = list(headers)
+        received.headers = headers
         return events
 
     def _stream_error(self, stream_id: int) -> h2.events.StreamReset:
