@@ -174,6 +174,12 @@ class ReturnsWorkerOnly(Model):
         return {"out": np.zeros(2).view(WorkerOnly)}
 
 
+class SlowWorkerOnly(Model):
+    def predict(self, inputs, parameters):
+        time.sleep(0.3)
+        return {"out": np.zeros(2).view(WorkerOnly)}
+
+
 class Which(Model):
     def predict(self, inputs, parameters):
         return {"folder": np.array([Path(__file__).parent.name.encode()], dtype=object)}
@@ -217,6 +223,7 @@ def repo(tmp_path: Path) -> dict[str, ModelSettings]:
         ("count_nap", "CountNap"),
         ("returns_unsendable", "ReturnsUnsendable"),
         ("returns_worker_only", "ReturnsWorkerOnly"),
+        ("slow_worker_only", "SlowWorkerOnly"),
         ("which_a", "Which"),
         ("which_b", "Which"),
     ]:
@@ -596,6 +603,35 @@ async def test_a_result_the_server_cannot_unpickle_fails_the_call_and_the_pool_g
         await pool.predict(repo["returns_worker_only"], {}, NO_PARAMETERS)
     out = await pool.predict(examples["echo"], {"a": np.ones(2)}, NO_PARAMETERS)
     np.testing.assert_array_equal(out["a"], np.ones(2))
+    assert pool.statistics().crashed == 0
+
+
+async def test_a_call_sent_behind_one_that_got_its_worker_killed_runs_again(
+    pool: WorkerPool, repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    # The first call's result cannot be read here, so its worker is killed, and the second,
+    # sent to it behind the first, may have started: it runs again on the replacement, once,
+    # rather than fail for a call that was not its own.
+    starts = tmp_path / "starts.txt"
+    pids: list[int] = []
+
+    async def second_call() -> None:
+        parameters = Parameters({"file": str(starts), "delay_ms": 0})
+        pids.append((await pool.predict(repo["count_nap"], {}, parameters))["pid"].item())
+
+    async with trio.open_nursery() as nursery:
+
+        async def first_call() -> None:
+            with pytest.raises(ModelFailed, match=r"^ModuleNotFoundError: "):
+                await pool.predict(repo["slow_worker_only"], {}, NO_PARAMETERS)
+
+        nursery.start_soon(first_call)
+        await eventually(lambda: pool.statistics().busy == 1)
+        nursery.start_soon(second_call)
+        await eventually(lambda: pool.statistics().waiting == 1)
+    assert len(pids) == 1
+    assert pids[0] == int(starts.read_text().split()[-1])  # it ran last on the replacement
+    assert pool.statistics().killed == 1
     assert pool.statistics().crashed == 0
 
 

@@ -23,7 +23,9 @@ worker's death, the pool's shutdown). A worker is sent its next call while it ru
 
 Cancellation: a cancelled call that waits in the queue leaves it; one that was sent but has not
 started is cancelled in the worker, which skips it; one that runs kills its worker at once (its
-result would have no reader, and a model call cannot be interrupted any other way).
+result would have no reader, and a model call cannot be interrupted any other way). The worker
+may have ended that call and started the next one sent to it just before the signal landed: that
+call, killed for another's sake, goes back to the queue to run again, once.
 
 Decoupled models (``generate``): the call's reply is a ``ReplyStream`` that the lane fills with
 each item the worker sends, as it comes. Backpressure is by credits (``wire.ITEMS_AHEAD``): the
@@ -842,6 +844,8 @@ class _Call:
     """The sequence it belongs to: its home is then its lane's ``pinned``."""
     timing: Timing | None = None
     """Its requester's, filled when the call succeeds."""
+    requeued: bool = False
+    """Sent back to the queue once already after its worker was killed for another call."""
 
 
 class _Lane:
@@ -1006,8 +1010,12 @@ class _Lane:
         return len(calls)
 
     def kill(self) -> None:
-        """Kill the current worker process (trio-parallel's ``kill_on_cancel``)."""
+        """Kill the current worker process: at once through its pidfd once it has connected,
+        and through trio-parallel's ``kill_on_cancel``, which sends its signal only when its
+        task next runs. In between, the worker could finish the call it was killed for and
+        start the next one it was sent, which the kill would then cost."""
         self._killed = True
+        self._pool._kill(self.pid)
         self._process.cancel()
 
     def free_in(self, now: float) -> float:
@@ -1453,17 +1461,23 @@ class _Lane:
             pool._kills += 1
         failed = 0
         # The first call was running if the worker died on its own, or if it went on to it
-        # after it was told to stop; the others had not started.
+        # after it was told to stop; the others had not started. One the pool stopped for
+        # another call's sake (it may have just started) runs again, once: a model call is a
+        # function of its inputs, and a second kill in a row is not a race but a pattern.
         if calls and not calls[0].abandoned and (crashed or self._moved_on):
-            head = calls.pop(0)
-            message = (
-                f"worker process died while {head.what} ({self._exit_cause})"
-                if crashed
-                else f"worker process was stopped while {head.what} (because of another call "
-                "it held)"
-            )
-            head.reply.set_error(Unavailable(message))
-            failed = 1
+            head = calls[0]
+            if not crashed and not head.requeued:
+                head.requeued = True
+            else:
+                calls.pop(0)
+                message = (
+                    f"worker process died while {head.what} ({self._exit_cause})"
+                    if crashed
+                    else f"worker process was stopped while {head.what} (because of another "
+                    "call it held)"
+                )
+                head.reply.set_error(Unavailable(message))
+                failed = 1
         calls = [call for call in calls if not call.abandoned]
         for call in [c for c in calls if isinstance(c.reply, ReplyStream) and c.reply.given]:
             # Its first items were answered: it cannot start again from the start.
