@@ -286,6 +286,33 @@ def test_a_rate_limit_allows_its_burst_then_its_rate() -> None:
     assert [limit.take(100.0) for _ in range(4)] == [True, True, True, False]  # refilled to burst
 
 
+def test_events_past_a_rate_limit_are_owed_the_time_that_brings_them_back_to_it() -> None:
+    limit = RateLimit(rate=10.0, burst=3.0)
+    assert [limit.owe(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]  # the burst
+    assert limit.owe(0.0) == pytest.approx(0.1)  # one over: a tenth of a second
+    assert limit.owe(0.0) == pytest.approx(0.2)
+    assert limit.owe(0.25) == pytest.approx(0.05)  # 2.5 refilled, 2 owed, 1 more
+    assert limit.owe(10.0) == 0.0  # paid back, and the burst refilled
+    assert [limit.take(10.0) for _ in range(3)] == [True, True, False]  # owe took one of it
+    # Over any stretch of time, waiting as owed keeps events to the rate (plus the burst).
+    limit, now, events = RateLimit(rate=100.0, burst=5.0), 0.0, 0
+    while now < 10.0:
+        now += limit.owe(now)
+        events += 1
+    assert events <= 100 * 10 + 5 + 1
+
+
+def test_a_cancel_is_its_calls_deadline_from_a_fifth_of_the_timeout_before_it() -> None:
+    assert not grpc_protocol.at_deadline(5.0, None, 0.0)  # no deadline: a cancel is a cancel
+    # A 1 s timeout, due at 10 s: from 9.799 s on (a fifth, and a millisecond, before it).
+    assert not grpc_protocol.at_deadline(9.79, 10.0, 1.0)
+    assert grpc_protocol.at_deadline(9.8, 10.0, 1.0)
+    assert grpc_protocol.at_deadline(12.0, 10.0, 1.0)
+    # A 5 ms timeout: from 2 ms before it.
+    assert not grpc_protocol.at_deadline(0.0979, 0.1, 0.005)
+    assert grpc_protocol.at_deadline(0.0981, 0.1, 0.005)
+
+
 def test_the_ping_policy_forgives_two_early_pings_and_any_followed_by_an_answer() -> None:
     policy = PingPolicy(min_interval=10.0, max_strikes=2)
     assert [policy.received(t) for t in (0.0, 1.0, 2.0)] == [True, True, True]  # 2 strikes

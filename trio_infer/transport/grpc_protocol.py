@@ -94,6 +94,7 @@ __all__ = [
     "ServerProtocol",
     "StreamReset",
     "WindowUpdated",
+    "at_deadline",
 ]
 
 Metadata = tuple[tuple[str, str | bytes], ...]
@@ -200,6 +201,23 @@ def timeout_problem(values: Sequence[str]) -> str | None:
     return None
 
 
+#: How early before a call's deadline (as the server reckons it, from when it read the call) its
+#: client's cancel may arrive and still be that deadline, as a fraction of the timeout, and
+#: beyond it: the client's clock started when it sent the call.
+_DEADLINE_SLACK = (0.2, 0.001)
+
+
+def at_deadline(now: float, deadline: float | None, timeout: float) -> bool:
+    """Whether a call's client cancelling it at ``now`` is its deadline passing (``deadline``
+    and ``timeout`` in seconds; None: the call has none), which the client, not an attacker,
+    sends for every call that runs out of time: such cancels are not counted against
+    ``_RESETS``."""
+    if deadline is None:
+        return False
+    fraction, least = _DEADLINE_SLACK
+    return now >= deadline - fraction * timeout - least
+
+
 class RateLimit:
     """A token bucket: at most ``burst`` events at once, and ``rate`` a second over time.
 
@@ -216,13 +234,23 @@ class RateLimit:
 
     def take(self, now: float) -> bool:
         """Whether one more event at ``now`` (seconds, any monotonic clock) is within bounds."""
-        if self._last is not None:
-            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-        self._last = now
+        self._refill(now)
         if self._tokens < 1:
             return False
         self._tokens -= 1
         return True
+
+    def owe(self, now: float) -> float:
+        """Count one more event at ``now``, within bounds or not; return how long to wait
+        before the next one for the events, over time, to keep to ``rate`` (0 while within)."""
+        self._refill(now)
+        self._tokens -= 1
+        return -self._tokens / self.rate if self._tokens < 0 else 0.0
+
+    def _refill(self, now: float) -> None:
+        if self._last is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
 
 
 class PingPolicy:
@@ -266,9 +294,12 @@ _TOO_MANY_PINGS = b"too_many_pings"
 #: handled in slices, with other connections' work between them.
 _FRAMES_PER_PASS = 512
 
-#: Streams a client may reset, per connection: a grpc client cancels one for every deadline
-#: that passes (hundreds a second in a deadline storm), while a rapid-reset attack (CVE-2023-44487)
-#: resets tens of thousands a second, each having cost the server a call.
+#: Calls a client may cancel (RST_STREAM) before their deadline, per connection, before its
+#: frames are read more slowly: a rapid-reset attack (CVE-2023-44487) resets tens of thousands
+#: of calls a second, each having cost the server a call. A grpc client cancels a call whose
+#: deadline passes, thousands a second in a deadline storm: those are not counted
+#: (:func:`at_deadline`). And a client's other calls share its connection: past the bound, the
+#: connection is not closed but read no faster than the bound allows.
 _RESETS = (1000.0, 500.0)
 #: SETTINGS frames a client may send, per connection: one at the start and a few later at most;
 #: each costs an ACK.
@@ -610,6 +641,9 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         self.pings = pings
         #: The frames of the last read are not all handled yet (see :meth:`receive_data`).
         self.input_pending = False
+        #: Seconds to wait before reading more of the client's frames (calls it cancelled
+        #: faster than ``_RESETS`` allows); the transport takes it with :meth:`take_read_pause`.
+        self.read_pause = 0.0
         #: Debug data for the GOAWAY that ends the connection, when h2 sends one.
         self._goodbye_reason = b""
         self.encoder = CachingEncoder()
@@ -879,9 +913,16 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     def _receive_rst_stream_frame(self, frame: Any) -> Any:
         if self._is_cleaned_up(frame.stream_id):
             return [], []
-        # h2 ends the connection with GOAWAY ENHANCE_YOUR_CALM on this error.
-        if not self._resets.take(time.monotonic()):
-            raise h2.exceptions.DenialOfServiceError("too many streams reset by the client")
+        stream = self.streams.get(frame.stream_id)
+        now = time.monotonic()
+        if (
+            stream is not None
+            and not stream.closed  # a call cancelled, not one that has ended
+            and not at_deadline(
+                now, getattr(stream, "grpc_deadline", None), getattr(stream, "grpc_timeout", 0.0)
+            )
+        ):
+            self.read_pause = max(self.read_pause, self._resets.owe(now))
         return super()._receive_rst_stream_frame(frame)
 
     def _receive_ping_frame(self, frame: Any) -> Any:
@@ -1069,6 +1110,12 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                 )
             ]
         self._inbound[stream_id] = _InboundStream(stream_id, self.limits.max_message_size)
+        # Kept with h2's stream, which goes when the stream does (already, if a frame handled
+        # with its HEADERS closed it).
+        stream = self.h2_connection.streams.get(stream_id)
+        if request.timeout is not None and stream is not None:
+            stream.grpc_timeout = request.timeout
+            stream.grpc_deadline = time.monotonic() + request.timeout
         return [request]
 
     def _parsed_request(self, stream_id: int, headers: list[Any]) -> RequestReceived:
@@ -1167,6 +1214,13 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         """Bytes queued to send that :meth:`data_to_send` has not handed out yet."""
         pending: int = self.h2_connection.pending_bytes()
         return pending
+
+    def take_read_pause(self) -> float:
+        """Seconds the transport must wait before it reads more from the client (0: none):
+        the client cancels calls faster than the bound on resets, and is slowed to it."""
+        pause: float = self.h2_connection.read_pause
+        self.h2_connection.read_pause = 0.0
+        return pause
 
     def ping(self) -> None:
         """Queue a PING (its ACK is not waited for): a probe whose only use is to be sent.

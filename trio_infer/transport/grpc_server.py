@@ -751,6 +751,11 @@ class Connection:
                     handler(event)
             if self.protocol.has_data_to_send():
                 self.flush()
+            pause = self.protocol.take_read_pause()
+            if pause:
+                # The client cancels calls faster than the bound on resets: what it sent is
+                # handled, what it sends next is read no sooner than the bound allows.
+                await trio.sleep(pause)
 
     async def _read(self, drained: bool) -> bytes | bytearray:
         """The next bytes from the client; ``b""`` at the end of its input.
