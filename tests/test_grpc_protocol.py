@@ -3,6 +3,8 @@ packs by hand must leave both ends in the state h2 would have left them in."""
 
 from __future__ import annotations
 
+import urllib.parse
+
 import h2.config
 import h2.connection
 import h2.events
@@ -275,6 +277,25 @@ GRPC_CALL = [
 )
 def test_request_headers_problem(headers: list[tuple[str, str]], problem: str | None) -> None:
     assert request_headers_problem(headers) == problem
+
+
+@pytest.mark.parametrize(
+    ("message", "value"),
+    [
+        ("deadline exceeded", "deadline exceeded"),
+        ("shape [2, 3]: 'x' ~ {y}!", "shape [2, 3]: 'x' ~ {y}!"),
+        ("100% full", "100%25 full"),
+        ("line\r\nX-Injected: 1", "line%0D%0AX-Injected: 1"),
+        ("tab\there", "tab%09here"),
+        ("caf\u00e9 \u2603", "caf%C3%A9 %E2%98%83"),
+        ("\x7f", "%7F"),
+    ],
+)
+def test_a_status_message_is_percent_encoded_only_where_grpc_requires(
+    message: str, value: str
+) -> None:
+    assert grpc_protocol.grpc_message_value(message) == value
+    assert urllib.parse.unquote(value) == message
 
 
 def test_a_rate_limit_allows_its_burst_then_its_rate() -> None:

@@ -197,8 +197,8 @@ def test_an_error_message_reaches_the_client_and_stays_out_of_the_hpack_table() 
             if isinstance(event, h2.events.ResponseReceived):
                 trailers.append(dict(event.headers))
     assert [t[b"grpc-message"] for t in trailers] == [
-        b"budget%20full%3A%201%20of%202%20bytes",
-        b"budget%20full%3A%202%20of%202",
+        b"budget full: 1 of 2 bytes",
+        b"budget full: 2 of 2",
     ]
     table = server.h2_connection.encoder.header_table.dynamic_entries
     assert all(name != b"grpc-message" for name, _ in table)

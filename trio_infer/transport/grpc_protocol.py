@@ -95,6 +95,7 @@ __all__ = [
     "StreamReset",
     "WindowUpdated",
     "at_deadline",
+    "grpc_message_value",
 ]
 
 Metadata = tuple[tuple[str, str | bytes], ...]
@@ -158,6 +159,18 @@ class _MalformedRequest(Exception):
 _GRPC_TIMEOUT = re.compile(r"[0-9]{1,8}[HMSmun]")
 #: Seconds in each TimeoutUnit.
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+#: What a grpc-message value may carry as it is (PROTOCOL-HTTP2.md, Percent-Byte-Unencoded):
+#: space and the printable ASCII characters but ``%``.
+_UNENCODED = "".join(chr(byte) for byte in range(0x20, 0x7F) if byte != ord("%"))
+
+
+def grpc_message_value(message: str) -> str:
+    """A status message as gRPC's ``grpc-message`` trailer carries it: UTF-8, percent-encoded
+    only where the protocol requires (``%``, control characters and non-ASCII), as grpc's own
+    servers send it, so that a client shows it readable even where it does not decode it."""
+    return quote(message, safe=_UNENCODED)
 
 
 def _request_id(value: str) -> bytes:
@@ -1383,7 +1396,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if message:
             # Messages differ call to call: indexed, each would take a place in the connection's
             # HPACK table, evicting the headers every response repeats.
-            trailers.append(NeverIndexedHeaderTuple("grpc-message", quote(message, safe="")))
+            trailers.append(NeverIndexedHeaderTuple("grpc-message", grpc_message_value(message)))
         trailers.extend(sanitize_headers(metadata))
         extra = b"" if headers_sent else _request_id(request_id)
         self._send_headers(stream_id, trailers, end_stream=True, extra=extra)
