@@ -55,12 +55,14 @@ import hyperframe.frame
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from trio_infer.errors import StatusCode
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2_grpc
 from trio_infer.protobuf.codec import encode_inputs, encode_parameters
 from trio_infer.transport.grpc_server import Call, GrpcServer, ProtocolLimits
+from trio_infer.transport.http_server import HttpLimits, HttpRequest, HttpServer
 
 #: Allowed beyond the issue's "grace period plus a second" for Popen.wait's polling and a loaded
 #: machine; measured exits do not need it (module doc).
@@ -776,3 +778,42 @@ async def test_a_refused_stream_reset_in_the_same_read_that_opened_it_is_skipped
         trailers = _trailers_by_stream(await _read_to_eof(stream))
     assert list(trailers) == [1], trailers  # nothing for the stream the client reset
     assert trailers[1]["grpc-status"] == "0"
+
+
+# -- a request that arrives as its keep-alive connection drains ------------------------------
+
+
+async def _ok(request: HttpRequest) -> None:
+    await request.respond(200, [("content-type", "text/plain")], [b"ok"])
+
+
+def _response(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a reset raises)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+async def test_a_request_that_arrived_on_an_idle_connection_as_it_drains_is_answered(
+    nursery: trio.Nursery,
+) -> None:
+    # The client's next request is in the server's socket when the drain ends the wait for
+    # it: it is served, the connection's last, and the connection then closes without a reset
+    # (which would have lost the answer and made the client see "connection reset").
+    server = HttpServer(_ok, HttpLimits())
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(server.serve, listeners)
+    request = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(listeners[0].socket.getsockname()[:2]) as sock:
+        sock.settimeout(10)
+        sock.sendall(request)
+        first = await trio.to_thread.run_sync(sock.recv, 65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        await trio.testing.wait_all_tasks_blocked()  # the connection waits for its next head
+        sock.sendall(request)  # in the server's socket buffer when sendall returns
+        server.stop_accepting()  # before the connection's task runs again
+        answer = await trio.to_thread.run_sync(_response, sock)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+    assert answer.endswith(b"ok")

@@ -49,6 +49,7 @@ import json
 import logging
 import math
 import os
+import select
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
@@ -335,6 +336,13 @@ class _Parse:
 
     def on_message_complete(self) -> None:
         self.messages[-1].complete = True
+
+
+def _readable_now(sock: trio.socket.SocketType) -> bool:
+    """Whether ``sock`` has bytes (or its end) to read now, without waiting."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def headers_too_large(limit: int) -> str:
@@ -682,6 +690,18 @@ class HttpConnection:
                     408,
                     f"the request's head did not arrive within {self.limits.handshake_timeout:g} s",
                 )
+            elif scope.cancelled_caught and error is None and not self.at_end:
+                # A drain or the idle timeout ended the wait for the next request, which the
+                # client may have sent meanwhile: served if it has, the connection's last. Its
+                # bytes unread, the close would be a reset, and the client would see no answer.
+                try:
+                    message = await self._arrived_request()
+                except HttpError as exc:
+                    error = exc
+                else:
+                    if message is not None:
+                        await self._serve_request(message)
+                should_linger = True
             if error is not None:
                 await self._answer_error(error.status, error.message)
                 should_linger = True
@@ -692,7 +712,8 @@ class HttpConnection:
 
     def drain(self) -> None:
         """Serve no request after the one in flight: close the connection now if it waits for
-        its next request, or once its response is written."""
+        its next request (answering one the client had already sent), or once its response is
+        written."""
         self.closing = True
         if self._idle:
             self._waiting.cancel()
@@ -844,6 +865,24 @@ class HttpConnection:
         finally:
             self._idle = False
             self._waiting.deadline = math.inf
+
+    async def _arrived_request(self) -> _Message | None:
+        """After the wait for the next request was cancelled: that request, if some of it has
+        arrived, read in a new wait (its head then has the handshake timeout); None if none has.
+
+        Raises:
+            HttpError: as :meth:`_next_request`.
+        """
+        if not (self._head_begun() or _readable_now(self._socket)):
+            return None
+        self.closing = False  # for _next_request, which reads nothing for a closing connection
+        self._waiting = trio.CancelScope()
+        try:
+            with self._waiting:
+                return await self._next_request()
+            return None  # cancelled again (a drain, the deadline): nothing more is waited for
+        finally:
+            self.closing = True  # its answer is the connection's last
 
     def _head_begun(self) -> bool:
         """Whether some of a request's head has arrived (and not all of it)."""
