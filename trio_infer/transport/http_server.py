@@ -97,11 +97,18 @@ _TLS_WRITE_SIZE = 256 * 1024
 #: Numbers the process's HTTP connections, never reusing a number. Negative, so that they are
 #: never equal to the gRPC transport's (both are owners in the same memory budget).
 _connection_ids = itertools.count(-1, -1)
-#: Reason phrases by status, encoded once.
-_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+#: Status lines by status, encoded once.
+_STATUS_LINES = {
+    status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode())
+    for status in http.HTTPStatus
+}
 _JSON = (b"content-type", b"application/json")
 _CLOSE = (b"connection", b"close")
+_CLOSE_LINE = b"connection: close\r\n"
 _REQUEST_ID = REQUEST_ID_HEADER.encode("ascii")
+#: What every handler's response ends its head with: the body's length, the request id, then
+#: ``Connection: close`` or nothing.
+_RESPONSE_TAIL = b"content-length: %d\r\n" + _REQUEST_ID + b": %s\r\n%s\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: How much of a chunked body is parsed at a time: its end is known only once parsed, so what
 #: follows it in the same piece (a pipelined request) is parsed ahead, at most this much.
@@ -359,13 +366,25 @@ def response_head(status: int, fields: Sequence[tuple[bytes, bytes]]) -> bytes:
     Raises:
         ValueError: A name or value holds a CR or LF.
     """
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
-    lines += [name + b": " + value + b"\r\n" for name, value in fields]
-    lines.append(b"\r\n")
-    head = b"".join(lines)
-    if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines):
+    return status_line(status) + header_lines(fields) + b"\r\n"
+
+
+def status_line(status: int) -> bytes:
+    """A response's status line (with no reason phrase for a status that has none known)."""
+    line = _STATUS_LINES.get(status)
+    return b"HTTP/1.1 %d \r\n" % status if line is None else line
+
+
+def header_lines(fields: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """Header fields as lines, each ended by CRLF.
+
+    Raises:
+        ValueError: A name or value holds a CR or LF (it would start a line of its own).
+    """
+    lines = b"".join([name + b": " + value + b"\r\n" for name, value in fields])
+    if lines.count(b"\n") != len(fields) or lines.count(b"\r") != len(fields):
         raise ValueError("a response header's name or value holds a line break")
-    return head
+    return lines
 
 
 async def _decode(
@@ -548,19 +567,23 @@ class HttpRequest:
         assert not self._response_started, "one response per request"
         connection = self._connection
         views = [memoryview(part).cast("B") for part in body]
-        fields = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
-        size = sum(len(view) for view in views)
-        fields.append((b"content-length", str(size).encode()))
-        fields.append((_REQUEST_ID, self.request_id.encode("ascii")))
-        if connection.closes_after(self):
-            fields.append(_CLOSE)
-        head = response_head(status, fields)
+        size = sum([view.nbytes for view in views])
+        fields = header_lines(
+            [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+        )
+        # The fields added here need no check for line breaks: the request id is printable
+        # ASCII (request_id), the rest are the server's own.
+        head = status_line(status) + fields + _RESPONSE_TAIL % (
+            size,
+            self.request_id.encode("ascii"),
+            _CLOSE_LINE if connection.closes_after(self) else b"",
+        )
         self._response_started = True
         self.status = status
         self.bytes_out = size
         parts: list[Buffer] = [head]
         if not connection.head_only:
-            parts.extend(view for view in views if view)
+            parts += [view for view in views if view]
         self._response_sent = await connection.send(parts, self)
 
     def _cancel_as_gone(self) -> None:
@@ -720,7 +743,7 @@ class HttpConnection:
 
     def retire_if_due(self) -> None:
         """Past its maximum age, make the response about to be sent the connection's last."""
-        if trio.current_time() >= self._retire_at:
+        if self._retire_at != math.inf and trio.current_time() >= self._retire_at:
             self.closing = True
 
     def cancel_request(self, message: str) -> None:
