@@ -170,7 +170,9 @@ class HttpService:
         # "/v2/models/m/versions/1/infer" -> ["", "v2", "models", "m", "versions", "1", "infer"]
         if len(segments) < 2 or segments[0] or segments[1] != "v2":
             raise _not_found(request)
-        rest = [unquote(segment) for segment in segments[2:]]
+        rest = segments[2:]
+        if "%" in request.path:
+            rest = [unquote(segment) for segment in rest]
         if not rest:
             await self._get(request, self._server_metadata, "", "")
         elif rest == ["health", "live"]:

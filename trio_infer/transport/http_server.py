@@ -202,6 +202,7 @@ class _Message:
         "headers",
         "keep_alive",
         "method",
+        "request_id",
         "target",
         "trailer_size",
         "upgrade",
@@ -220,6 +221,8 @@ class _Message:
         #: The ``Content-Encoding`` values, joined: repeated, a header is one list (RFC 9110
         #: 5.3), so several codings are refused together. None without the header.
         self.content_encoding: str | None = None
+        #: The first ``X-Request-Id`` value; None without one.
+        self.request_id: bytes | None = None
         self.keep_alive = True
         self.expects_continue = False
         #: The client asked to switch protocols (or CONNECT): the parser stops at the end of
@@ -323,6 +326,8 @@ class _Parse:
                 message.content_encoding = coding if previous is None else f"{previous}, {coding}"
             elif name == b"expect":
                 message.expects_continue = value.lower() == b"100-continue"
+            elif name == _REQUEST_ID and message.request_id is None:
+                message.request_id = value
         if version not in ("1.1", "1.0"):
             self._refuse(505, f"HTTP/{version} is not supported; this port serves HTTP/1.1")
         if version == "1.1" and hosts != 1:
@@ -431,7 +436,8 @@ class HttpRequest:
         chunked, or compressed (the size is what it decodes to)."""
         self.connection_id: int = connection.connection_id
         """The connection the request came on: unique among the process's connections."""
-        self.request_id = request_id(self.header(REQUEST_ID_HEADER))
+        sent_id = message.request_id
+        self.request_id = request_id(None if sent_id is None else sent_id.decode("latin-1"))
         """The request's id (:func:`~trio_infer.transport.access_log.request_id`): echoed in
         the response's ``x-request-id`` and logged."""
         self.subject = ""
@@ -794,18 +800,22 @@ class HttpConnection:
     def _feed(self, size: int) -> None:
         """Parse the first ``size`` bytes buffered; a parse error is kept in ``_broken``."""
         buffer = self._buffer
-        with memoryview(buffer) as view, view[:size] as piece:
-            try:
-                self._parse.parser.feed_data(piece)
-            except httptools.HttpParserUpgrade:
-                # llhttp stops after a request that asks to switch protocols (or CONNECT).
-                # None is switched here: the request is answered as it is, the connection
-                # closed after it (_Message.upgrade), and nothing after it parsed.
-                self._broken = HttpError(400, "nothing is read after a protocol upgrade")
-                if self._parse.messages:
-                    self._parse.messages[-1].upgrade = True
-            except httptools.HttpParserError as exc:
-                self._broken = self._parse_error(exc)
+        try:
+            if size == len(buffer):
+                # The parser holds the buffer for the call only: it may shrink after.
+                self._parse.parser.feed_data(buffer)
+            else:
+                with memoryview(buffer) as view, view[:size] as piece:
+                    self._parse.parser.feed_data(piece)
+        except httptools.HttpParserUpgrade:
+            # llhttp stops after a request that asks to switch protocols (or CONNECT). None
+            # is switched here: the request is answered as it is, the connection closed after
+            # it (_Message.upgrade), and nothing after it parsed.
+            self._broken = HttpError(400, "nothing is read after a protocol upgrade")
+            if self._parse.messages:
+                self._parse.messages[-1].upgrade = True
+        except httptools.HttpParserError as exc:
+            self._broken = self._parse_error(exc)
         del buffer[:size]
 
     def _parse_error(self, exc: httptools.HttpParserError) -> HttpError:
