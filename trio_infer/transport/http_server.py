@@ -579,11 +579,9 @@ class HttpRequest:
         )
         # The fields added here need no check for line breaks: the request id is printable
         # ASCII (request_id), the rest are the server's own.
-        head = status_line(status) + fields + _RESPONSE_TAIL % (
-            size,
-            self.request_id.encode("ascii"),
-            _CLOSE_LINE if connection.closes_after(self) else b"",
-        )
+        close = _CLOSE_LINE if connection.closes_after(self) else b""
+        tail = _RESPONSE_TAIL % (size, self.request_id.encode("ascii"), close)
+        head = status_line(status) + fields + tail
         self._response_started = True
         self.status = status
         self.bytes_out = size
