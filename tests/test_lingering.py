@@ -19,6 +19,12 @@ SLOW = 0.01
 TIMEOUT = 10 * SLOW
 
 
+@pytest.fixture
+def slow_clock(mock_clock: trio.testing.MockClock) -> trio.testing.MockClock:
+    mock_clock.rate = SLOW
+    return mock_clock
+
+
 async def _flood(sock: trio.socket.SocketType) -> None:
     with contextlib.suppress(OSError):
         while True:
@@ -26,9 +32,8 @@ async def _flood(sock: trio.socket.SocketType) -> None:
 
 
 async def test_the_sending_side_ends_and_what_comes_is_dropped_until_the_peer_closes(
-    mock_clock: trio.testing.MockClock,
+    slow_clock: trio.testing.MockClock,
 ) -> None:
-    mock_clock.rate = SLOW
     ours, theirs = trio.socket.socketpair()
     with ours, theirs:
         await theirs.send(b"a request the server will not read")
@@ -42,9 +47,8 @@ async def test_the_sending_side_ends_and_what_comes_is_dropped_until_the_peer_cl
 
 
 async def test_a_peer_that_sends_on_and_on_is_read_for_at_most_linger_bytes(
-    mock_clock: trio.testing.MockClock,
+    slow_clock: trio.testing.MockClock,
 ) -> None:
-    mock_clock.rate = SLOW
     ours, theirs = trio.socket.socketpair()
     with ours, theirs:
         async with trio.open_nursery() as nursery:
