@@ -362,7 +362,7 @@ async def test_a_call_whose_deadline_passed_before_it_ran_never_gets_its_message
     [answer] = await trio.to_thread.run_sync(
         _raw_h2_exchange, harness.port, [[*GOOD_HEADERS, ("grpc-timeout", "1n")]]
     )
-    assert (answer["grpc-status"], answer["grpc-message"]) == ("4", "deadline%20exceeded")
+    assert (answer["grpc-status"], answer["grpc-message"]) == ("4", "deadline exceeded")
 
 
 async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -> None:
