@@ -120,13 +120,15 @@ class Probe:
 
 
 def process_exists(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie runs no code), asked of a process that may be reaped at
+    any moment, between two of the questions too."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        # A killed child of the fork server stays a zombie until reaped; it runs no code.
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    # A killed child of the fork server stays a zombie until reaped; it runs no code.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(") ", 1)[1][0] != "Z"
 
 
 async def start_probe(
