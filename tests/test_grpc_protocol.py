@@ -7,6 +7,7 @@ import urllib.parse
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
@@ -289,6 +290,8 @@ def test_request_headers_problem(headers: list[tuple[str, str]], problem: str | 
         ("tab\there", "tab%09here"),
         ("caf\u00e9 \u2603", "caf%C3%A9 %E2%98%83"),
         ("\x7f", "%7F"),
+        (" padded ", "%20padded%20"),
+        (" ", "%20"),
     ],
 )
 def test_a_status_message_is_percent_encoded_only_where_grpc_requires(
@@ -321,6 +324,32 @@ def test_events_past_a_rate_limit_are_owed_the_time_that_brings_them_back_to_it(
         now += limit.owe(now)
         events += 1
     assert events <= 100 * 10 + 5 + 1
+
+
+@pytest.mark.parametrize("timeout", [None, "1n"])
+def test_cancels_past_their_bound_slow_the_reading_whatever_the_deadline(
+    timeout: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Calls opened in one read and cancelled in the next (their calls started). A deadline
+    # that has passed (the client chose it) moves them to the wider bound, not out of bounds:
+    # narrowed here to the other's size, 2,000 of them are past it either way.
+    monkeypatch.setattr(grpc_protocol, "_DEADLINE_RESETS", grpc_protocol._RESETS)
+    client, server = _connected()
+    extra = [] if timeout is None else [("grpc-timeout", timeout)]
+    stream, paused = 1, 0.0
+    for _ in range(2000 // 90 + 1):
+        opened = []
+        for _ in range(90):
+            client.send_headers(stream, [*GRPC_REQUEST, *extra])
+            opened.append(stream)
+            stream += 2
+        server.receive_data(client.data_to_send())
+        server.data_to_send()
+        for cancelled in opened:
+            client.reset_stream(cancelled, h2.errors.ErrorCodes.CANCEL)
+        server.receive_data(client.data_to_send())
+        paused += server.take_read_pause()
+    assert paused > 0.1
 
 
 def test_a_cancel_is_its_calls_deadline_from_a_fifth_of_the_timeout_before_it() -> None:

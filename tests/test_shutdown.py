@@ -783,10 +783,6 @@ async def test_a_refused_stream_reset_in_the_same_read_that_opened_it_is_skipped
 # -- a request that arrives as its keep-alive connection drains ------------------------------
 
 
-async def _ok(request: HttpRequest) -> None:
-    await request.respond(200, [("content-type", "text/plain")], [b"ok"])
-
-
 def _response(sock: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection (a reset raises)."""
     received = b""
@@ -795,25 +791,63 @@ def _response(sock: socket.socket) -> bytes:
     return received
 
 
-async def test_a_request_that_arrived_on_an_idle_connection_as_it_drains_is_answered(
-    nursery: trio.Nursery,
-) -> None:
-    # The client's next request is in the server's socket when the drain ends the wait for
-    # it: it is served, the connection's last, and the connection then closes without a reset
-    # (which would have lost the answer and made the client see "connection reset").
-    server = HttpServer(_ok, HttpLimits())
+async def _ok_then_slow(request: HttpRequest) -> None:
+    if request.path == "/slow":
+        await trio.sleep(0.2)  # a model call's time
+    await request.respond(200, [("content-type", "text/plain")], [b"ok"])
+
+
+async def test_a_request_that_arrived_on_an_idle_connection_as_it_drains_is_answered() -> None:
+    # The client's next request is in the server's socket when a shutdown's drain ends the
+    # wait for it: it is served within the grace period (counted in flight from the drain),
+    # the connection's last, and the connection then closes without a reset (which would have
+    # lost the answer and made the client see "connection reset"). As run_server does, the
+    # connections are cut off once the shutdown returns.
+    server = HttpServer(_ok_then_slow, HttpLimits())
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    await nursery.start(server.serve, listeners)
-    request = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
-    with socket.create_connection(listeners[0].socket.getsockname()[:2]) as sock:
-        sock.settimeout(10)
-        sock.sendall(request)
-        first = await trio.to_thread.run_sync(sock.recv, 65536)
-        assert first.startswith(b"HTTP/1.1 200")
-        await trio.testing.wait_all_tasks_blocked()  # the connection waits for its next head
-        sock.sendall(request)  # in the server's socket buffer when sendall returns
-        server.stop_accepting()  # before the connection's task runs again
+    with socket.socket() as sock:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve, listeners)
+            sock.connect(listeners[0].socket.getsockname()[:2])
+            sock.settimeout(10)
+            sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = await trio.to_thread.run_sync(sock.recv, 65536)
+            assert first.startswith(b"HTTP/1.1 200")
+            await trio.testing.wait_all_tasks_blocked()  # it waits for the next head
+            sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")  # in its socket now
+            await server.shutdown(grace_period=10)  # before the connection's task runs again
+            nursery.cancel_scope.cancel()
         answer = await trio.to_thread.run_sync(_response, sock)
     assert answer.startswith(b"HTTP/1.1 200")
     assert b"\r\nconnection: close\r\n" in answer.lower()
     assert answer.endswith(b"ok")
+
+
+async def test_a_connection_cut_off_while_it_lingers_still_closes_its_socket() -> None:
+    # A shutdown's deadline (run_server's _CLOSE_SLACK) can end a connection's linger: its
+    # socket must be closed all the same, not left to the garbage collector.
+    async def never_called(call: Call) -> None:
+        raise AssertionError
+
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    server = GrpcServer(never_called, ProtocolLimits())
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve, listeners)
+        port = listeners[0].socket.getsockname()[1]
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        client.initiate_connection()
+        await stream.send_all(client.data_to_send())
+        await stream.receive_some(65536)  # the server's preface: the connection is up
+        before = open_descriptors()
+        server.stop_accepting()  # GOAWAY, and the listener closes
+        for connection in list(server._connections):
+            connection.close()  # no call in flight: it ends, and lingers for the client
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    after = open_descriptors()
+    await stream.aclose()
+    assert after <= before - 2  # the listener's socket and the connection's

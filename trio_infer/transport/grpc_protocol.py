@@ -169,8 +169,14 @@ _UNENCODED = "".join(chr(byte) for byte in range(0x20, 0x7F) if byte != ord("%")
 def grpc_message_value(message: str) -> str:
     """A status message as gRPC's ``grpc-message`` trailer carries it: UTF-8, percent-encoded
     only where the protocol requires (``%``, control characters and non-ASCII), as grpc's own
-    servers send it, so that a client shows it readable even where it does not decode it."""
-    return quote(message, safe=_UNENCODED)
+    servers send it, so that a client shows it readable even where it does not decode it; and
+    a space at either end, which would make the field malformed (RFC 9113 §8.2.1)."""
+    value = quote(message, safe=_UNENCODED)
+    if value.startswith(" "):
+        value = "%20" + value[1:]
+    if value.endswith(" "):
+        value = value[:-1] + "%20"
+    return value
 
 
 def _request_id(value: str) -> bytes:
@@ -222,9 +228,8 @@ _DEADLINE_SLACK = (0.2, 0.001)
 
 def at_deadline(now: float, deadline: float | None, timeout: float) -> bool:
     """Whether a call's client cancelling it at ``now`` is its deadline passing (``deadline``
-    and ``timeout`` in seconds; None: the call has none), which the client, not an attacker,
-    sends for every call that runs out of time: such cancels are not counted against
-    ``_RESETS``."""
+    and ``timeout`` in seconds; None: the call has none), which a client sends for every call
+    that runs out of time: such cancels count against the wider ``_DEADLINE_RESETS``."""
     if deadline is None:
         return False
     fraction, least = _DEADLINE_SLACK
@@ -310,10 +315,13 @@ _FRAMES_PER_PASS = 512
 #: Calls a client may cancel (RST_STREAM) before their deadline, per connection, before its
 #: frames are read more slowly: a rapid-reset attack (CVE-2023-44487) resets tens of thousands
 #: of calls a second, each having cost the server a call. A grpc client cancels a call whose
-#: deadline passes, thousands a second in a deadline storm: those are not counted
-#: (:func:`at_deadline`). And a client's other calls share its connection: past the bound, the
-#: connection is not closed but read no faster than the bound allows.
+#: deadline passes, thousands a second in a deadline storm: those count against a wider bound
+#: (:func:`at_deadline`). And a client's other calls share its connection: past either bound,
+#: the connection is not closed but read no faster than the bound allows.
 _RESETS = (1000.0, 500.0)
+#: The bound on cancels at a call's deadline, which the client sets: wider, for deadline storms,
+#: but a bound all the same (a client could send every call with a deadline that has passed).
+_DEADLINE_RESETS = (10_000.0, 5_000.0)
 #: SETTINGS frames a client may send, per connection: one at the start and a few later at most;
 #: each costs an ACK.
 _SETTINGS_FRAMES = (10.0, 100.0)
@@ -670,6 +678,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         self._frame_dispatch_table[_HeadersRecord] = self._receive_headers_frame
         self._frame_dispatch_table[_WindowUpdateRecord] = self._receive_window_update_frame
         self._resets = RateLimit(*_RESETS)
+        self._deadline_resets = RateLimit(*_DEADLINE_RESETS)
         self._settings_frames = RateLimit(*_SETTINGS_FRAMES)
         #: What is queued to send ahead of ``_data_to_send``, in order: earlier contents of that
         #: buffer, and large DATA frames as a header and the payload itself.
@@ -927,15 +936,12 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         if self._is_cleaned_up(frame.stream_id):
             return [], []
         stream = self.streams.get(frame.stream_id)
-        now = time.monotonic()
-        if (
-            stream is not None
-            and not stream.closed  # a call cancelled, not one that has ended
-            and not at_deadline(
-                now, getattr(stream, "grpc_deadline", None), getattr(stream, "grpc_timeout", 0.0)
-            )
-        ):
-            self.read_pause = max(self.read_pause, self._resets.owe(now))
+        if stream is not None and not stream.closed:  # a call cancelled, not one that has ended
+            now = time.monotonic()
+            deadline = getattr(stream, "grpc_deadline", None)
+            timeout = getattr(stream, "grpc_timeout", 0.0)
+            bound = self._deadline_resets if at_deadline(now, deadline, timeout) else self._resets
+            self.read_pause = max(self.read_pause, bound.owe(now))
         return super()._receive_rst_stream_frame(frame)
 
     def _receive_ping_frame(self, frame: Any) -> Any:

@@ -553,12 +553,15 @@ class Connection:
                     nursery.cancel_scope.cancel()
         finally:
             try:
-                if self._goodbye_pending:
-                    await self._send_goodbye()
-                if self._closing or self._goodbye_pending:
-                    # The client may still be sending: a reset could cost it the GOAWAY.
-                    await linger(self._socket)
-                await trio.aclose_forcefully(self._stream)
+                try:
+                    if self._goodbye_pending:
+                        await self._send_goodbye()
+                    if self._closing or self._goodbye_pending:
+                        # The client may still be sending: a reset could cost it the GOAWAY.
+                        await linger(self._socket)
+                finally:
+                    # Closed however the above ends (a shutdown's deadline can cut a linger).
+                    await trio.aclose_forcefully(self._stream)
             finally:
                 # Nothing more will be written: what waited for its bytes to leave is free.
                 while self._releases:

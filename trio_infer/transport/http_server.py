@@ -661,6 +661,9 @@ class HttpConnection:
         self._waiting = trio.CancelScope()
         #: Whether the connection waits for a request's head.
         self._idle = False
+        #: A drain found the client's next request arriving, and counted it in flight until
+        #: it is answered (see :meth:`drain`).
+        self._arriving = False
         #: Requests whose heads were received on this connection.
         self._served = 0
         self.head_only = False
@@ -728,6 +731,8 @@ class HttpConnection:
                 else:
                     if message is not None:
                         await self._serve_request(message)
+                finally:
+                    self._arrived()
                 should_linger = True
             if error is not None:
                 await self._answer_error(error.status, error.message)
@@ -735,6 +740,7 @@ class HttpConnection:
             if should_linger:
                 await linger(self._socket)
         finally:
+            self._arrived()
             await trio.aclose_forcefully(self._stream)
 
     def drain(self) -> None:
@@ -743,7 +749,17 @@ class HttpConnection:
         written."""
         self.closing = True
         if self._idle:
+            if not self._arriving and (self._head_begun() or _readable_now(self._socket)):
+                # Counted in flight from now, so that a shutdown gives it its grace period.
+                self._arriving = True
+                self._requests_in_flight.increment()
             self._waiting.cancel()
+
+    def _arrived(self) -> None:
+        """The request a drain found arriving has been answered (or never came)."""
+        if self._arriving:
+            self._arriving = False
+            self._requests_in_flight.decrement()
 
     def retire_if_due(self) -> None:
         """Past its maximum age, make the response about to be sent the connection's last."""
