@@ -53,11 +53,7 @@ from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
 from h2.stream import StreamClosedBy, StreamInputs
 from h2.stream import _decode_headers as _headers_to_str
-from h2.utilities import (
-    HeaderValidationFlags,
-    normalize_inbound_headers,
-    validate_headers,
-)
+from h2.utilities import HeaderValidationFlags, normalize_inbound_headers, validate_headers
 from hpack import HeaderTuple, NeverIndexedHeaderTuple
 from hyperframe.exceptions import InvalidFrameError, InvalidPaddingError
 from hyperframe.frame import GoAwayFrame, RstStreamFrame
@@ -663,7 +659,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         #: The frames of the last read are not all handled yet (see :meth:`receive_data`).
         self.input_pending = False
         #: Seconds to wait before reading more of the client's frames (calls it cancelled
-        #: faster than ``_RESETS`` allows); the transport takes it with :meth:`take_read_pause`.
+        #: faster than their bounds allow); the transport takes it with ``take_read_pause``.
         self.read_pause = 0.0
         #: Debug data for the GOAWAY that ends the connection, when h2 sends one.
         self._goodbye_reason = b""
@@ -805,8 +801,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         unless it is open, where that changes nothing; the stream made, its state machine moved
         to OPEN, or HALF_CLOSED_REMOTE with END_STREAM; a content-length read), but the
         stream's state machine set by hand: its inputs cost a tuple of enums hashed in Python
-        each. The headers are handed over as decoded (a list
-        of the decoder's own), as this connection's configuration asks of h2.
+        each. The headers are handed over as decoded (a list of the decoder's own), as this
+        connection's configuration asks of h2.
 
         One difference from h2, on purpose: a block with a response's ``:status`` (h2 takes an
         informational one for a response its state machine refuses, and ends the connection)
