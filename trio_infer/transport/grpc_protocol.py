@@ -476,9 +476,10 @@ class _WindowUpdateRecord:
 
 
 def _connection_input(h2_connection: Any, sent: ConnectionInputs) -> None:
-    """Give h2's connection state machine a SEND_HEADERS or SEND_DATA input. In SERVER_OPEN,
-    where a connection spends its life, h2's transition for either is to stay, doing nothing:
-    only another state needs the machine (which refuses the input after a GOAWAY)."""
+    """Give h2's connection state machine a SEND_HEADERS, SEND_DATA or RECV_HEADERS input. In
+    SERVER_OPEN, where a connection spends its life, h2's transition for each is to stay, doing
+    nothing: only another state needs the machine (which opens the connection on its first
+    request, and refuses the input after a GOAWAY)."""
     if h2_connection.state_machine.state is not ConnectionState.SERVER_OPEN:
         h2_connection.state_machine.process_input(sent)
 
@@ -622,11 +623,6 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
 
 #: The largest flow-control window (RFC 9113 §6.9.1).
 _MAX_WINDOW = 2**31 - 1
-#: Stream states in which a WINDOW_UPDATE only adds to the stream's window (h2's state machine
-#: changes nothing else in them).
-_WINDOW_UPDATE_STATES = frozenset(
-    (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
-)
 
 
 def _window_updated(stream_id: int, delta: int) -> h2.events.WindowUpdated:
@@ -812,8 +808,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             h2.exceptions.ProtocolError: what h2 raises for this block.
         """
         headers = _decode_headers(self.decoder, frame.data)
-        if self.state_machine.state is not ConnectionState.SERVER_OPEN:
-            self.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
+        _connection_input(self, ConnectionInputs.RECV_HEADERS)
         stream = self._begin_new_stream(frame.stream_id, AllowedStreamIDs.ODD)
         states = stream.state_machine
         states.state = _OPEN
@@ -912,12 +907,13 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                     self.outbound_flow_control_window += increment
                     return [], [_window_updated(0, increment)]
             else:
+                # In OPEN and HALF_CLOSED_REMOTE a WINDOW_UPDATE only adds to the stream's
+                # window (h2's state machine changes nothing else in them).
                 stream = self.streams.get(stream_id)
+                state = None if stream is None else stream.state_machine.state
                 if (
-                    stream is not None
-                    and stream.state_machine.state in _WINDOW_UPDATE_STATES
-                    and stream.outbound_flow_control_window + increment <= _MAX_WINDOW
-                ):
+                    state is _OPEN or state is _HALF_CLOSED_REMOTE
+                ) and stream.outbound_flow_control_window + increment <= _MAX_WINDOW:
                     stream.outbound_flow_control_window += increment
                     return [], [_window_updated(stream_id, increment)]
         if self._is_cleaned_up(stream_id):

@@ -749,7 +749,7 @@ class HttpConnection:
         written."""
         self.closing = True
         if self._idle:
-            if not self._arriving and (self._head_begun() or _readable_now(self._socket)):
+            if not self._arriving and self._next_arriving():
                 # Counted in flight from now, so that a shutdown gives it its grace period.
                 self._arriving = True
                 self._requests_in_flight.increment()
@@ -863,9 +863,10 @@ class HttpConnection:
         self._head_fed += size
         return True
 
-    async def _next_request(self) -> _Message | None:
+    async def _next_request(self, last: bool = False) -> _Message | None:
         """The next request's line and headers; None when the connection is to end: the
-        client closed it, or the server drains.
+        client closed it, or the server drains (unless this is the ``last`` request it reads,
+        one that had begun to arrive).
 
         A new connection has the handshake timeout to send its first request's head; a
         keep-alive one the idle timeout to start the next, and the handshake timeout to finish
@@ -876,7 +877,7 @@ class HttpConnection:
             HttpError: the request's head is malformed (400) or too large (431), or it asks for
                 what is not served (501, 505).
         """
-        if self.closing:
+        if self.closing and not last:
             return None
         limits = self.limits
         timeout = limits.idle_timeout if self._served else limits.handshake_timeout
@@ -920,16 +921,17 @@ class HttpConnection:
         Raises:
             HttpError: as :meth:`_next_request`.
         """
-        if not (self._head_begun() or _readable_now(self._socket)):
+        self.closing = True  # its answer is the connection's last
+        if not self._next_arriving():
             return None
-        self.closing = False  # for _next_request, which reads nothing for a closing connection
         self._waiting = trio.CancelScope()
-        try:
-            with self._waiting:
-                return await self._next_request()
-            return None  # cancelled again (a drain, the deadline): nothing more is waited for
-        finally:
-            self.closing = True  # its answer is the connection's last
+        with self._waiting:
+            return await self._next_request(last=True)
+        return None  # cancelled again (a drain, the deadline): nothing more is waited for
+
+    def _next_arriving(self) -> bool:
+        """Whether some of the next request has arrived: buffered, or in the socket."""
+        return self._head_begun() or _readable_now(self._socket)
 
     def _head_begun(self) -> bool:
         """Whether some of a request's head has arrived (and not all of it)."""
