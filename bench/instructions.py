@@ -22,13 +22,14 @@ import http.client
 import json
 import os
 import platform
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -49,7 +50,7 @@ CONTROL_TIMEOUT = 60.0
 #: Where a dump gives its total: ``summary:`` or ``totals:``, then the events (Ir first).
 TOTAL_PREFIXES = ("summary:", "totals:")
 #: The scenarios, in the table's order.
-SCENARIOS = ("live", "dense-n1", "dense-n64", "rest-live", "rest-dense-n1")
+SCENARIOS = ("live", "dense-n1", "dense-n64", "stream-dense-n1", "rest-live", "rest-dense-n1")
 
 
 def log(message: str) -> None:
@@ -171,9 +172,14 @@ class Client:
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.http_port = server.http_port
         self.http: http.client.HTTPConnection | None = None
+        #: The open ModelStreamInfer stream's requests (None ends it) and responses.
+        self._sending: queue.SimpleQueue[pb.ModelInferRequest | None] | None = None
+        self._answers: Iterator[pb.ModelStreamInferResponse] | None = None
 
     def close(self) -> None:
-        """Close both connections."""
+        """End the stream and close both connections."""
+        if self._sending is not None:
+            self._sending.put(None)
         self.channel.close()
         if self.http is not None:
             self.http.close()
@@ -203,6 +209,8 @@ class Client:
             return self._live()
         if scenario.startswith("dense-n"):
             return self._dense(int(scenario.removeprefix("dense-n")))
+        if scenario == "stream-dense-n1":
+            return self._stream_dense(1)
         if scenario == "rest-live":
             return self._rest_live()
         if scenario == "rest-dense-n1":
@@ -225,6 +233,28 @@ class Client:
             lambda: self.stub.ModelInfer(request, timeout=CALL_TIMEOUT),
             lambda response: client.check_dense(response, x),
         )
+
+    def _stream_dense(self, rows: int) -> Probe:
+        """One message at a time over one ModelStreamInfer stream, opened on first use."""
+        x = client.dense_input(rows)
+        request = client.infer_request("dense", x, raw=True)
+        if self._sending is None:
+            self._sending = queue.SimpleQueue()
+            self._answers = self.stub.ModelStreamInfer(iter(self._sending.get, None))
+        sending, answers = self._sending, self._answers
+        assert answers is not None
+
+        def call() -> object:
+            sending.put(request)
+            return next(answers)
+
+        def check(response: object) -> str:
+            assert isinstance(response, pb.ModelStreamInferResponse)
+            if response.error_message:
+                return f"error_message: {response.error_message}"
+            return client.check_dense(response.infer_response, x)
+
+        return Probe(call, check)
 
     def _rest_live(self) -> Probe:
         return Probe(

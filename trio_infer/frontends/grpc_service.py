@@ -14,6 +14,7 @@ import hmac
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -324,6 +325,8 @@ class GrpcService:
         sending = _StreamSender(call)
         slots = trio.Semaphore(_STREAM_IN_FLIGHT)
         turns = _SequenceTurns()
+        # A stream's metadata is its first header block's: the same for all its messages.
+        headers = _model_headers(call)
         refused: InferError | None = None
         async with trio.open_nursery() as messages:
             sending.scope = messages.cancel_scope
@@ -334,15 +337,15 @@ class GrpcService:
                     slots.acquire_nowait()
                 except trio.WouldBlock:
                     await slots.acquire()
-                # The message's reservation passes to its task, which gives it back.
-                held = contextlib.AsyncExitStack()
+                # The message's reservation passes to its task, which leaves ``held``.
+                held = self.core.reserve(length, call.deadline, call.connection_id)
+                reservation = None
                 try:
-                    reservation = await held.enter_async_context(
-                        self.core.reserve(length, call.deadline, call.connection_id)
-                    )
+                    reservation = await held.__aenter__()
                     data = await call.receive_message()
                 except BaseException as error:
-                    await held.aclose()
+                    if reservation is not None:
+                        await held.__aexit__(type(error), error, error.__traceback__)
                     slots.release()
                     if not isinstance(error, InferError):
                         raise
@@ -365,7 +368,15 @@ class GrpcService:
                 del data
                 turn = None if isinstance(request, InferError) else turns.take(request)
                 messages.start_soon(
-                    self._stream_message, call, held, reservation, request, turn, sending, slots
+                    self._stream_message,
+                    call,
+                    held,
+                    reservation,
+                    request,
+                    headers,
+                    turn,
+                    sending,
+                    slots,
                 )
         call.trailing_metadata = tuple(sending.trailers.items())
         if sending.failure is not None:
@@ -376,23 +387,27 @@ class GrpcService:
     async def _stream_message(
         self,
         call: Call,
-        held: contextlib.AsyncExitStack,
+        held: AbstractAsyncContextManager[Reservation],
         reservation: Reservation,
         request: Any,
+        headers: Mapping[str, str],
         turn: _Turn | None,
         sending: _StreamSender,
         slots: trio.Semaphore,
     ) -> None:
-        """One message of a stream, from its admission (``held``, which holds ``reservation``,
-        is the task's to close) to its answer. ``request`` is the parsed request, or the
-        InferError its parse failed with; ``turn`` orders it among its sequence's."""
+        """One message of a stream, from its admission (``held``, entered, which holds
+        ``reservation``, is the task's to leave) to its answer. ``request`` is the parsed
+        request, or the InferError its parse failed with; ``headers``: the stream's metadata as
+        models see it; ``turn`` orders it among its sequence's."""
         try:
             try:
                 if turn is None:
-                    answer = await self._stream_answer(call, request, reservation, sending)
+                    answer = await self._stream_answer(call, request, headers, reservation, sending)
                 else:
                     async with turn:
-                        answer = await self._stream_answer(call, request, reservation, sending)
+                        answer = await self._stream_answer(
+                            call, request, headers, reservation, sending
+                        )
                 if answer is not None and not sending.claim(answer):
                     answer = _stream_error(_TRAILERS_FULL, request)
                     sending.claim(answer)
@@ -403,12 +418,17 @@ class GrpcService:
             finally:
                 # Sent or not, the answer's buffers may be queued: held until written.
                 call.release_when_written(reservation.release_later())
-                await held.aclose()
+                await held.__aexit__(None, None, None)
         finally:
             slots.release()
 
     async def _stream_answer(
-        self, call: Call, request: Any, reservation: Reservation, sending: _StreamSender
+        self,
+        call: Call,
+        request: Any,
+        headers: Mapping[str, str],
+        reservation: Reservation,
+        sending: _StreamSender,
     ) -> _Answer | None:
         """One stream message's answer: its ModelInferResponse, or its error; None when a
         decoupled model's responses were sent already (:meth:`_stream_each`)."""
@@ -418,9 +438,7 @@ class GrpcService:
                 request = None
                 raise failure
             context = RequestContext(
-                deadline=call.deadline,
-                headers=_model_headers(call),
-                reservation=reservation,
+                deadline=call.deadline, headers=headers, reservation=reservation
             )
             if self.core.decoupled(request.model_name, request.model_version):
                 await self._stream_each(call, request, context, sending)
