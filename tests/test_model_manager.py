@@ -32,7 +32,7 @@ class FakePool:
     def statistics(self) -> Any:
         return SimpleNamespace(workers=1)
 
-    async def warm_up(self, models: Sequence[ModelSettings]) -> int:
+    async def warm_up(self, models: Sequence[ModelSettings], *, keep_serving: bool = False) -> int:
         await trio.lowlevel.checkpoint()
         return 1
 

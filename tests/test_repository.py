@@ -553,8 +553,9 @@ async def test_a_load_while_an_unload_waits_for_calls_keeps_the_model_served(
 
         calls.start_soon(unload)
         assert await index_entry(triton, "model", "UNLOADING") == "unloading"
-        # Loaded again before the unload could drop it (the load waits for the worker that
-        # runs the held call, so the unload's drop and the load meet): the load wins.
+        # Loaded again before the unload could drop it: every worker holds these settings
+        # already, so the load does not wait for the worker that runs the held call, and the
+        # unload's drop, when it comes, finds the model served again: the load wins.
         loaded = trio.Event()
 
         async def load() -> None:
@@ -562,7 +563,10 @@ async def test_a_load_while_an_unload_waits_for_calls_keeps_the_model_served(
             loaded.set()
 
         calls.start_soon(load)
-        assert await index_entry(triton, "model", "LOADING") == ""
+        with trio.fail_after(10):
+            await loaded.wait()
+        assert not unloaded.is_set()
+        assert await index_entry(triton, "model", "READY") == ""
         (repo.state / "release").touch()
         await unloaded.wait()
         await loaded.wait()

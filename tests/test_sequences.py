@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import signal
 import textwrap
+import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,11 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.support import GrpcioClient, eventually, start_server, write_repository
-from trio_infer.errors import InvalidInput
+from trio_infer.errors import InvalidInput, Unavailable
 from trio_infer.model import Parameters, ParameterValue
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
-from trio_infer.scheduling.sequences import SequenceFlags, sequence_of
+from trio_infer.scheduling.sequences import SequenceFlags, SequenceTable, sequence_of
 from trio_infer.server import RunningServer
 
 MODEL = textwrap.dedent(
@@ -274,3 +277,105 @@ async def test_a_sequences_requests_sent_in_one_burst_on_a_stream_run_in_order(
     assert [a.error_message for a in answers] == [""] * 40
     sums = {int(a.infer_response.id): decode_outputs(a.infer_response)["sum"][0] for a in answers}
     assert [sums[i] for i in range(1, 41)] == [i * (i + 1) // 2 for i in range(1, 41)]
+
+
+def test_the_sequence_table_counts_each_holders_live_sequences_without_walking_them() -> None:
+    # held_by is asked for every lane at each sequence_start: it must not walk every live
+    # sequence (starts would cost O(live sequences) on the event loop: quadratic under a flood
+    # of starts), and must agree with the pins through starts, ends, idle drops and losses.
+    class Walked(OrderedDict):  # type: ignore[type-arg]
+        walks = 0
+
+        def values(self):  # type: ignore[no-untyped-def, override]
+            Walked.walks += 1
+            return super().values()
+
+    holders = ["a", "b", "c"]
+    table: SequenceTable[str] = SequenceTable()
+    rng = random.Random(7)
+    now = 0.0
+
+    def brute(holder: str) -> int:
+        return sum(
+            1
+            for pins in table._models.values()
+            for pin in pins.values()
+            if pin.holder is holder and pin.lost is None
+        )
+
+    for _ in range(3000):
+        now += rng.random() * 0.01
+        op = rng.random()
+        sequence = rng.randrange(1, 200)
+        model = rng.choice(["m", "n"])
+        try:
+            if op < 0.5:
+                flags = SequenceFlags(sequence, rng.random() < 0.5, rng.random() < 0.2)
+                pin = table.route(model, flags, 1.0, now, lambda: rng.choice(holders))
+                table.finished(pin, now)
+            elif op < 0.52:
+                table.lose(rng.choice(holders), "test")
+        except (InvalidInput, Unavailable):  # not started, or lost with its holder
+            pass
+        for holder in holders:
+            assert table.held_by(holder) == brute(holder)
+
+    for model in list(table._models):
+        table._models[model] = Walked(table._models[model])
+    Walked.walks = 0
+    for holder in holders:
+        table.held_by(holder)
+    assert Walked.walks == 0
+
+
+async def test_a_sequence_request_on_a_stream_times_out_while_waiting_for_its_turn(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # A model that takes 1.5 s for the sequence's first request: the second, sent with a
+    # timeout of 200 ms, fails at its timeout while it waits for its turn; the third still
+    # runs after the first (running sum 1 + 100: the second never ran).
+    source = MODEL.replace(
+        "        total = self.sums[sequence]",
+        "        time.sleep(parameters.get('delay', 0))\n        total = self.sums[sequence]",
+    ).replace("import os\n", "import os\nimport time\n", 1)
+    spec = {
+        "implementation": "accumulate.Accumulate",
+        "inputs": [{"name": "x", "datatype": "INT64", "shape": [-1]}],
+        "outputs": [
+            {"name": "sum", "datatype": "INT64", "shape": [-1]},
+            {"name": "pid", "datatype": "INT64", "shape": [-1]},
+        ],
+    }
+    root = write_repository(tmp_path / "slow", {"slow_accumulate": spec}, "accumulate", source)
+    server = await start_server(nursery, root, workers=2)
+    requests = []
+    for index, (value, parameters) in enumerate(
+        [
+            (1, {"sequence_start": True, "sequence_end": False, "delay": 1.5}),
+            (10, {"sequence_start": False, "sequence_end": False, "timeout": 200_000}),
+            (100, {"sequence_start": False, "sequence_end": True}),
+        ]
+    ):
+        request = pb.ModelInferRequest(model_name="slow_accumulate", id=str(index))
+        encode_inputs(request, [("x", np.array([value], np.int64))], raw=True)
+        encode_parameters(request.parameters, {"sequence_id": 5, **parameters})
+        requests.append(request)
+    client = GrpcioClient(server.port)
+
+    def stream() -> list[tuple[float, Any]]:
+        t0 = time.monotonic()
+        return [
+            (time.monotonic() - t0, answer)
+            for answer in client.stub.ModelStreamInfer(iter(requests), timeout=20)
+        ]
+
+    try:
+        answers = await trio.to_thread.run_sync(stream)
+    finally:
+        client.channel.close()
+    by_id = {answer.infer_response.id: (at, answer) for at, answer in answers}
+    at, second = by_id["1"]
+    assert "deadline exceeded" in second.error_message
+    assert at < 1.0  # at its own timeout, not once the first had been answered
+    assert [a.error_message for _, a in (by_id["0"], by_id["2"])] == ["", ""]
+    assert decode_outputs(by_id["2"][1].infer_response)["sum"][0] == 101

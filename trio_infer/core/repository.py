@@ -418,7 +418,8 @@ class ModelManager:
         async with self._lock(name):
             try:
                 try:
-                    await pool.warm_up([settings])
+                    # Not every worker at once: the models served meanwhile keep a worker.
+                    await pool.warm_up([settings], keep_serving=True)
                 except InferError as error:
                     # Workers that loaded it drop it again; the old settings still serve.
                     # Equal settings are the old ones' cache entry: those must stay.
@@ -463,7 +464,7 @@ class ModelManager:
         return finished
 
     async def _finish_unload(self, settings: ModelSettings, finished: trio.Event) -> None:
-        await self._drop_when_idle(settings)
+        await self._drop_when_idle(settings, "unloaded")
         registry = self.core.registry
         name = settings.name
         # Unless a load came meanwhile and serves it again (these settings or others, which a
@@ -476,22 +477,37 @@ class ModelManager:
             del self._unloading[name]
         finished.set()
 
-    async def _drop_when_idle(self, settings: ModelSettings) -> None:
+    async def _drop_when_idle(self, settings: ModelSettings, why: str = "reloaded") -> None:
         """Drop ``settings`` from the workers once no call holds them, or the grace period has
-        passed (a call still running then keeps its worker until its own deadline)."""
-        with trio.move_on_after(self.grace_period):
-            await self.core.admission.wait_idle(settings)
-        registry = self.core.registry
+        passed: a decoupled model's calls still running then are cancelled (UNAVAILABLE), or
+        a stream that never ends would hold the drop, and the model's lock with it, forever; a
+        unary call still running keeps its worker until it ends."""
+        admission = self.core.admission
         name = settings.name
+        with trio.move_on_after(self.grace_period):
+            await admission.wait_idle(settings)
+        if not self._kept(settings):
+            admission.cancel_calls(
+                settings,
+                f"model '{name}' was {why}: the call did not end within the grace period of "
+                f"{self.grace_period:g} s",
+            )
         # Done beside the lifecycle task, not in it: the workers drop the model after the calls
         # they hold, and one of those may run long. Only a load of this model waits (_switch).
         async with self._lock(name):
-            served = registry.served(name)
-            if served == settings and (served is not settings or not registry.is_unloading(name)):
-                # Loaded again meanwhile with equal settings: the workers' entry (keyed by value)
-                # is the newer one's, served, or for its own unload to drop after its own grace.
+            if self._kept(settings):
                 return
             await self.core.pool.unload(settings)
+
+    def _kept(self, settings: ModelSettings) -> bool:
+        """Whether settings being dropped were loaded again meanwhile with equal settings: the
+        workers' entry (keyed by value) is the newer one's, served, or for its own unload to
+        drop after its own grace."""
+        registry = self.core.registry
+        served = registry.served(settings.name)
+        return served == settings and (
+            served is not settings or not registry.is_unloading(settings.name)
+        )
 
     def _lock(self, name: str) -> trio.Lock:
         lock = self._locks.get(name)

@@ -318,7 +318,8 @@ class InferenceCore:
         recorder = self.recorder.model(settings.name, settings.version)
         with recorder.request(context.deadline) as timing:
             self._admit(settings, request, context)
-            with self.admission.model_slot(settings):
+            # Cancellable: a generator may never end, and its model's unload must.
+            with self.admission.model_slot(settings, cancellable=True):
                 priority, parameters = _model_parameters(request, context)
                 sequence = sequence_of(parameters)
 

@@ -404,10 +404,12 @@ class GrpcService:
                 if turn is None:
                     answer = await self._stream_answer(call, request, headers, reservation, sending)
                 else:
-                    async with turn:
-                        answer = await self._stream_answer(
-                            call, request, headers, reservation, sending
+                    try:
+                        answer = await self._turn_answer(
+                            call, request, headers, reservation, sending, turn
                         )
+                    finally:
+                        turn.answered()
                 if answer is not None and not sending.claim(answer):
                     answer = _stream_error(_TRAILERS_FULL, request)
                     sending.claim(answer)
@@ -419,8 +421,29 @@ class GrpcService:
                 # Sent or not, the answer's buffers may be queued: held until written.
                 call.release_when_written(reservation.release_later())
                 await held.__aexit__(None, None, None)
+                if turn is not None:
+                    await turn.leave()
         finally:
             slots.release()
+
+    async def _turn_answer(
+        self,
+        call: Call,
+        request: Any,
+        headers: Mapping[str, str],
+        reservation: Reservation,
+        sending: _StreamSender,
+        turn: _Turn,
+    ) -> _Answer | None:
+        """:meth:`_stream_answer` of a sequence's request, once the request before it has been
+        answered: its own ``timeout`` bounds that wait too (its clock starts when it arrives)."""
+        try:
+            own = _own_deadline(request)
+        except InferError as error:
+            return _stream_error(error.message, request)
+        if not await turn.wait(own):
+            return _stream_error(TIMED_OUT, request)
+        return await self._stream_answer(call, request, headers, reservation, sending, own)
 
     async def _stream_answer(
         self,
@@ -429,9 +452,11 @@ class GrpcService:
         headers: Mapping[str, str],
         reservation: Reservation,
         sending: _StreamSender,
+        own: float | None = None,
     ) -> _Answer | None:
         """One stream message's answer: its ModelInferResponse, or its error; None when a
-        decoupled model's responses were sent already (:meth:`_stream_each`)."""
+        decoupled model's responses were sent already (:meth:`_stream_each`). ``own``: its
+        ``timeout`` parameter's deadline, when it was taken out already."""
         try:
             if isinstance(request, InferError):
                 failure = request
@@ -441,9 +466,9 @@ class GrpcService:
                 deadline=call.deadline, headers=headers, reservation=reservation
             )
             if self.core.decoupled(request.model_name, request.model_version):
-                await self._stream_each(call, request, context, sending)
+                await self._stream_each(call, request, context, sending, own)
                 return None
-            answer = await self._infer_in_time(request, context)
+            answer = await self._infer_in_time(request, context, own)
             return _Answer(stream_response(answer.buffers), answer.headers, answer.trailers)
         except InferError as error:
             message = error.message
@@ -453,7 +478,12 @@ class GrpcService:
         return _stream_error(message, request)
 
     async def _stream_each(
-        self, call: Call, request: Any, context: RequestContext, sending: _StreamSender
+        self,
+        call: Call,
+        request: Any,
+        context: RequestContext,
+        sending: _StreamSender,
+        own: float | None = None,
     ) -> None:
         """A decoupled model's responses to one stream message, each sent as the model yields
         it, with the request's id and Triton's ``triton_final_response`` parameter.
@@ -466,7 +496,8 @@ class GrpcService:
         after the responses yielded before it.
         """
         empty_final = _take_flag(request, _EMPTY_FINAL)
-        own = _own_deadline(request)
+        if own is None:
+            own = _own_deadline(request)
         context.deadline = min(context.deadline, own)
         held: InferenceResponse | None = None
         state = _Decoded(raw=True, nbytes=0, message_size=0)
@@ -507,10 +538,14 @@ class GrpcService:
         assert timed.cancelled_caught
         raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
-    async def _infer_in_time(self, request: Any, context: RequestContext) -> _Answer:
+    async def _infer_in_time(
+        self, request: Any, context: RequestContext, own: float | None = None
+    ) -> _Answer:
         """:meth:`_infer`, ended with DEADLINE_EXCEEDED at the request's own ``timeout``
-        (its call's deadline is the call's cancel scope)."""
-        own = _own_deadline(request)
+        (its call's deadline is the call's cancel scope); ``own``, that deadline when it was
+        taken out of the request already."""
+        if own is None:
+            own = _own_deadline(request)
         if own == math.inf:
             # No timeout of its own: its call's scope bounds it, and a scope costs microseconds.
             return await self._infer(request, context)
@@ -779,19 +814,37 @@ def _take_flag(request: Any, name: str, default: bool = False) -> bool:
 
 
 class _Turn:
-    """One request's place among its sequence's on a stream: entered once the request before
-    it has been answered, left when this one has."""
+    """One request's place among its sequence's on a stream: it runs once the request before
+    it has been answered (or fails when its own ``timeout`` passes first), and the next one
+    runs once it has been answered."""
 
     def __init__(self, before: trio.Event | None, done: trio.Event) -> None:
         self._before = before
         self._done = done
 
-    async def __aenter__(self) -> None:
-        if self._before is not None:
+    async def wait(self, deadline: float) -> bool:
+        """Wait until the request before it has been answered, or ``deadline``: whether it
+        was."""
+        if self._before is None or self._before.is_set():
+            return True
+        with trio.move_on_at(deadline):
             await self._before.wait()
+        return self._before.is_set()
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._done.set()
+    def answered(self) -> None:
+        """It has been answered: the next request may go, unless this one gave up waiting
+        (its timeout) before the one ahead of it was answered (see :meth:`leave`)."""
+        if self._before is None or self._before.is_set():
+            self._done.set()
+
+    async def leave(self) -> None:
+        """Its answer has been sent: the next request may go once the one ahead of this one
+        has been answered too, or they could reach the worker out of order."""
+        try:
+            if not self._done.is_set() and self._before is not None:
+                await self._before.wait()
+        finally:
+            self._done.set()
 
 
 class _SequenceTurns:

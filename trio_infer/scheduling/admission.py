@@ -49,12 +49,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from types import TracebackType
 
 import numpy as np
 import trio
 
 from trio_infer.datatypes import DATATYPES
-from trio_infer.errors import Overloaded
+from trio_infer.errors import Overloaded, Unavailable
 from trio_infer.repository.settings import ModelSettings, TensorSpec
 
 __all__ = ["Admission", "AdmissionStatistics", "Reservation", "estimate_output_bytes"]
@@ -233,6 +234,11 @@ class Admission:
         # unloaded is let go of only once the calls that looked up its old settings are done.
         self._by_settings: dict[int, int] = {}
         self._idle: dict[int, trio.Event] = {}
+        # The cancel scopes of the calls holding each settings object's slots (by identity), and
+        # why they were cancelled once :meth:`cancel_calls` has: a model unloaded, or settings
+        # replaced by a reload, end the calls that outlive the grace period.
+        self._scopes: dict[int, set[trio.CancelScope]] = {}
+        self._withdrawn: dict[int, str] = {}
         self._rejected: Counter[str] = Counter()
         # Invariant: an owner is a key exactly while it holds reserved bytes, and its value is
         # their sum, at most max_owner_bytes.
@@ -305,13 +311,15 @@ class Admission:
                 )
         return reservation
 
-    def model_slot(self, settings: ModelSettings) -> ModelSlot:
-        """One of the model's ``max_queue_size`` slots, held for the ``with`` block.
+    def model_slot(self, settings: ModelSettings, *, cancellable: bool = False) -> ModelSlot:
+        """One of the model's ``max_queue_size`` slots, held for the ``with`` block;
+        ``cancellable``: :meth:`cancel_calls` may end the block (UNAVAILABLE) once its model
+        is unloaded or replaced (a call that may never end on its own: a stream's generator).
 
         Raises:
             Overloaded: on entering the block, every slot of the model is taken.
         """
-        return ModelSlot(self, settings)
+        return ModelSlot(self, settings, cancellable)
 
     def _take_slot(self, settings: ModelSettings) -> None:
         """Take a slot for :class:`ModelSlot` entering its block, or refuse it."""
@@ -335,9 +343,24 @@ class Admission:
             self._by_settings[key] = held
         else:
             del self._by_settings[key]
+            self._scopes.pop(key, None)
+            self._withdrawn.pop(key, None)
             idle = self._idle.pop(key, None)
             if idle is not None:
                 idle.set()
+
+    def cancel_calls(self, settings: ModelSettings, why: str) -> int:
+        """Cancel every call holding a ``cancellable`` slot of these very settings; each ends
+        with UNAVAILABLE ``why`` (a model unloaded, or replaced by a reload, whose calls
+        outlived the grace period). Returns how many were cancelled."""
+        key = id(settings)
+        scopes = self._scopes.get(key)
+        if not scopes:
+            return 0
+        self._withdrawn[key] = why
+        for scope in scopes:
+            scope.cancel()
+        return len(scopes)
 
     async def wait_idle(self, settings: ModelSettings) -> None:
         """Wait until no request holds a slot of these very settings (by identity: the calls
@@ -501,14 +524,51 @@ class ModelSlot:
     block, given back on leaving it (a class, not a generator: one is made per request). It
     holds the settings, whose identity keys :meth:`Admission.wait_idle`."""
 
-    __slots__ = ("_admission", "_settings")
+    __slots__ = ("_admission", "_cancellable", "_scope", "_settings")
 
-    def __init__(self, admission: Admission, settings: ModelSettings) -> None:
+    def __init__(
+        self, admission: Admission, settings: ModelSettings, cancellable: bool = False
+    ) -> None:
         self._admission = admission
         self._settings = settings
+        self._cancellable = cancellable
+        self._scope: trio.CancelScope | None = None
 
     def __enter__(self) -> None:
-        self._admission._take_slot(self._settings)
+        admission = self._admission
+        admission._take_slot(self._settings)
+        if not self._cancellable:
+            return
+        # A scope of its own, for Admission.cancel_calls: a call that may never end on its own
+        # (a decoupled model's stream) is ended once its model's unload grace period is over.
+        self._scope = scope = trio.CancelScope()
+        key = id(self._settings)
+        scopes = admission._scopes.get(key)
+        if scopes is None:
+            scopes = admission._scopes[key] = set()
+        scopes.add(scope)
+        scope.__enter__()
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._admission._release_slot(self._settings)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        admission = self._admission
+        scope = self._scope
+        if scope is None:
+            admission._release_slot(self._settings)
+            return
+        key = id(self._settings)
+        why = admission._withdrawn.get(key)
+        try:
+            scope.__exit__(exc_type, exc, traceback)
+        finally:
+            scopes = admission._scopes.get(key)
+            if scopes is not None:
+                scopes.discard(scope)
+            admission._release_slot(self._settings)
+        if scope.cancelled_caught:
+            # Only this scope's own cancel is caught here: Admission.cancel_calls.
+            raise Unavailable(why or f"model '{self._settings.name}' was unloaded")

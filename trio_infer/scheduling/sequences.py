@@ -17,7 +17,7 @@ workers.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -82,6 +82,8 @@ class Pin(Generic[Holder]):
     """Its requests in flight."""
     lost: str | None = None
     """Why it was lost with its worker; its later requests fail with this message."""
+    counted: bool = False
+    """Whether its table counts it as held by its holder (live, neither ended nor lost)."""
 
     def lose(self, cause: str) -> None:
         """Mark it lost with its worker (once: the first cause is kept)."""
@@ -100,6 +102,9 @@ class SequenceTable(Generic[Holder]):
 
     def __init__(self) -> None:
         self._models: dict[str, OrderedDict[SequenceId, Pin[Holder]]] = {}
+        # How many live pins each holder has (what held_by answers): kept as pins come and go,
+        # since a walk of every pin on each sequence_start makes starts cost O(live sequences).
+        self._held: Counter[Holder] = Counter()
 
     def route(
         self,
@@ -124,7 +129,8 @@ class SequenceTable(Generic[Holder]):
         self._drop_idle(pins, idle_limit, now)
         pin = pins.get(sequence.id)
         if sequence.start and (pin is None or pin.lost is not None):
-            pin = pins[sequence.id] = Pin(model, sequence.id, choose(), now)
+            pin = pins[sequence.id] = Pin(model, sequence.id, choose(), now, counted=True)
+            self._held[pin.holder] += 1
         elif pin is None:
             raise InvalidInput(
                 f"inference request for sequence {sequence.id!r} to model '{model}' must "
@@ -137,6 +143,7 @@ class SequenceTable(Generic[Holder]):
         pin.busy += 1
         if sequence.end:
             del pins[sequence.id]
+            self._uncount(pin)
         return pin
 
     def finished(self, pin: Pin[Holder], now: float) -> None:
@@ -154,23 +161,28 @@ class SequenceTable(Generic[Holder]):
             for pin in pins.values():
                 if pin.holder is holder and pin.lost is None:
                     pin.lose(cause)
+                    self._uncount(pin)
                     lost.append(pin)
         return lost
 
     def held_by(self, holder: Holder) -> int:
         """How many live sequences ``holder`` runs."""
-        return sum(
-            1
-            for pins in self._models.values()
-            for pin in pins.values()
-            if pin.holder is holder and pin.lost is None
-        )
+        return self._held[holder]
+
+    def _uncount(self, pin: Pin[Holder]) -> None:
+        """``pin`` is no longer live (ended, dropped or lost): its holder holds one fewer."""
+        if pin.counted:
+            pin.counted = False
+            self._held[pin.holder] -= 1
+            if not self._held[pin.holder]:
+                del self._held[pin.holder]
 
     def __len__(self) -> int:
         return sum(len(pins) for pins in self._models.values())
 
-    @staticmethod
-    def _drop_idle(pins: OrderedDict[SequenceId, Pin[Holder]], limit: float, now: float) -> None:
+    def _drop_idle(
+        self, pins: OrderedDict[SequenceId, Pin[Holder]], limit: float, now: float
+    ) -> None:
         # Oldest use first: stop at the first pin used within the limit. A pin with a request
         # in flight is not idle: it goes to the back, as if used now.
         for _ in range(len(pins)):
@@ -182,3 +194,4 @@ class SequenceTable(Generic[Holder]):
                 pins.move_to_end(key)
             else:
                 del pins[key]
+                self._uncount(pin)

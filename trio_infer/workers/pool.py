@@ -302,8 +302,14 @@ class WorkerPool:
             if pool is not None:
                 await pool._reap()
 
-    async def warm_up(self, models: Sequence[ModelSettings]) -> int:
+    async def warm_up(self, models: Sequence[ModelSettings], *, keep_serving: bool = False) -> int:
         """Start every worker process and load every model in each.
+
+        A worker that loaded these models already (by an earlier ``warm_up`` in its process's
+        life) is not asked again: the load would wait behind the call it runs, which may be
+        long (a decoupled model's stream). With ``keep_serving`` (models are served beside
+        these), one idle worker loads them only once the others have, so that a slow
+        ``load()`` does not take every worker from the models served meanwhile.
 
         A worker that cannot be started (out of file descriptors, say) is not a failure of the
         models: its lane tries again on its own (``PoolStatistics.down``), and
@@ -324,18 +330,30 @@ class WorkerPool:
         """
         errors: list[InferError] = []
         not_started: list[Unavailable] = []
-        loaded = 0
         for settings in models:
             self._retired.pop(self._pickled(settings), None)  # loaded again on purpose
+
+        pickled = tuple(self._pickled(s) for s in models)
+        lanes = [
+            lane
+            for lane in self._lanes
+            if lane.down or not (lane.connected and lane.holds.issuperset(pickled))
+        ]
+        loaded = len(self._lanes) - len(lanes)  # their workers hold the models already
+        later: list[_Lane] = []
+        idle = [lane for lane in lanes if not lane.down and not lane.outstanding]
+        if keep_serving and idle and len(lanes) + loaded > 1:
+            # One idle worker goes on serving while the others load (a busy one loads as soon
+            # as its call ends, its load sent ahead so that no other call is sent ahead of it).
+            later = [idle[-1]]
+            lanes.remove(idle[-1])
 
         async def warm(lane: _Lane) -> None:
             nonlocal loaded
             if lane.down:
                 not_started.append(lane.start_error())
                 return
-            call = self._call(
-                "loading models", None, child.load_all, tuple(self._pickled(s) for s in models)
-            )
+            call = self._call("loading models", None, child.load_all, pickled)
             try:
                 await self._submit(call, lane.private)
             except _StartFailed as exc:
@@ -343,11 +361,16 @@ class WorkerPool:
             except InferError as exc:
                 errors.append(exc)
             else:
+                if lane.connected:
+                    lane.holds.update(pickled)
                 loaded += 1
 
-        async with trio.open_nursery() as nursery:
-            for lane in self._lanes:
-                nursery.start_soon(warm, lane)
+        for group in (lanes, later):
+            async with trio.open_nursery() as nursery:
+                for lane in group:
+                    nursery.start_soon(warm, lane)
+            if errors:
+                break
         if errors:
             raise errors[0]
         if not loaded:
@@ -368,6 +391,7 @@ class WorkerPool:
 
         async def drop(lane: _Lane) -> None:
             nonlocal dropped
+            lane.holds.discard(pickled)
             if lane.down:
                 return
             call = self._call(f"unloading model {settings.name!r}", None, child.unload, pickled)
@@ -870,6 +894,9 @@ class _Lane:
         self._start_failures: set[str] = set()
         self.private: deque[_Call] = deque()
         """Calls for this worker only (a warm-up), taken before the pool's queue."""
+        self.holds: set[bytes] = set()
+        """The models (pickled settings) its current worker process loaded by
+        WorkerPool.warm_up: emptied when a new process starts."""
         self.pinned: deque[_Call] = deque()
         """Calls of the sequences this worker runs, in arrival order: taken after ``private``,
         before the pool's queue, and by no other lane."""
@@ -1111,6 +1138,7 @@ class _Lane:
                 with self._connecting:
                     connection = await _accept(listener)
                     self.pid = _peer_pid(connection)
+                    self.holds.clear()
                     self._pool._track(self.pid)
                     self._pool._started += 1
                     if self.down:
