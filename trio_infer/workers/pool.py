@@ -696,7 +696,7 @@ class WorkerPool:
         """
         if call.model is None or call.forced:
             return True
-        times = self._timings.setdefault(call.model, _CallTimes())
+        times = self._times(call.model)
         shortest = times.shortest()
         now = trio.current_time()
         left = call.deadline - now - (lane.free_in(now) if lane is not None else 0.0)
@@ -721,7 +721,14 @@ class WorkerPool:
 
     def _learn(self, model: str | None, seconds: float) -> None:
         if model is not None:
-            self._timings.setdefault(model, _CallTimes()).recent.append(seconds)
+            self._times(model).recent.append(seconds)
+
+    def _times(self, model: str) -> _CallTimes:
+        # Not setdefault: it would build (and drop) a _CallTimes and its deque on every call.
+        times = self._timings.get(model)
+        if times is None:
+            times = self._timings[model] = _CallTimes()
+        return times
 
     def _shortest(self, model: str | None) -> float:
         times = self._timings.get(model) if model is not None else None
