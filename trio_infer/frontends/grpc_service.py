@@ -599,10 +599,11 @@ class GrpcService:
             id=request.id,
             inputs=inputs,
             parameters=decode_parameters(request.parameters),
+            # Slices: a protobuf repeated field is iterated by indexing until an IndexError.
             input_parameters={
-                tensor.name: decode_parameters(tensor.parameters) for tensor in request.inputs
+                tensor.name: decode_parameters(tensor.parameters) for tensor in request.inputs[:]
             },
-            outputs=[output.name for output in request.outputs],
+            outputs=[output.name for output in request.outputs[:]],
         ), _Decoded(raw=raw, nbytes=decoded.nbytes, message_size=message_size)
 
     async def _encoded(

@@ -244,7 +244,8 @@ class WireInputs:
     """A request's inputs as parsed by the wire view (:func:`prepare_inputs`), to decode."""
 
     tensors: Sequence[Any]
-    """The request's ``inputs`` (wire-view tensors: name, datatype, shape as in the real one)."""
+    """The request's ``inputs``, as a list (wire-view tensors: name, datatype, shape as in the
+    real one)."""
     raw: Sequence[bytes]
     """The request's ``raw_input_contents``."""
     contents: list[_Contents | None]
@@ -275,17 +276,20 @@ def prepare_inputs(request: Any) -> WireInputs:
             fixed-width field is not a whole number of elements, a packed varint field ends in
             a truncated varint, ...), or contents not all packed exceed :data:`UNPACKED_LIMIT`.
     """
+    # Repeated fields are read as slices (lists): a protobuf repeated field has no iterator,
+    # and Python's fallback indexes it until an IndexError, formatted at the end of every loop.
+    tensors = request.inputs[:]
     raw = len(request.raw_input_contents) > 0
     if raw:
         _check_not_mixed(
-            request.inputs,
-            (any(len(occurrence) for occurrence in tensor.contents) for tensor in request.inputs),
+            tensors,
+            (any(len(occurrence) for occurrence in tensor.contents[:]) for tensor in tensors),
             request.model_name,
             _REQUEST_IN,
         )
     contents: list[_Contents | None] = []
     held = 0
-    for tensor in request.inputs:
+    for tensor in tensors:
         records = tensor.contents
         # Raw, every input's contents are empty messages (checked above): nothing to keep.
         if raw or not len(records):
@@ -297,7 +301,7 @@ def prepare_inputs(request: Any) -> WireInputs:
                 f"{where}: contents appears {len(records)} times in the request; send it once"
             )
         # Each occurrence of a message field is a whole message; protobuf merges them in order.
-        occurrences: list[bytes] = list(records)
+        occurrences: list[bytes] = records[:]
         size = sum(len(occurrence) for occurrence in occurrences)
         if tensor.datatype == "BYTES":
             contents.append(_parse_contents(where, occurrences))
@@ -336,7 +340,7 @@ def prepare_inputs(request: Any) -> WireInputs:
             if (bytes_elements if name == "bytes_contents" else sum(counts.get(name, ())))
         ]
         contents.append(_WireContents(blobs, counts, bytes_elements, fields))
-    return WireInputs(request.inputs, request.raw_input_contents, contents, held)
+    return WireInputs(tensors, request.raw_input_contents, contents, held)
 
 
 def _check_not_mixed(
@@ -581,7 +585,8 @@ def _checked_datatype(where: str, datatype: str, side: _Side) -> str:
 
 
 def _checked_shape(where: str, dims: Sequence[int], datatype: str, side: _Side) -> tuple[int, ...]:
-    shape = tuple(dims)
+    # A slice first: a protobuf repeated field is iterated by indexing until an IndexError.
+    shape = tuple(dims[:])
     problem = shape_problem(shape, DATATYPES[datatype].itemsize, side.message)
     if problem is not None:
         raise side.error(f"{where}: {problem}")
@@ -1274,10 +1279,11 @@ def decode_parameters(params: Mapping[str, InferParameter]) -> dict[str, bool | 
         InvalidInput: If a parameter has no value set, or there are more than
             :data:`MAX_PARAMETERS`.
     """
-    if len(params) > MAX_PARAMETERS:
-        raise InvalidInput(
-            f"{len(params)} parameters in one map; at most {MAX_PARAMETERS} are taken"
-        )
+    count = len(params)
+    if count > MAX_PARAMETERS:
+        raise InvalidInput(f"{count} parameters in one map; at most {MAX_PARAMETERS} are taken")
+    if not count:
+        return {}  # most maps: no items view and its generator (a protobuf map has no items)
     values: dict[str, bool | int | float | str] = {}
     for key, param in params.items():
         choice = param.WhichOneof("parameter_choice")
