@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import Protocol
 
@@ -391,17 +391,48 @@ class BatchStatistics:
         """Seconds a batched request waited for its batch, on average (0 before the first)."""
         return self.total_queue_wait / self.requests if self.requests else 0.0
 
-    def with_batch(self, rows: int, waits: Sequence[float]) -> BatchStatistics:
-        """These statistics after one more batch of ``len(waits)`` requests."""
-        return replace(
-            self,
-            batches=self.batches + 1,
-            requests=self.requests + len(waits),
-            rows=self.rows + rows,
-            max_batch_requests=max(self.max_batch_requests, len(waits)),
-            max_batch_rows=max(self.max_batch_rows, rows),
-            total_queue_wait=self.total_queue_wait + sum(waits),
-            max_queue_wait=max(self.max_queue_wait, *waits),
+
+@dataclass(slots=True)
+class _BatchCounts:
+    """A model's :class:`BatchStatistics` but ``waiting``, counted in place: a frozen snapshot
+    rebuilt at every batch cost each call microseconds. :meth:`snapshot` makes one."""
+
+    batches: int = 0
+    requests: int = 0
+    rows: int = 0
+    max_batch_requests: int = 0
+    max_batch_rows: int = 0
+    total_queue_wait: float = 0.0
+    max_queue_wait: float = 0.0
+    abandoned: int = 0
+    alone: int = 0
+    batcher_crashes: int = 0
+
+    def add_batch(self, rows: int, waits: Sequence[float]) -> None:
+        """Count one more batch of ``rows`` rows and ``len(waits)`` requests, which waited
+        ``waits`` seconds (not empty)."""
+        self.batches += 1
+        self.requests += len(waits)
+        self.rows += rows
+        self.max_batch_requests = max(self.max_batch_requests, len(waits))
+        self.max_batch_rows = max(self.max_batch_rows, rows)
+        self.total_queue_wait += sum(waits)
+        self.max_queue_wait = max(self.max_queue_wait, *waits)
+
+    def snapshot(self, waiting: int) -> BatchStatistics:
+        """The statistics now, with ``waiting`` requests in the queue."""
+        return BatchStatistics(
+            batches=self.batches,
+            requests=self.requests,
+            rows=self.rows,
+            max_batch_requests=self.max_batch_requests,
+            max_batch_rows=self.max_batch_rows,
+            total_queue_wait=self.total_queue_wait,
+            max_queue_wait=self.max_queue_wait,
+            waiting=waiting,
+            abandoned=self.abandoned,
+            alone=self.alone,
+            batcher_crashes=self.batcher_crashes,
         )
 
 
@@ -485,7 +516,7 @@ class ModelBatcher:
             recorder if recorder is not None else ModelRecorder(settings.name, settings.version)
         )
         # Counts only: ``waiting`` is filled in by statistics().
-        self._statistics = BatchStatistics()
+        self._counts = _BatchCounts()
         # Whether the model is called one request at a time: off when a request joins the
         # queue, on again when a batch of one ends with nothing else of the model running or
         # waiting (_ended_alone; see predict).
@@ -533,7 +564,7 @@ class ModelBatcher:
         if rows >= self.settings.max_batch_size:
             # It would run alone, as a full batch: it goes to the pool as one, without the
             # queue, the planning and two task switches, which cost more than the call saves.
-            self._statistics = replace(self._statistics, alone=self._statistics.alone + 1)
+            self._counts.alone += 1
             return await self._alone(inputs, parameters, priority, timing, rows)
         if (
             self._one_at_a_time
@@ -581,7 +612,7 @@ class ModelBatcher:
     async def _as_batch_of_one(self, alone: Awaitable[ModelOutputs], rows: int) -> ModelOutputs:
         """Await ``alone`` (a request's :meth:`_alone`, from its own task) as the batcher runs a
         batch of one: counted as one, its outputs' rows checked."""
-        self._statistics = self._statistics.with_batch(rows, [0.0])
+        self._counts.add_batch(rows, [0.0])
         self._in_pool += 1
         try:
             started = trio.current_time()
@@ -627,7 +658,7 @@ class ModelBatcher:
 
     def statistics(self) -> BatchStatistics:
         """Return a snapshot of this model's batching."""
-        return replace(self._statistics, waiting=len(self._waiting))
+        return self._counts.snapshot(len(self._waiting))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run this model's batchers until cancelled.
@@ -693,9 +724,7 @@ class ModelBatcher:
         self._nursery.start_soon(self._batcher, _RESTART_PAUSE)
 
     def _count_crash(self) -> None:
-        self._statistics = replace(
-            self._statistics, batcher_crashes=self._statistics.batcher_crashes + 1
-        )
+        self._counts.batcher_crashes += 1
 
     async def _next_batch(self) -> _Batch:
         settings = self.settings
@@ -720,9 +749,7 @@ class ModelBatcher:
     def _take(self, positions: tuple[int, ...], now: float) -> _Batch:
         members = [self._waiting[position] for position in positions]
         batch = _Batch(members)
-        self._statistics = self._statistics.with_batch(
-            sum(m.rows for m in members), [now - m.arrived for m in members]
-        )
+        self._counts.add_batch(sum(m.rows for m in members), [now - m.arrived for m in members])
         # Last, so that a member is in the queue or in the batch returned, whatever raises.
         chosen = set(positions)
         self._waiting = [m for i, m in enumerate(self._waiting) if i not in chosen]
@@ -775,7 +802,7 @@ class ModelBatcher:
     def _abandon(self, member: _Member) -> None:
         if member.batch is None:
             self._waiting.remove(member)
-            self._statistics = replace(self._statistics, abandoned=self._statistics.abandoned + 1)
+            self._counts.abandoned += 1
             # A departure can close or fill a batch of the requests behind it.
             self._notify()
         else:
