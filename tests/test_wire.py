@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import select
 import socket
 import threading
@@ -73,6 +74,54 @@ def test_a_message_read_in_any_pieces_is_the_message_sent(
     message: tuple[object, ...], cuts: list[int]
 ) -> None:
     _assert_same(_read(wire.pack(message), cuts), message)
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.arange(5, dtype=np.longlong),  # numpy's unpickling makes int64 of it: so does ours
+        np.arange(5, dtype=np.ulonglong),
+        np.array([True, False]),
+        np.zeros((0, 256), np.float16),
+        np.array(2.5),
+        np.float32(3.0),  # a numpy scalar, not an array
+        np.zeros(4, np.clongdouble),
+        _readonly(np.ones((2, 2))),
+        np.frombuffer(b"\0" * 16, np.dtype(np.float32).newbyteorder("<")).reshape(2, 2),
+        np.ones(8192),  # out of band
+        _readonly(np.ones(8192)),
+        np.zeros((3, 4), ">f4"),  # not native: as numpy pickles it
+        np.zeros((4, 3), np.float32).T,  # not C-order
+        np.array([b"a", b"bc"], object),
+        np.array(["ab", "c"]),
+        np.zeros(3, "M8[s]"),
+        np.zeros(3, [("a", "f4"), ("b", "i2")]),
+        np.zeros(3, np.dtype(np.float32, metadata={"key": 1})),
+        np.ma.masked_array([1, 2], mask=[False, True]),
+    ],
+    ids=repr,
+)
+def test_an_array_arrives_as_numpys_own_pickle_makes_it(array: np.ndarray) -> None:
+    got = _read(wire.pack(array), [])
+    expected = pickle.loads(pickle.dumps(array, protocol=5))
+    assert type(got) is type(expected)
+    assert isinstance(got, np.ndarray | np.generic)
+    assert got.dtype == expected.dtype
+    assert got.dtype.char == expected.dtype.char
+    assert got.dtype.byteorder == expected.dtype.byteorder
+    assert got.dtype.metadata == expected.dtype.metadata
+    assert got.shape == expected.shape
+    assert got.flags.writeable == expected.flags.writeable
+    assert got.flags.c_contiguous == expected.flags.c_contiguous
+    np.testing.assert_array_equal(got, expected)
+    if isinstance(expected, np.ma.MaskedArray):
+        np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(expected))
 
 
 def test_large_contiguous_tensors_travel_out_of_band_and_small_ones_in_the_pickle() -> None:

@@ -25,11 +25,16 @@ than ``ITEMS_AHEAD`` items of a call are ever on their way or waiting to be read
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 import select
 import socket
 import struct
 from collections.abc import Generator, Sequence
+from typing import Any
+
+import numpy as np
 
 from trio_infer.buffers import Buffer, write_some
 
@@ -47,6 +52,41 @@ _OUT_OF_BAND_BYTES = 16 * 1024
 _STAGING_BYTES = _OUT_OF_BAND_BYTES + 4 * 1024
 
 
+def _array(data: Buffer, char: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An array that :func:`_reduce_array` pickled: a view of ``data`` (a PickleBuffer's,
+    writable when the sender's array was), as numpy's own unpickling makes it."""
+    return np.frombuffer(data, char).reshape(shape)
+
+
+def _reduce_array(array: np.ndarray) -> str | tuple[Any, ...]:
+    """How a message pickles a numpy array: a C-order array of a plain numeric dtype as its
+    data (a PickleBuffer, in or out of band as with numpy's own reduce), the dtype's character
+    and the shape; any other array as numpy pickles it. numpy pickles the dtype as an object (a
+    class, arguments and a state tuple, rebuilt on the other side): for a small call's arrays,
+    that cost more than the data."""
+    dtype = array.dtype
+    # A plain numeric or bool dtype in native byte order without metadata: a character names
+    # it, the one numpy's own unpickling gives it (which makes int64 of longlong, say).
+    char = _PLAIN_DTYPES.get(type(dtype))
+    if char is not None and dtype.isnative and dtype.metadata is None and array.flags.c_contiguous:
+        # ndarray exports a buffer; numpy's stubs do not declare it.
+        data = pickle.PickleBuffer(array)  # type: ignore[arg-type]
+        return _array, (data, char, array.shape)
+    return array.__reduce_ex__(5)
+
+
+#: numpy's bool and numeric dtype classes (numpy 1.25 gave each dtype its class), each with
+#: the character of the dtype numpy's unpickling makes of it (from its kind and size).
+_PLAIN_DTYPES: dict[type[np.dtype[Any]], str] = {
+    type(np.dtype(char)): np.dtype(np.dtype(char).str).char for char in "?bBhHiIlLqQefdgFDG"
+}
+
+
+class _Pickler(pickle.Pickler):
+    # Exact types only: a subclass of ndarray pickles as numpy (or it) says.
+    dispatch_table = copyreg.dispatch_table | {np.ndarray: _reduce_array}
+
+
 def pack(message: object) -> list[Buffer]:
     """The frame of a message, as buffers to send in order.
 
@@ -62,7 +102,9 @@ def pack(message: object) -> list[Buffer]:
         buffers.append(view)
         return False
 
-    data = pickle.dumps(message, protocol=5, buffer_callback=out_of_band)
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=out_of_band).dump(message)
+    data = out.getvalue()
     lengths = struct.pack(f"!{len(buffers)}Q", *(view.nbytes for view in buffers))
     return [_HEADER.pack(len(buffers), len(data)) + lengths, data, *buffers]
 
