@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 from trio_infer.core.validation import select_outputs, validate_inputs
 from trio_infer.datatypes import DATATYPES, datatype_of
 from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode
+from trio_infer.protobuf import codec
 from trio_infer.protobuf._proto.grpc_predict_v2_pb2 import (
     InferParameter,
     ModelInferRequest,
@@ -1074,6 +1075,21 @@ def test_typed_fixed_width_outputs_are_sent_from_the_arrays_own_memory() -> None
 def test_a_bool_view_of_other_bytes_is_encoded_as_protobuf_encodes_true() -> None:
     array = np.array([0, 1, 2, 255], np.uint8).view(np.bool_)
     check_encoded([("B", array)], raw=False)
+
+
+def test_encode_response_remembers_few_output_metadata_and_encodes_every_one_right() -> None:
+    """Outputs' serialised metadata is remembered by name, datatype and shape: many shapes
+    (more than it keeps), a long name and a high rank are each encoded as protobuf does."""
+    for rows in range(codec._METADATA_ENTRIES + 10):
+        check_encoded([("y", np.zeros((rows % 2000, 3), np.float32))], raw=True)
+        assert len(codec._METADATA) <= codec._METADATA_ENTRIES
+    check_encoded([("n" * 1000, np.zeros((1, 2), np.int64))], raw=False)
+    check_encoded([("deep", np.zeros((1,) * 12, np.float64))], raw=True)
+    assert ("n" * 1000, "INT64", (1, 2)) not in codec._METADATA
+    assert ("deep", "FP64", (1,) * 12) not in codec._METADATA
+    # The same output twice, from what was remembered the second time.
+    check_encoded([("y", np.ones((2, 3), np.float32))], raw=True)
+    check_encoded([("y", np.ones((2, 3), np.float32))], raw=True)
 
 
 @pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])

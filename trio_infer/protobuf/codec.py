@@ -98,6 +98,13 @@ _FIELD_DTYPE: dict[str, np.dtype[np.generic]] = {
     "fp64_contents": np.dtype(np.float64),
 }
 
+#: Each datatype's and typed field's dtype in little-endian order, the wire's: made once, as
+#: ``newbyteorder`` makes a new dtype at every call.
+_LITTLE: dict[str, np.dtype[Any]] = {name: dt.newbyteorder("<") for name, dt in DATATYPES.items()}
+_FIELD_LITTLE: dict[str, np.dtype[Any]] = {
+    name: dt.newbyteorder("<") for name, dt in _FIELD_DTYPE.items()
+}
+
 #: The ranges of the integer datatypes narrower than their shared 32-bit typed field.
 _NARROW_RANGE: dict[str, tuple[int, int]] = {
     name: (int(np.iinfo(kind).min), int(np.iinfo(kind).max))
@@ -606,7 +613,7 @@ def _decode_raw(
     count = math.prod(shape)
     if datatype == "BYTES":
         return bytes_elements(buffer, shape, f"{where}: {side.raw_field}[{index}]", side.error)
-    dtype = DATATYPES[datatype].newbyteorder("<")
+    dtype = _LITTLE[datatype]
     itemsize = dtype.itemsize
     size = len(buffer)
     if size != count * itemsize:
@@ -810,7 +817,7 @@ def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> En
             continue
         held += array.nbytes
         if raw:
-            if not _is_little_c_order(array, DATATYPES[datatype]):
+            if not _is_little_c_order(array, _LITTLE[datatype]):
                 nbytes += array.nbytes
                 elements += count
             continue
@@ -818,7 +825,7 @@ def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> En
         assert field is not None  # FP16, the only datatype without one, forces raw above
         elements += count
         if field in _FIXED_FIELDS:
-            if not _is_little_c_order(array, _FIELD_DTYPE[field]):
+            if not _is_little_c_order(array, _FIELD_LITTLE[field]):
                 nbytes += count * _FIELD_DTYPE[field].itemsize
         elif datatype == "BOOL":
             if _bool_copy_needed(array):
@@ -860,9 +867,7 @@ def encode_response(
     raw_contents: list[memoryview] = []
     for (name, array), datatype in zip(arrays, datatypes, strict=True):
         where = f"output '{name}'"
-        meta = ModelInferResponse.InferOutputTensor(
-            name=name, datatype=datatype, shape=array.shape
-        ).SerializeToString()
+        meta = _output_metadata(name, datatype, array.shape)
         if raw:
             if datatype == "BYTES":
                 elements, lengths, _ = _bytes_lengths(where, array, _RESPONSE_OUT)
@@ -898,6 +903,31 @@ def encode_response(
         parts.append(view)
     return parts
 
+
+def _output_metadata(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
+    """An output tensor's name, datatype and shape, serialised (an ``InferOutputTensor``):
+    remembered, as a model's outputs repeat a few names and shapes, and protobuf takes
+    microseconds to make and serialise one."""
+    key = (name, datatype, shape)
+    meta = _METADATA.get(key)
+    if meta is None:
+        meta = ModelInferResponse.InferOutputTensor(
+            name=name, datatype=datatype, shape=shape
+        ).SerializeToString()
+        if len(name) <= _METADATA_NAME_LENGTH and len(shape) <= _METADATA_RANK:
+            if len(_METADATA) >= _METADATA_ENTRIES:
+                _METADATA.clear()  # a model whose shapes never repeat: start again
+            _METADATA[key] = meta
+    return meta
+
+
+#: Serialised output metadata by (name, datatype, shape), :func:`_output_metadata`'s: at most
+#: this many entries, each of names and ranks at most these (a few hundred KiB in all). Only
+#: dict operations touch it, atomic under the GIL: encodes off the loop share it safely.
+_METADATA: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
+_METADATA_ENTRIES = 1024
+_METADATA_NAME_LENGTH = 128
+_METADATA_RANK = 8
 
 #: Bytes allowed for one output beyond its name and shape: its serialised metadata (datatype,
 #: keys, lengths) and the few small Python objects its encoding makes.
@@ -965,14 +995,13 @@ def _tensors_to_encode(
     return arrays, datatypes, raw or "FP16" in datatypes
 
 
-def _is_little_c_order(array: np.ndarray, dtype: np.dtype[Any]) -> bool:
-    little = dtype.newbyteorder("<")
+def _is_little_c_order(array: np.ndarray, little: np.dtype[Any]) -> bool:
     return bool(array.flags.c_contiguous) and array.dtype == little
 
 
 def _raw_view(array: np.ndarray, datatype: str) -> memoryview:
     # A no-op for a little-endian C-order array; a copy in that order for any other.
-    little = np.ascontiguousarray(array, DATATYPES[datatype].newbyteorder("<"))
+    little = np.ascontiguousarray(array, _LITTLE[datatype])
     return little.reshape(-1).view(np.uint8).data
 
 
@@ -990,7 +1019,7 @@ def _typed_blobs(datatype: str, array: np.ndarray) -> tuple[str, list[np.ndarray
     assert field is not None  # FP16 is encoded raw
     assert field != "bytes_contents"  # BYTES outputs are framed by _frame_elements
     if field in _FIXED_FIELDS:
-        little = np.ascontiguousarray(array, _FIELD_DTYPE[field].newbyteorder("<"))
+        little = np.ascontiguousarray(array, _FIELD_LITTLE[field])
         return field, [little.reshape(-1).view(np.uint8)]
     if datatype == "BOOL":
         if _bool_copy_needed(array):
@@ -1144,6 +1173,8 @@ def stream_response(infer_response: Sequence[Buffer]) -> list[Buffer]:
 
 def _varint(value: int) -> bytes:
     """``value`` (at least 0) in the protocol buffer varint encoding."""
+    if value < 0x80:
+        return _ONE_BYTE_VARINTS[value]
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
@@ -1151,6 +1182,9 @@ def _varint(value: int) -> bytes:
     out.append(value)
     return bytes(out)
 
+
+#: The varints of one byte (0 to 127), made once: a small message's lengths are these.
+_ONE_BYTE_VARINTS = [bytes((value,)) for value in range(0x80)]
 
 #: The key of a ModelStreamInferResponse's ``infer_response``: length delimited.
 _INFER_RESPONSE_KEY = _varint(
@@ -1217,7 +1251,7 @@ def _encode_tensors(
                 tensor.contents.bytes_contents.extend(elements)
         elif raw:
             # A no-op for a little-endian C-order array; a copy in that order for any other.
-            little = np.ascontiguousarray(array, DATATYPES[datatype].newbyteorder("<"))
+            little = np.ascontiguousarray(array, _LITTLE[datatype])
             add_raw(little.reshape(-1).view(np.uint8).data)
         else:
             field = _CONTENTS_FIELD[datatype]
