@@ -279,7 +279,7 @@ class InferenceCore:
                     "on a stream (ModelStreamInfer); ModelInfer doesn't support models with "
                     "decoupled transaction policy"
                 )
-            self._admit(settings, request, context)
+            batch = self._admit(settings, request, context)
             with self.admission.model_slot(settings):
                 priority, parameters = _model_parameters(request, context)
                 outputs = await self._predict(
@@ -291,7 +291,7 @@ class InferenceCore:
                     sequence_of(parameters),
                     timing,
                 )
-            return _response(settings, request, outputs)
+            return _response(settings, request, outputs, batch)
 
     async def infer_each(
         self,
@@ -317,14 +317,14 @@ class InferenceCore:
             return
         recorder = self.recorder.model(settings.name, settings.version)
         with recorder.request(context.deadline) as timing:
-            self._admit(settings, request, context)
+            batch = self._admit(settings, request, context)
             # Cancellable: a generator may never end, and its model's unload must.
             with self.admission.model_slot(settings, cancellable=True):
                 priority, parameters = _model_parameters(request, context)
                 sequence = sequence_of(parameters)
 
                 async def each(outputs: ModelOutputs) -> None:
-                    await respond(_response(settings, request, outputs))
+                    await respond(_response(settings, request, outputs, batch))
 
                 limit = context.deadline
                 if settings.timeout is not None:
@@ -351,8 +351,9 @@ class InferenceCore:
 
     def _admit(
         self, settings: ModelSettings, request: InferenceRequest, context: RequestContext
-    ) -> None:
-        """Check that the model is ready and the request fits it and the budget."""
+    ) -> int | None:
+        """Check that the model is ready and the request fits it and the budget; return its
+        batch size when the model has a batch dimension (:func:`validate_batch`), else None."""
         # Draining is not checked here: a request accepted before shutdown is served to the end.
         if not self.registry.is_ready(settings.name):
             reason = self.registry.reason(settings.name)
@@ -360,8 +361,9 @@ class InferenceCore:
                 f"model '{settings.name}' is not ready" + (f": {reason}" if reason else "")
             )
         validate_inputs(request.inputs, settings.inputs, settings.name)
+        batch = None
         if has_batch_dimension(settings):
-            validate_batch(request.inputs, settings.name)
+            batch = validate_batch(request.inputs, settings.name)
         reservation = context.reservation
         extra = (
             estimate_output_bytes(request.inputs, settings.outputs)
@@ -369,6 +371,7 @@ class InferenceCore:
         )
         if extra > 0:
             reservation.grow_nowait(extra, f"the outputs of model '{settings.name}'")
+        return batch
 
     async def _predict(
         self,
@@ -428,15 +431,12 @@ class InferenceCore:
 
 
 def _response(
-    settings: ModelSettings, request: InferenceRequest, outputs: ModelOutputs
+    settings: ModelSettings, request: InferenceRequest, outputs: ModelOutputs, batch: int | None
 ) -> InferenceResponse:
     """The answer to ``request`` from its model's outputs (and metadata), which must be the
-    declared outputs (``ModelFailed`` otherwise)."""
+    declared outputs (``ModelFailed`` otherwise); ``batch``: the request's batch size, as
+    ``_admit`` returned it."""
     if settings.outputs:
-        # The request's inputs passed validate_batch in _admit: this cannot raise.
-        batch = None
-        if has_batch_dimension(settings):
-            batch = validate_batch(request.inputs, settings.name)
         validate_outputs(
             outputs.outputs if isinstance(outputs, Response) else outputs,
             settings.outputs,

@@ -65,21 +65,40 @@ def validate_inputs(
                 f"got {datatype}"
             )
         shape = array.shape
-        if len(shape) != len(spec.shape):
+        declared_shape = spec.shape
+        if len(shape) != len(declared_shape):
             raise InvalidInput(
-                f"model '{model_name}' input '{name}': expected shape {shape_text(spec.shape)} "
-                f"(rank {len(spec.shape)}), got {shape_text(shape)} (rank {len(shape)})"
+                f"model '{model_name}' input '{name}': expected shape "
+                f"{shape_text(declared_shape)} (rank {len(declared_shape)}), got "
+                f"{shape_text(shape)} (rank {len(shape)})"
             )
-        for axis, (want, got) in enumerate(zip(spec.shape, shape, strict=True)):
-            if want != -1 and want != got:
-                raise InvalidInput(
-                    f"model '{model_name}' input '{name}': expected shape "
-                    f"{shape_text(spec.shape)}, got {shape_text(shape)} "
-                    f"(dimension {axis} must be {want})"
-                )
-    missing = [name for name in specs if name not in inputs]
-    if missing:
+        # This runs for every request: the axis is found only on failure, and the ranks are
+        # equal, so zip goes without strict (its check, and passing a keyword at all, cost
+        # more than the loop's two steps).
+        for want, got in zip(declared_shape, shape):  # noqa: B905
+            if want != got and want != -1:
+                raise _dimension_differs(model_name, name, declared_shape, shape)
+    # Every input is declared (checked above) and named once (a mapping's keys): fewer inputs
+    # than declared ones is the one way to miss one.
+    if len(inputs) < len(specs):
+        missing = [name for name in specs if name not in inputs]
         raise InvalidInput(f"model '{model_name}': request is missing input(s) {_quoted(missing)}")
+
+
+def _dimension_differs(
+    model_name: str, name: str, declared: tuple[int, ...], shape: tuple[int, ...]
+) -> InvalidInput:
+    """The error for an input whose shape, of the declared rank, differs from the declared one
+    in a fixed dimension: it names the first."""
+    axis = next(
+        axis
+        for axis, (want, got) in enumerate(zip(declared, shape, strict=True))
+        if want != got and want != -1
+    )
+    return InvalidInput(
+        f"model '{model_name}' input '{name}': expected shape {shape_text(declared)}, got "
+        f"{shape_text(shape)} (dimension {axis} must be {declared[axis]})"
+    )
 
 
 def has_batch_dimension(settings: ModelSettings) -> bool:
@@ -191,7 +210,8 @@ def _fits(shape: tuple[int, ...], want: tuple[int, ...], batch: int | None) -> b
     with a ``batch`` size, that size)."""
     if len(shape) != len(want):
         return False
-    for w, g in zip(want, shape, strict=True):
+    # The ranks are equal: zip without strict, as in validate_inputs.
+    for w, g in zip(want, shape):  # noqa: B905
         if w != g and w != -1:
             return False
     return batch is None or not want or want[0] != -1 or shape[0] == batch
