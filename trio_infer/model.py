@@ -154,10 +154,13 @@ class Parameters(Mapping[str, ParameterValue]):
         headers: Mapping[str, str] | None = None,
     ) -> None:
         # Own plain-dict copies: a caller's mutable mapping must not change a request in flight,
-        # and a dict always pickles (a MappingProxyType, say, does not).
-        object.__setattr__(self, "_values", dict(values or {}))
-        object.__setattr__(self, "inputs", {k: dict(v) for k, v in (inputs or {}).items()})
-        object.__setattr__(self, "headers", {k.lower(): v for k, v in (headers or {}).items()})
+        # and a dict always pickles (a MappingProxyType, say, does not). Set in __dict__, as
+        # the dataclass is frozen (object.__setattr__ costs a call each; every request makes
+        # one), and no comprehension for an empty mapping.
+        fields = self.__dict__
+        fields["_values"] = dict(values) if values else {}
+        fields["inputs"] = {k: dict(v) for k, v in inputs.items()} if inputs else {}
+        fields["headers"] = {k.lower(): v for k, v in headers.items()} if headers else {}
 
     def __getitem__(self, key: str) -> ParameterValue:
         return self._values[key]
