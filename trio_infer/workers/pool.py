@@ -663,7 +663,10 @@ class WorkerPool:
     def _enqueue(self, call: _Call, home: deque[_Call]) -> None:
         if self._closing:
             raise Unavailable(f"the worker pool is shut down (while {call.what})")
-        if all(lane.down for lane in self._lanes):
+        for lane in self._lanes:  # a loop, not all() and a generator: on every call's path
+            if not lane.down:
+                break
+        else:
             # No lane could take it before its pause ends: fail now rather than by the deadline.
             raise self._lanes[0].start_error()
         # A call that could not end in time on a worker free now is refused now, rather than
@@ -1254,7 +1257,8 @@ class _Lane:
 
     def _stop_overdue(self) -> None:
         """Kill the worker if it still runs a cancelled generating call past its STOP_GRACE."""
-        if self._stop_by > trio.current_time():
+        # Twice a call: the clock is read only when a stop is due at all.
+        if self._stop_by == math.inf or self._stop_by > trio.current_time():
             return
         self._stop_by = math.inf
         head = self.outstanding[0] if self.outstanding else None
