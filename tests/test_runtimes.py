@@ -402,7 +402,13 @@ async def test_a_model_that_cannot_load_tells_the_client_why(
                 f"model '{model}' is not ready: loading model '{model}' failed: {reason}"
             ), details
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as rest:
-            index = (await rest.post("/v2/repository/index", json={})).json()
+            # A failed model is tried again with backoff, LOADING meanwhile: read between tries.
+            with trio.fail_after(30):
+                while True:
+                    index = (await rest.post("/v2/repository/index", json={})).json()
+                    if all(entry["state"] == "UNAVAILABLE" for entry in index):
+                        break
+                    await trio.sleep(0.05)
         assert {entry["name"]: entry["reason"][:40] for entry in index} == {
             model: f"loading model '{model}' failed: {reason}"[:40]
             for model, reason in reasons.items()
