@@ -659,3 +659,56 @@ def test_a_head_whose_wait_is_cancelled_as_it_arrives_is_served(race: str) -> No
     assert log == ["past a checkpoint"]
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
     assert answer.endswith(b"\r\n\r\nhi")
+
+
+_GET = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("script", "ends_at", "statuses"),
+    [
+        # A new connection has the handshake timeout for its first head...
+        ([], 10.0, []),
+        ([(5.0, b"GET /x HT")], 10.0, [408]),
+        # ...a kept-alive one the idle timeout for its next, from its last answer on...
+        ([(0.0, _GET)], 300.0, [200]),
+        ([(0.0, _GET.replace(b"/x", b"/slow"))], 301.0, [200]),
+        ([(0.0, _GET), (250.0, _GET)], 550.0, [200, 200]),
+        # ...and the handshake timeout to finish a head once begun: 408.
+        ([(0.0, _GET), (200.0, b"GET /x HT")], 210.0, [200, 408]),
+    ],
+)
+def test_the_idle_and_handshake_timeouts_end_their_waits_at_their_deadlines(
+    script: list[tuple[float, bytes]], ends_at: float, statuses: list[int]
+) -> None:
+    async def main() -> tuple[float, bytes]:
+        ours, theirs = socket.socketpair()
+
+        async def handler(request: HttpRequest) -> None:
+            if request.path == "/slow":
+                await trio.sleep(1)
+            await request.respond(200)
+
+        connection = HttpConnection(
+            trio.SocketStream(trio.socket.from_stdlib_socket(ours)),
+            handler,
+            HttpLimits(handshake_timeout=10, idle_timeout=300),
+            CallCounter(),
+        )
+        client = trio.socket.from_stdlib_socket(theirs)
+        received = b""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(connection.run)
+            for at, data in script:
+                await trio.sleep_until(at)
+                await client.send(data)
+            while data := await client.recv(1000):
+                received += data
+            ended = trio.current_time()  # the server ended its side
+            client.close()
+        return ended, received
+
+    ended, received = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert ended == pytest.approx(ends_at)
+    lines = received.split(b"\r\n")
+    assert [int(line.split()[1]) for line in lines if line.startswith(b"HTTP/1.1")] == statuses

@@ -13,6 +13,7 @@ Ownership, top to bottom::
     ├── accept loops                   one per listener, in the server's accepting scope
     └── HttpConnection.run             one per client connection: reads a request, runs it,
         │                              writes its response, and again (keep-alive)
+        ├── timer                      cancels the wait for a request's head at its deadline
         └── request nursery            one per request that may have a body (not GET or
             │                          HEAD), in the request's cancel scope
             ├── handler(request)       the front-end: reads the body, works, responds
@@ -656,9 +657,12 @@ class HttpConnection:
         self._requests_in_flight = requests_in_flight
         #: The request being served (None between requests).
         self._request: HttpRequest | None = None
-        #: The connection's scope: a deadline while it waits for a request's head (see run),
-        #: cancelled by a drain while it waits.
+        #: The connection's scope: cancelled while it waits for a request's head, by a drain
+        #: or by the timer past the wait's deadline (see run).
         self._waiting = trio.CancelScope()
+        #: When the wait for a request's head ends (Trio clock; inf while none is waited for):
+        #: read by the timer (:meth:`_time_waits`), which cancels the wait past it.
+        self._wait_deadline = math.inf
         #: Whether the connection waits for a request's head.
         self._idle = False
         #: A drain found the client's next request arriving, and counted it in flight until
@@ -680,12 +684,38 @@ class HttpConnection:
     async def run(self) -> None:
         """Serve requests one after the other until the connection ends; then close it.
 
-        The connection's scope has a deadline only while it waits for a request's head, and a
-        drain cancels it only then: one scope for the connection's life, its deadline moved
-        twice a request, costs half what a scope of its own for each wait would. A scope once
-        cancelled stays so: a head that arrived in the pass that cancelled it is served
+        The connection's scope is cancelled only while it waits for a request's head: by a
+        drain, or by the connection's timer (:meth:`_time_waits`) past the wait's deadline. A
+        timer task that reads a deadline kept as a number costs nothing per request; one
+        scope for the connection's life with its deadline moved twice a request cost about
+        a tenth of a small request, and a scope of its own for each wait twice that. A scope
+        once cancelled stays so: a head that arrived in the pass that cancelled it is served
         outside it, and the next wait gets a new one.
         """
+        async with trio.open_nursery() as tasks:
+            tasks.start_soon(self._time_waits)
+            try:
+                await self._serve()
+            finally:
+                tasks.cancel_scope.cancel()
+
+    async def _time_waits(self) -> None:
+        """The connection's timer: cancel the wait for a request's head at its deadline
+        (:attr:`_wait_deadline`). It sleeps at most the shortest timeout at a time, so it wakes
+        before any deadline a wait begun meanwhile can have, and a deadline moved later costs
+        it one more sleep, not a wake-up of its own."""
+        # (A floor, so that timeouts of 0 do not make it spin.)
+        longest_sleep = max(min(self.limits.handshake_timeout, self.limits.idle_timeout), 1e-3)
+        while True:
+            now = trio.current_time()
+            deadline = self._wait_deadline
+            if deadline <= now:
+                self._waiting.cancel()
+                # A cancelled wait ends (its deadline back to inf) before the timer looks again.
+                deadline = math.inf
+            await trio.sleep_until(min(deadline, now + longest_sleep))
+
+    async def _serve(self) -> None:
         should_linger = False
         try:
             error: HttpError | None = None
@@ -881,7 +911,7 @@ class HttpConnection:
             return None
         limits = self.limits
         timeout = limits.idle_timeout if self._served else limits.handshake_timeout
-        self._waiting.deadline = trio.current_time() + timeout
+        self._wait_deadline = trio.current_time() + timeout
         self._idle = True
         messages = self._parse.messages
         self.head_only = False
@@ -905,14 +935,14 @@ class HttpConnection:
                     # A head has begun and must wait for the rest of it (most come whole in
                     # one read, and never get here).
                     hurried = True
-                    self._waiting.deadline = min(
-                        self._waiting.deadline, trio.current_time() + limits.handshake_timeout
+                    self._wait_deadline = min(
+                        self._wait_deadline, trio.current_time() + limits.handshake_timeout
                     )
                 if not await self.fill():
                     return None  # the client closed, in the middle of a head or not
         finally:
             self._idle = False
-            self._waiting.deadline = math.inf
+            self._wait_deadline = math.inf
 
     async def _arrived_request(self) -> _Message | None:
         """After the wait for the next request was cancelled: that request, if some of it has
