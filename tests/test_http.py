@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import textwrap
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -712,3 +713,98 @@ def test_the_idle_and_handshake_timeouts_end_their_waits_at_their_deadlines(
     assert ended == pytest.approx(ends_at)
     lines = received.split(b"\r\n")
     assert [int(line.split()[1]) for line in lines if line.startswith(b"HTTP/1.1")] == statuses
+
+
+def _post_head(path: str, body: bytes) -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n%s" % (
+        path.encode(),
+        len(body),
+        body,
+    )
+
+
+async def _read_answers(client: trio.socket.SocketType, count: int) -> list[bytes]:
+    """``count`` answers without bodies (``content-length: 0``), read whole."""
+    received = b""
+    while received.count(b"\r\n\r\n") < count:
+        data = await client.recv(1000)
+        assert data, received
+        received += data
+    return received.split(b"\r\n\r\n")[:count]
+
+
+async def _serve_one_connection(
+    handler: Callable[[HttpRequest], Awaitable[None]],
+    client_side: Callable[[trio.socket.SocketType], Awaitable[None]],
+) -> None:
+    ours, theirs = socket.socketpair()
+    connection = HttpConnection(
+        trio.SocketStream(trio.socket.from_stdlib_socket(ours)),
+        handler,
+        HttpLimits(),
+        CallCounter(),
+    )
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(connection.run)
+            await client_side(trio.socket.from_stdlib_socket(theirs))
+
+
+@pytest.mark.parametrize("before", [[], ["POST"], ["POST", "GET"], ["GET", "POST", "POST"]])
+def test_a_client_that_closes_during_any_keep_alive_post_cancels_it(before: list[str]) -> None:
+    # One disconnect watcher serves the connection's requests in turn: it is parked between
+    # them (and through GETs, which read no body) and watches each request whose body is read.
+    log: list[str] = []
+
+    async def handler(request: HttpRequest) -> None:
+        if request.method == "POST":
+            await request.receive_body()
+        if request.path == "/wait":
+            try:
+                await trio.sleep_forever()
+            finally:
+                log.append("cancelled")
+        await request.respond(200)
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        for method in before:
+            await client.send(
+                _post_head("/x", b"hi")
+                if method == "POST"
+                else b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
+            )
+            [answer] = await _read_answers(client, 1)
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        await client.send(_post_head("/wait", b"hi"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert log == []
+        client.close()  # the connection's run ends (fail_after: it must)
+
+    trio.run(_serve_one_connection, handler, client_side)
+    assert log == ["cancelled"]
+
+
+def test_a_request_pipelined_while_a_post_runs_neither_cancels_it_nor_is_lost() -> None:
+    # The watcher sees the socket readable with the next request: not an end, so the running
+    # request goes on, and the next is read once it is answered.
+    log: list[str] = []
+
+    async def handler(request: HttpRequest) -> None:
+        if request.method == "POST":
+            await request.receive_body()
+        if request.path == "/slow":
+            await trio.sleep(0.2)
+        log.append(request.path)
+        await request.respond(200)
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        await client.send(_post_head("/slow", b"hi"))
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(_post_head("/next", b"hi"))
+        await trio.testing.wait_all_tasks_blocked()
+        answers = await _read_answers(client, 2)
+        assert all(answer.startswith(b"HTTP/1.1 200 OK\r\n") for answer in answers)
+        client.close()
+
+    trio.run(_serve_one_connection, handler, client_side)
+    assert log == ["/slow", "/next"]

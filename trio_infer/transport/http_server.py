@@ -11,14 +11,14 @@ Ownership, top to bottom::
 
     HttpServer.serve                   owns the listeners and every connection
     ├── accept loops                   one per listener, in the server's accepting scope
-    └── HttpConnection.run             one per client connection: reads a request, runs it,
-        │                              writes its response, and again (keep-alive)
+    └── HttpConnection.run             one per client connection: reads a request, runs it
+        │                              (the handler, in the request's cancel scope: reads
+        │                              the body, works, responds), writes its response if
+        │                              the handler did not, and again (keep-alive)
         ├── timer                      cancels the wait for a request's head at its deadline
-        └── request nursery            one per request that may have a body (not GET or
-            │                          HEAD), in the request's cancel scope
-            ├── handler(request)       the front-end: reads the body, works, responds
-            └── disconnect watch       once the body is read: the client closing its socket
-                                       cancels the request
+        └── disconnect watcher         from the connection's first body read: while a
+                                       request whose body was read runs, the client closing
+                                       its socket cancels the request; parked between them
 
 Invariants:
 
@@ -154,10 +154,6 @@ class HttpLimits:
     idle_timeout: float = 300.0
     send_timeout: float = 30.0
     max_connection_age: float | None = None
-
-
-#: Methods whose handlers read no body (their requests run without a disconnect watch).
-_BODILESS = frozenset(("GET", "HEAD"))
 
 
 class HttpError(Exception):
@@ -464,7 +460,6 @@ class HttpRequest:
         #: Why the request's scope was cancelled by the server (None: it was not).
         self._cancel_message: str | None = None
         self._scope = trio.CancelScope()
-        self._nursery: trio.Nursery | None = None
 
     def header(self, name: str) -> str | None:
         """The value of the first header called ``name`` (lower-case), or None."""
@@ -528,8 +523,7 @@ class HttpRequest:
         self.bytes_in = len(body)
         # From now on the client has nothing more to send for this request: its socket
         # becoming readable means it closed it (or pipelines, which is served in turn).
-        assert self._nursery is not None, "GET and HEAD requests have no body to read"
-        self._nursery.start_soon(connection.watch_disconnect, self)
+        connection.watch(self)
         return body
 
     def _take_body(
@@ -675,6 +669,18 @@ class HttpConnection:
         ``content-length`` that of the body a GET would get, and no body (RFC 9110 9.3.2)."""
         #: When the connection reaches its maximum age (Trio clock; inf: never).
         self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
+        #: The connection's tasks (the timer, the disconnect watcher); set while run() runs.
+        self._tasks: trio.Nursery | None = None
+        #: The request whose client the disconnect watcher watches (None: none): set once its
+        #: body is read, cleared when its handler returns or the socket turned readable.
+        self._watched: HttpRequest | None = None
+        #: Whether the disconnect watcher has been started (at the connection's first body).
+        self._watcher_started = False
+        #: The disconnect watcher while it is parked, waiting for a request to watch.
+        self._parked: trio.lowlevel.Task | None = None
+        #: The disconnect watcher's scope while it waits for the socket: cancelled when the
+        #: handler of the request it watches returns.
+        self._watch_scope: trio.CancelScope | None = None
 
     @property
     def buffered(self) -> int:
@@ -693,11 +699,13 @@ class HttpConnection:
         outside it, and the next wait gets a new one.
         """
         async with trio.open_nursery() as tasks:
+            self._tasks = tasks
             tasks.start_soon(self._time_waits)
             try:
                 await self._serve()
             finally:
                 tasks.cancel_scope.cancel()
+                self._tasks = None
 
     async def _time_waits(self) -> None:
         """The connection's timer: cancel the wait for a request's head at its deadline
@@ -987,15 +995,11 @@ class HttpConnection:
         try:
             failure: HttpError | None = None
             with request._scope:
-                if request.method in _BODILESS:
-                    # Nothing to read, so no disconnect watch: no nursery to hold one.
+                try:
                     failure = await self._run_handler(request)
-                else:
-                    async with trio.open_nursery() as nursery:
-                        request._nursery = nursery
-                        failure = await self._run_handler(request)
-                        # The disconnect watch ends with the handler.
-                        nursery.cancel_scope.cancel()
+                finally:
+                    # The disconnect watch (if its body was read) ends with the handler.
+                    self._unwatch()
             if request._client_gone:
                 return False
             if request._response_started:
@@ -1153,17 +1157,60 @@ class HttpConnection:
             return False
         return True
 
-    async def watch_disconnect(self, request: HttpRequest) -> None:
-        """Cancel ``request`` when its client closes its socket (or it breaks) while the
-        request runs. Reads nothing: what the client sends next (a pipelined request) stays in
-        the socket for the next cycle."""
-        try:
-            peeked = await self._socket.recv(1, socket.MSG_PEEK)
-        except OSError:
-            peeked = b""
-        if not peeked:
-            self.at_end = True
-            request._cancel_as_gone()
+    def watch(self, request: HttpRequest) -> None:
+        """Have the disconnect watcher cancel ``request`` when its client closes its socket
+        (or it breaks) before the request's handler returns; the watcher is started the first
+        time. Reads nothing: what the client sends next (a pipelined request) stays in the
+        socket for the next cycle."""
+        self._watched = request
+        if not self._watcher_started:
+            self._watcher_started = True
+            assert self._tasks is not None, "a request runs in HttpConnection.run"
+            self._tasks.start_soon(self._watch_disconnects)
+        elif self._parked is not None:
+            trio.lowlevel.reschedule(self._parked)
+            self._parked = None
+
+    def _unwatch(self) -> None:
+        """End the watch of the request being served, if any: the connection's own reads may
+        wait for the socket from now on (Trio lets one task at a time wait to read it; the
+        cancel takes the watcher's wait off the socket at once)."""
+        self._watched = None
+        if self._watch_scope is not None:
+            self._watch_scope.cancel()
+            self._watch_scope = None
+
+    def _abort_park(self, _: object) -> trio.lowlevel.Abort:
+        self._parked = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    async def _watch_disconnects(self) -> None:
+        """The disconnect watcher: one task for the connection's life, rather than a nursery
+        and a task for each request with a body. It waits for the socket to turn readable
+        while a request is watched (:meth:`watch`), and is parked between them."""
+        while True:
+            request = self._watched
+            if request is None:
+                self._parked = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort_park)
+                continue
+            with trio.CancelScope() as scope:
+                self._watch_scope = scope
+                await trio.lowlevel.wait_readable(self._socket)
+            if self._watch_scope is scope:
+                self._watch_scope = None
+            if self._watched is not request:
+                continue  # its handler returned (the wait was cancelled, or it raced the end)
+            # Readable: the client's next request, or the end of its input. Either ends this
+            # request's watch: a readable socket is not waited for again.
+            self._watched = None
+            try:
+                peeked = await self._socket.recv(1, socket.MSG_PEEK)
+            except OSError:
+                peeked = b""
+            if not peeked:
+                self.at_end = True
+                request._cancel_as_gone()
 
 
 @dataclass(frozen=True)
