@@ -808,3 +808,40 @@ def test_a_request_pipelined_while_a_post_runs_neither_cancels_it_nor_is_lost() 
 
     trio.run(_serve_one_connection, handler, client_side)
     assert log == ["/slow", "/next"]
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_request_cancelled_by_the_server_is_answered_503_outside_its_scope(method: str) -> None:
+    # A request runs in the connection's scope, not one of its own: cancelled, it is answered
+    # once that scope has exited, and the connection ends after it.
+    connections: list[HttpConnection] = []
+
+    async def handler(request: HttpRequest) -> None:
+        if request.method == "POST":
+            await request.receive_body()
+        await trio.sleep_forever()
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        await client.send(
+            _post_head("/x", b"hi") if method == "POST" else b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
+        )
+        await trio.testing.wait_all_tasks_blocked()
+        connections[0].drain()
+        connections[0].cancel_request("shut down")
+        received = b""
+        while data := await client.recv(1000):
+            received += data
+        assert received.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), received
+        assert b"connection: close\r\n" in received
+        assert received.endswith(b'\r\n\r\n{"error": "shut down"}')
+        client.close()
+
+    original = HttpConnection.__init__
+
+    def remember(self: HttpConnection, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        connections.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HttpConnection, "__init__", remember)
+        trio.run(_serve_one_connection, handler, client_side)

@@ -12,9 +12,10 @@ Ownership, top to bottom::
     HttpServer.serve                   owns the listeners and every connection
     ├── accept loops                   one per listener, in the server's accepting scope
     └── HttpConnection.run             one per client connection: reads a request, runs it
-        │                              (the handler, in the request's cancel scope: reads
-        │                              the body, works, responds), writes its response if
-        │                              the handler did not, and again (keep-alive)
+        │                              (the handler, in the connection's cancel scope, which
+        │                              is the request's while it runs: reads the body, works,
+        │                              responds), writes its response if the handler did
+        │                              not, and again (keep-alive)
         ├── timer                      cancels the wait for a request's head at its deadline
         └── disconnect watcher         from the connection's first body read: while a
                                        request whose body was read runs, the client closing
@@ -459,7 +460,12 @@ class HttpRequest:
         self._client_gone = False
         #: Why the request's scope was cancelled by the server (None: it was not).
         self._cancel_message: str | None = None
-        self._scope = trio.CancelScope()
+        #: The scope the handler runs in: the connection's (see HttpConnection._serve_request).
+        self._scope: trio.CancelScope | None = None
+        #: Whether the handler runs: only then does a cancel reach its scope.
+        self._running = False
+        #: Whether the request's scope was cancelled while its handler ran.
+        self._cancelled = False
 
     def header(self, name: str) -> str | None:
         """The value of the first header called ``name`` (lower-case), or None."""
@@ -587,13 +593,18 @@ class HttpRequest:
 
     def _cancel_as_gone(self) -> None:
         self._client_gone = True
-        self._scope.cancel()
+        self._cancel_scope()
 
     def _cancel(self, message: str) -> None:
         """Cancel the request: the connection answers 503 with ``message`` if it can."""
         if self._cancel_message is None:
             self._cancel_message = message
-        self._scope.cancel()
+        self._cancel_scope()
+
+    def _cancel_scope(self) -> None:
+        if self._running and self._scope is not None:
+            self._cancelled = True
+            self._scope.cancel()
 
 
 class HttpConnection:
@@ -669,6 +680,9 @@ class HttpConnection:
         ``content-length`` that of the body a GET would get, and no body (RFC 9110 9.3.2)."""
         #: When the connection reaches its maximum age (Trio clock; inf: never).
         self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
+        #: A request whose scope was cancelled while its handler ran: finished (answered 503
+        #: if it can be) outside that scope, which was the connection's, once it has exited.
+        self._unfinished: HttpRequest | None = None
         #: The connection's tasks (the timer, the disconnect watcher); set while run() runs.
         self._tasks: trio.Nursery | None = None
         #: The request whose client the disconnect watcher watches (None: none): set once its
@@ -744,21 +758,30 @@ class HttpConnection:
                             # in: a scope stays cancelled, so the request is served outside it.
                             late = message
                             break
-                        if not await self._serve_request(message):
+                        if not await self._serve_request(message, scope):
                             should_linger = not self.at_end
                             break
+                # The wait for a head was cancelled (a drain, the deadline)...
+                waited_out = scope.cancelled_caught
+                if self._unfinished is not None:
+                    # ...or a request, in the connection's scope (which it ran in): the
+                    # connection's last.
+                    waited_out = False
+                    await self._finish_cancelled()
+                    should_linger = not self.at_end
+                    break
                 if late is None:
                     break
                 self._waiting = trio.CancelScope()
-                if not await self._serve_request(late):
+                if not await self._serve_in_scope_of_its_own(late):
                     should_linger = not self.at_end
                     break
-            if scope.cancelled_caught and self._head_begun() and not self.closing:
+            if waited_out and self._head_begun() and not self.closing:
                 error = HttpError(
                     408,
                     f"the request's head did not arrive within {self.limits.handshake_timeout:g} s",
                 )
-            elif scope.cancelled_caught and error is None and not self.at_end:
+            elif waited_out and error is None and not self.at_end:
                 # A drain or the idle timeout ended the wait for the next request, which the
                 # client may have sent meanwhile: served if it has, the connection's last. Its
                 # bytes unread, the close would be a reset, and the client would see no answer.
@@ -768,7 +791,7 @@ class HttpConnection:
                     error = exc
                 else:
                     if message is not None:
-                        await self._serve_request(message)
+                        await self._serve_in_scope_of_its_own(message)
                 finally:
                     self._arrived()
                 should_linger = True
@@ -778,6 +801,9 @@ class HttpConnection:
             if should_linger:
                 await linger(self._socket)
         finally:
+            if self._unfinished is not None:  # something other than its cancel ended it
+                self._end_request(self._unfinished)
+                self._unfinished = None
             self._arrived()
             await trio.aclose_forcefully(self._stream)
 
@@ -975,9 +1001,26 @@ class HttpConnection:
         """Whether some of a request's head has arrived (and not all of it)."""
         return bool(self._buffer or self._head_fed or self._parse.messages)
 
-    async def _serve_request(self, message: _Message) -> bool:
+    async def _serve_in_scope_of_its_own(self, message: _Message) -> bool:
+        """:meth:`_serve_request` for a request read outside the connection's scope (which was
+        cancelled)."""
+        with trio.CancelScope() as scope:
+            served = await self._serve_request(message, scope)
+        if self._unfinished is not None:
+            await self._finish_cancelled()
+            return False
+        return served
+
+    async def _serve_request(self, message: _Message, scope: trio.CancelScope) -> bool:
         """Run the handler on one request and make sure it is answered; whether the connection
-        may carry another."""
+        may carry another.
+
+        The handler runs in ``scope``, the caller's: the connection's scope, which nothing
+        else cancels while a request runs, rather than a scope entered for each request (that
+        cost a sixth of a small request). If the request is cancelled while its handler runs
+        (its client gone, the end of a shutdown's grace period), it is left to the caller to
+        finish once ``scope`` has exited (:meth:`_finish_cancelled`), and the connection ends.
+        """
         request = HttpRequest(self, message)
         length = message.content_length
         if length is not None and length > self.limits.max_body_size:
@@ -993,45 +1036,71 @@ class HttpConnection:
         counter.increment()
         counter.started += 1
         try:
-            failure: HttpError | None = None
-            with request._scope:
-                try:
-                    failure = await self._run_handler(request)
-                finally:
-                    # The disconnect watch (if its body was read) ends with the handler.
-                    self._unwatch()
+            request._scope = scope
+            request._running = True
+            try:
+                failure = await self._run_handler(request)
+            finally:
+                request._running = False
+                # The disconnect watch (if its body was read) ends with the handler.
+                self._unwatch()
+                if request._cancelled:
+                    # Cancelled whether it raised Cancelled or not: the scope stays so.
+                    self._unfinished = request
+            if request._cancelled:
+                return False
+            return await self._finish_request(request, failure)
+        finally:
+            if self._unfinished is not request:
+                self._end_request(request)
+
+    async def _finish_cancelled(self) -> None:
+        """Finish the request cancelled while its handler ran, outside its scope."""
+        request = self._unfinished
+        assert request is not None
+        try:
+            await self._finish_request(request, None)
+        finally:
+            self._unfinished = None
+            self._end_request(request)
+
+    async def _finish_request(self, request: HttpRequest, failure: HttpError | None) -> bool:
+        """Make sure ``request``, whose handler has returned (with ``failure``), is answered;
+        whether the connection may carry another."""
+        if request._client_gone:
+            return False
+        if request._response_started:
+            if request._cancelled or not request._response_sent:
+                return False  # cut off in the middle of the response
+        elif request._cancel_message is not None:
+            failure = HttpError(503, request._cancel_message)
+        elif failure is None:
+            logger.error("%s %s: the handler sent no response", request.method, request.path)
+            failure = HttpError(500, "internal server error")
+        if failure is not None:
+            await self._answer_error(failure.status, failure.message, request)
             if request._client_gone:
                 return False
-            if request._response_started:
-                if request._scope.cancelled_caught or not request._response_sent:
-                    return False  # cut off in the middle of the response
-            elif request._cancel_message is not None:
-                failure = HttpError(503, request._cancel_message)
-            elif failure is None:
-                logger.error("%s %s: the handler sent no response", request.method, request.path)
-                failure = HttpError(500, "internal server error")
-            if failure is not None:
-                await self._answer_error(failure.status, failure.message, request)
-                if request._client_gone:
-                    return False
-            return request._response_sent and not request._closes
-        finally:
-            self._request = None
-            self._parse.messages.popleft()
-            counter.decrement()
-            if self._access_log and ACCESS_LOGGER.isEnabledFor(logging.INFO):
-                log_call(
-                    CallRecord(
-                        "http",
-                        f"{request.method} {request.path}",
-                        request.subject,
-                        str(request.status) if request.status else "client gone",
-                        trio.current_time() - request.started,
-                        request.bytes_in,
-                        request.bytes_out,
-                        request.request_id,
-                    )
+        return request._response_sent and not request._closes
+
+    def _end_request(self, request: HttpRequest) -> None:
+        """The request is done with: no longer in flight, and logged."""
+        self._request = None
+        self._parse.messages.popleft()
+        self._requests_in_flight.decrement()
+        if self._access_log and ACCESS_LOGGER.isEnabledFor(logging.INFO):
+            log_call(
+                CallRecord(
+                    "http",
+                    f"{request.method} {request.path}",
+                    request.subject,
+                    str(request.status) if request.status else "client gone",
+                    trio.current_time() - request.started,
+                    request.bytes_in,
+                    request.bytes_out,
+                    request.request_id,
                 )
+            )
 
     async def _run_handler(self, request: HttpRequest) -> HttpError | None:
         """Run the handler; the error it ended with, if any (500 for a bug)."""
