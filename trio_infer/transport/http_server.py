@@ -423,10 +423,7 @@ class HttpRequest:
         """The target's path, still percent-encoded: ``/v2/models/add_sub/infer``."""
         self.query: str = query.decode("latin-1")
         """The target's query string, without the ``?`` (empty when none)."""
-        self.headers: list[tuple[str, str]] = [
-            (name.decode("latin-1"), value.decode("latin-1")) for name, value in message.headers
-        ]
-        """The request headers in order, names lower-case."""
+        self._headers: list[tuple[str, str]] | None = None
         self._coding = message.content_encoding
         coded = is_coded(self._coding) and message.content_length != 0
         self.content_length: int | None = None if coded else message.content_length
@@ -466,6 +463,18 @@ class HttpRequest:
         self._running = False
         #: Whether the request's scope was cancelled while its handler ran.
         self._cancelled = False
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        """The request headers in order, names lower-case (decoded when first asked for: most
+        GETs never are)."""
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = [
+                (name.decode("latin-1"), value.decode("latin-1"))
+                for name, value in self._message.headers
+            ]
+        return headers
 
     def header(self, name: str) -> str | None:
         """The value of the first header called ``name`` (lower-case), or None."""
@@ -650,11 +659,14 @@ class HttpConnection:
         self._head_fed = 0
         self._stream = stream
         self._plain: trio.socket.SocketType | None = None
+        #: The plaintext socket's descriptor (-1 over TLS), read and written directly.
+        self._fd = -1
         #: The last read filled the read size: the next is tried before waiting.
         self._more_likely = False
         if isinstance(stream, trio.SocketStream):
             self._plain = stream.socket
             self._socket = stream.socket
+            self._fd = stream.socket.fileno()
         else:
             self._socket = stream.transport_stream.socket
         self._handler = handler
@@ -1185,7 +1197,7 @@ class HttpConnection:
             await trio.lowlevel.wait_readable(sock)
         while True:
             try:
-                data = os.read(sock.fileno(), _READ_SIZE)
+                data = os.read(self._fd, _READ_SIZE)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(sock)  # woken without data after all
                 continue
@@ -1201,7 +1213,7 @@ class HttpConnection:
             if self._plain is not None:
                 # What the socket takes at once needs no timeout: one vectored write first.
                 with contextlib.suppress(BlockingIOError):
-                    data = write_some(self._plain.fileno(), data)
+                    data = write_some(self._fd, data)
             while data:
                 with trio.move_on_after(limit):
                     if self._plain is not None:
