@@ -845,3 +845,55 @@ def test_a_request_cancelled_by_the_server_is_answered_503_outside_its_scope(met
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(HttpConnection, "__init__", remember)
         trio.run(_serve_one_connection, handler, client_side)
+
+
+def test_connections_sharing_a_server_timer_each_end_their_waits_at_their_deadlines() -> None:
+    # A server's connections share one timer; a kept-alive connection adds a deadline to it
+    # only when it is earlier than the one it has there.
+    from trio_infer.transport.http_server import _WaitTimer
+
+    scripts: list[list[tuple[float, bytes]]] = [
+        [(0.0, _GET)],  # idle from 0: ends at 300
+        [(0.0, _GET), (250.0, _GET)],  # idle from 250: ends at 550
+        [(0.0, _GET), (200.0, b"GET /x HT")],  # a head begun at 200: 408 at 210
+        [],  # no head: ends at the handshake timeout
+    ]
+
+    async def main() -> list[tuple[float, bytes]]:
+        ended: list[tuple[float, bytes]] = [(0.0, b"")] * len(scripts)
+        timer = _WaitTimer(10)
+
+        async def handler(request: HttpRequest) -> None:
+            await request.respond(200)
+
+        async def client(index: int, client: trio.socket.SocketType) -> None:
+            received = b""
+            for at, data in scripts[index]:
+                await trio.sleep_until(at)
+                await client.send(data)
+            while data := await client.recv(1000):
+                received += data
+            ended[index] = (trio.current_time(), received)
+            client.close()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(timer.run)
+            async with trio.open_nursery() as connections:
+                for index in range(len(scripts)):
+                    ours, theirs = socket.socketpair()
+                    connection = HttpConnection(
+                        trio.SocketStream(trio.socket.from_stdlib_socket(ours)),
+                        handler,
+                        HttpLimits(handshake_timeout=10, idle_timeout=300),
+                        CallCounter(),
+                        timer=timer,
+                    )
+                    connections.start_soon(connection.run)
+                    connections.start_soon(client, index, trio.socket.from_stdlib_socket(theirs))
+            nursery.cancel_scope.cancel()
+        return ended
+
+    ended = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert [at for at, _ in ended] == pytest.approx([300.0, 550.0, 210.0, 10.0])
+    assert [received.count(b"HTTP/1.1 200 OK\r\n") for _, received in ended] == [1, 2, 1, 0]
+    assert b"HTTP/1.1 408 " in ended[2][1]

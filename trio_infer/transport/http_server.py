@@ -10,13 +10,14 @@ by :class:`_Parse`, and responses are framed here (a status line and a header bl
 Ownership, top to bottom::
 
     HttpServer.serve                   owns the listeners and every connection
+    ├── wait timer                     cancels a connection's wait for a request's head at
+    │                                  its deadline (idle and handshake timeouts)
     ├── accept loops                   one per listener, in the server's accepting scope
     └── HttpConnection.run             one per client connection: reads a request, runs it
         │                              (the handler, in the connection's cancel scope, which
         │                              is the request's while it runs: reads the body, works,
         │                              responds), writes its response if the handler did
         │                              not, and again (keep-alive)
-        ├── timer                      cancels the wait for a request's head at its deadline
         └── disconnect watcher         from the connection's first body read: while a
                                        request whose body was read runs, the client closing
                                        its socket cancels the request; parked between them
@@ -45,6 +46,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import heapq
 import http
 import itertools
 import json
@@ -355,6 +357,10 @@ def _readable_now(sock: trio.socket.SocketType) -> bool:
     return bool(poller.poll(0))
 
 
+def _shortest_timeout(limits: HttpLimits) -> float:
+    return min(limits.handshake_timeout, limits.idle_timeout)
+
+
 def headers_too_large(limit: int) -> str:
     """The 431 answer's message."""
     return f"the request's headers are larger than the maximum of {limit} bytes"
@@ -405,6 +411,40 @@ async def _decode(
         decoder.finish()
     except ContentCodingError as exc:
         raise HttpError(exc.status, exc.message) from None
+
+
+class _WaitTimer:
+    """Cancels connections' waits for a request's head at their deadlines (the idle and
+    handshake timeouts): one task (:meth:`run`) for a server's connections, and a heap of
+    deadlines. A connection adds one only when its wait's deadline is earlier than any it
+    has there (:meth:`HttpConnection._wait_until`), so a kept-alive connection adds about one
+    a timeout, not one a request; when one comes due, the connection looks at its wait's
+    deadline as it is then (:meth:`HttpConnection._time_out`).
+
+    Args:
+        shortest_timeout: The shortest of the timeouts: the timer sleeps at most this long at
+            a time, so that it wakes before any deadline added while it sleeps.
+    """
+
+    def __init__(self, shortest_timeout: float) -> None:
+        #: (deadline, tie-breaker, [connection, or None once it has ended]).
+        self._heap: list[tuple[float, int, list[HttpConnection | None]]] = []
+        self._ties = itertools.count()
+        # (A floor, so that timeouts of 0 do not make it spin.)
+        self._longest_sleep = max(shortest_timeout, 1e-3)
+
+    def add(self, deadline: float, entry: list[HttpConnection | None]) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._ties), entry))
+
+    async def run(self) -> NoReturn:
+        heap = self._heap
+        while True:
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                connection = heapq.heappop(heap)[2][0]
+                if connection is not None:
+                    connection._time_out(now)
+            await trio.sleep_until(min(heap[0][0] if heap else math.inf, now + self._longest_sleep))
 
 
 class HttpRequest:
@@ -640,6 +680,7 @@ class HttpConnection:
         limits: HttpLimits,
         requests_in_flight: CallCounter,
         access_log: bool = False,
+        timer: _WaitTimer | None = None,
     ) -> None:
         self.connection_id = next(_connection_ids)
         """Unique among the process's connections, never reused."""
@@ -678,8 +719,16 @@ class HttpConnection:
         #: or by the timer past the wait's deadline (see run).
         self._waiting = trio.CancelScope()
         #: When the wait for a request's head ends (Trio clock; inf while none is waited for):
-        #: read by the timer (:meth:`_time_waits`), which cancels the wait past it.
+        #: the timer cancels the wait past it (:meth:`_time_out`).
         self._wait_deadline = math.inf
+        #: The server's timer; None: the connection runs one of its own (a connection made
+        #: outside a server).
+        self._timer = timer
+        #: This connection in the timer's heap: emptied when it ends, so that what the heap
+        #: keeps until its deadlines come is not the connection.
+        self._timer_entry: list[HttpConnection | None] = [self]
+        #: The earliest deadline this connection has in the timer's heap (inf: none).
+        self._timed_until = math.inf
         #: Whether the connection waits for a request's head.
         self._idle = False
         #: A drain found the client's next request arriving, and counted it in flight until
@@ -695,7 +744,8 @@ class HttpConnection:
         #: A request whose scope was cancelled while its handler ran: finished (answered 503
         #: if it can be) outside that scope, which was the connection's, once it has exited.
         self._unfinished: HttpRequest | None = None
-        #: The connection's tasks (the timer, the disconnect watcher); set while run() runs.
+        #: The connection's tasks (the disconnect watcher; the timer of a connection made
+        #: outside a server); set while run() runs.
         self._tasks: trio.Nursery | None = None
         #: The request whose client the disconnect watcher watches (None: none): set once its
         #: body is read, cleared when its handler returns or the socket turned readable.
@@ -717,37 +767,43 @@ class HttpConnection:
         """Serve requests one after the other until the connection ends; then close it.
 
         The connection's scope is cancelled only while it waits for a request's head: by a
-        drain, or by the connection's timer (:meth:`_time_waits`) past the wait's deadline. A
-        timer task that reads a deadline kept as a number costs nothing per request; one
-        scope for the connection's life with its deadline moved twice a request cost about
-        a tenth of a small request, and a scope of its own for each wait twice that. A scope
-        once cancelled stays so: a head that arrived in the pass that cancelled it is served
-        outside it, and the next wait gets a new one.
+        drain, or by the server's timer (:class:`_WaitTimer`) past the wait's deadline. The
+        deadline kept as a number costs next to nothing per request; one scope for the
+        connection's life with its deadline moved twice a request cost about a tenth of a
+        small request, a scope of its own for each wait twice that, and a timer task for
+        each connection a third of a connection's setup. A scope once cancelled stays so: a
+        head that arrived in the pass that cancelled it is served outside it, and the next
+        wait gets a new one.
         """
         async with trio.open_nursery() as tasks:
             self._tasks = tasks
-            tasks.start_soon(self._time_waits)
+            if self._timer is None:
+                self._timer = _WaitTimer(_shortest_timeout(self.limits))
+                tasks.start_soon(self._timer.run)
             try:
                 await self._serve()
             finally:
+                self._timer_entry[0] = None
                 tasks.cancel_scope.cancel()
                 self._tasks = None
 
-    async def _time_waits(self) -> None:
-        """The connection's timer: cancel the wait for a request's head at its deadline
-        (:attr:`_wait_deadline`). It sleeps at most the shortest timeout at a time, so it wakes
-        before any deadline a wait begun meanwhile can have, and a deadline moved later costs
-        it one more sleep, not a wake-up of its own."""
-        # (A floor, so that timeouts of 0 do not make it spin.)
-        longest_sleep = max(min(self.limits.handshake_timeout, self.limits.idle_timeout), 1e-3)
-        while True:
-            now = trio.current_time()
-            deadline = self._wait_deadline
-            if deadline <= now:
-                self._waiting.cancel()
-                # A cancelled wait ends (its deadline back to inf) before the timer looks again.
-                deadline = math.inf
-            await trio.sleep_until(min(deadline, now + longest_sleep))
+    def _wait_until(self, deadline: float) -> None:
+        """Set the deadline of the wait for a request's head (inf: none is waited for)."""
+        self._wait_deadline = deadline
+        if deadline < self._timed_until:
+            self._timed_until = deadline
+            assert self._timer is not None, "a head is waited for in HttpConnection.run"
+            self._timer.add(deadline, self._timer_entry)
+
+    def _time_out(self, now: float) -> None:
+        """Called by the timer when one of this connection's deadlines is due: cancel the wait
+        if its deadline has passed, or have the timer come back at its deadline."""
+        self._timed_until = math.inf
+        deadline = self._wait_deadline
+        if deadline <= now:
+            self._waiting.cancel()
+        elif deadline != math.inf:
+            self._wait_until(deadline)
 
     async def _serve(self) -> None:
         should_linger = False
@@ -957,7 +1013,7 @@ class HttpConnection:
             return None
         limits = self.limits
         timeout = limits.idle_timeout if self._served else limits.handshake_timeout
-        self._wait_deadline = trio.current_time() + timeout
+        self._wait_until(trio.current_time() + timeout)
         self._idle = True
         messages = self._parse.messages
         self.head_only = False
@@ -981,8 +1037,8 @@ class HttpConnection:
                     # A head has begun and must wait for the rest of it (most come whole in
                     # one read, and never get here).
                     hurried = True
-                    self._wait_deadline = min(
-                        self._wait_deadline, trio.current_time() + limits.handshake_timeout
+                    self._wait_until(
+                        min(self._wait_deadline, trio.current_time() + limits.handshake_timeout)
                     )
                 if not await self.fill():
                     return None  # the client closed, in the middle of a head or not
@@ -1335,6 +1391,7 @@ class HttpServer(ConnectionServer[HttpConnection]):
         self._handler = handler
         self._access_log = access_log
         self._limits = limits or HttpLimits()
+        self._timer = _WaitTimer(_shortest_timeout(self._limits))
         self.requests_in_flight = self._in_flight
         """Requests being served, across connections."""
 
@@ -1346,9 +1403,28 @@ class HttpServer(ConnectionServer[HttpConnection]):
             requests_started=self.requests_in_flight.started,
         )
 
+    async def serve(
+        self,
+        listeners: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """:meth:`ConnectionServer.serve`, with the connections' wait timer beside it."""
+        async with trio.open_nursery() as timer:
+            timer.start_soon(self._timer.run)
+            try:
+                await super().serve(listeners, task_status=task_status)
+            finally:
+                timer.cancel_scope.cancel()
+
     def _connect(self, transport: Transport) -> HttpConnection:
         return HttpConnection(
-            transport, self._handler, self._limits, self.requests_in_flight, self._access_log
+            transport,
+            self._handler,
+            self._limits,
+            self.requests_in_flight,
+            self._access_log,
+            self._timer,
         )
 
     def _end_calls(self, connection: HttpConnection) -> None:
