@@ -681,6 +681,7 @@ class HttpConnection:
         requests_in_flight: CallCounter,
         access_log: bool = False,
         timer: _WaitTimer | None = None,
+        helpers: trio.Nursery | None = None,
     ) -> None:
         self.connection_id = next(_connection_ids)
         """Unique among the process's connections, never reused."""
@@ -744,9 +745,12 @@ class HttpConnection:
         #: A request whose scope was cancelled while its handler ran: finished (answered 503
         #: if it can be) outside that scope, which was the connection's, once it has exited.
         self._unfinished: HttpRequest | None = None
-        #: The connection's tasks (the disconnect watcher; the timer of a connection made
-        #: outside a server); set while run() runs.
-        self._tasks: trio.Nursery | None = None
+        #: Where the connection's disconnect watcher runs: the server's nursery for its
+        #: connections' helpers, or (a connection made outside a server) one of its own, with
+        #: its timer, while run() runs.
+        self._helpers = helpers
+        #: The disconnect watcher's scope for its life: cancelled when the connection ends.
+        self._watcher_life: trio.CancelScope | None = None
         #: The request whose client the disconnect watcher watches (None: none): set once its
         #: body is read, cleared when its handler returns or the socket turned readable.
         self._watched: HttpRequest | None = None
@@ -775,17 +779,27 @@ class HttpConnection:
         head that arrived in the pass that cancelled it is served outside it, and the next
         wait gets a new one.
         """
-        async with trio.open_nursery() as tasks:
-            self._tasks = tasks
+        if self._helpers is not None and self._timer is not None:
+            await self._serve_and_end()
+            return
+        async with trio.open_nursery() as helpers:
+            self._helpers = helpers
             if self._timer is None:
                 self._timer = _WaitTimer(_shortest_timeout(self.limits))
-                tasks.start_soon(self._timer.run)
+                helpers.start_soon(self._timer.run)
             try:
-                await self._serve()
+                await self._serve_and_end()
             finally:
-                self._timer_entry[0] = None
-                tasks.cancel_scope.cancel()
-                self._tasks = None
+                helpers.cancel_scope.cancel()
+
+    async def _serve_and_end(self) -> None:
+        try:
+            await self._serve()
+        finally:
+            # The timer's heap lets go of the connection; its watcher ends.
+            self._timer_entry[0] = None
+            if self._watcher_life is not None:
+                self._watcher_life.cancel()
 
     def _wait_until(self, deadline: float) -> None:
         """Set the deadline of the wait for a request's head (inf: none is waited for)."""
@@ -1302,8 +1316,9 @@ class HttpConnection:
         self._watched = request
         if not self._watcher_started:
             self._watcher_started = True
-            assert self._tasks is not None, "a request runs in HttpConnection.run"
-            self._tasks.start_soon(self._watch_disconnects)
+            assert self._helpers is not None, "a request runs in HttpConnection.run"
+            self._watcher_life = trio.CancelScope()
+            self._helpers.start_soon(self._watch_disconnects, self._watcher_life)
         elif self._parked is not None:
             trio.lowlevel.reschedule(self._parked)
             self._parked = None
@@ -1321,7 +1336,20 @@ class HttpConnection:
         self._parked = None
         return trio.lowlevel.Abort.SUCCEEDED
 
-    async def _watch_disconnects(self) -> None:
+    async def _watch_disconnects(self, life: trio.CancelScope) -> None:
+        """The disconnect watcher (:meth:`_watch`), for the connection's life: it runs among
+        the server's tasks, so that a connection opens no nursery of its own, and a fault in
+        it is logged, not let through to them."""
+        with life:
+            try:
+                await self._watch()
+            except Exception:
+                logger.exception(
+                    "the disconnect watcher failed: its connection's requests are no longer "
+                    "cancelled when their client goes"
+                )
+
+    async def _watch(self) -> None:
         """The disconnect watcher: one task for the connection's life, rather than a nursery
         and a task for each request with a body. It waits for the socket to turn readable
         while a request is watched (:meth:`watch`), and is parked between them."""
@@ -1392,6 +1420,9 @@ class HttpServer(ConnectionServer[HttpConnection]):
         self._access_log = access_log
         self._limits = limits or HttpLimits()
         self._timer = _WaitTimer(_shortest_timeout(self._limits))
+        #: The nursery of the connections' helpers (the timer, disconnect watchers) while
+        #: serve() runs.
+        self._helpers: trio.Nursery | None = None
         self.requests_in_flight = self._in_flight
         """Requests being served, across connections."""
 
@@ -1410,12 +1441,14 @@ class HttpServer(ConnectionServer[HttpConnection]):
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """:meth:`ConnectionServer.serve`, with the connections' wait timer beside it."""
-        async with trio.open_nursery() as timer:
-            timer.start_soon(self._timer.run)
+        async with trio.open_nursery() as helpers:
+            helpers.start_soon(self._timer.run)
+            self._helpers = helpers
             try:
                 await super().serve(listeners, task_status=task_status)
             finally:
-                timer.cancel_scope.cancel()
+                self._helpers = None
+                helpers.cancel_scope.cancel()
 
     def _connect(self, transport: Transport) -> HttpConnection:
         return HttpConnection(
@@ -1425,6 +1458,7 @@ class HttpServer(ConnectionServer[HttpConnection]):
             self.requests_in_flight,
             self._access_log,
             self._timer,
+            self._helpers,
         )
 
     def _end_calls(self, connection: HttpConnection) -> None:
