@@ -897,3 +897,28 @@ def test_connections_sharing_a_server_timer_each_end_their_waits_at_their_deadli
     assert [at for at, _ in ended] == pytest.approx([300.0, 550.0, 210.0, 10.0])
     assert [received.count(b"HTTP/1.1 200 OK\r\n") for _, received in ended] == [1, 2, 1, 0]
     assert b"HTTP/1.1 408 " in ended[2][1]
+
+
+def test_a_client_that_pipelines_then_closes_while_a_post_runs_cancels_it() -> None:
+    # The watcher saw the socket readable with the next request: its client closing its
+    # socket afterwards (a TLS client's close_notify is such bytes too) must still cancel the
+    # running request, not leave its worker call running for nobody.
+    log: list[str] = []
+
+    async def handler(request: HttpRequest) -> None:
+        await request.receive_body()
+        try:
+            await trio.sleep_forever()
+        finally:
+            log.append("cancelled")
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        await client.send(_post_head("/wait", b"hi"))
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n")
+        await trio.testing.wait_all_tasks_blocked()
+        assert log == []
+        client.close()  # the connection's run ends (fail_after: it must)
+
+    trio.run(_serve_one_connection, handler, client_side)
+    assert log == ["cancelled"]

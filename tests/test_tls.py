@@ -8,6 +8,7 @@ the server does not trust.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -449,3 +450,29 @@ async def test_calls_in_flight_are_answered_after_a_tcp_half_close_under_tls(
         _sleep_call_then_tcp_half_close, tls_server.port, _client_context(pki)
     )
     assert status.get("grpc-status") == "0", status
+
+
+async def test_a_rest_client_that_closes_with_close_notify_cancels_its_worker_call(
+    tls_server: RunningServer, pki: Pki
+) -> None:
+    # A TLS client closing sends close_notify first: bytes on the socket, as a pipelined
+    # request would be, then the TCP end. The end still cancels the request it left running.
+    tcp = await trio.open_tcp_stream("127.0.0.1", tls_server.http_port)
+    context = ssl.create_default_context(cafile=pki.server_ca)
+    stream = trio.SSLStream(tcp, context, server_hostname="127.0.0.1")
+    body = json.dumps(
+        {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}],
+            "parameters": {"delay_ms": 20_000},
+        }
+    ).encode()
+    await stream.send_all(
+        b"POST /v2/models/sleep/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await eventually(lambda: tls_server.statistics().pool.busy == 1)
+    await stream.aclose()  # close_notify, then the socket's end
+    # The call is stopped (its worker killed) long before its 20 s would end.
+    await eventually(lambda: tls_server.statistics().pool.busy == 0, within=5)
+    assert tls_server.statistics().admission.reserved_bytes == 0

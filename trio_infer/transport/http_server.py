@@ -1366,16 +1366,39 @@ class HttpConnection:
                 self._watch_scope = None
             if self._watched is not request:
                 continue  # its handler returned (the wait was cancelled, or it raced the end)
-            # Readable: the client's next request, or the end of its input. Either ends this
-            # request's watch: a readable socket is not waited for again.
-            self._watched = None
+            # Readable: the client's next request, or the end of its input.
             try:
                 peeked = await self._socket.recv(1, socket.MSG_PEEK)
             except OSError:
                 peeked = b""
-            if not peeked:
+            ended = not peeked
+            if peeked and self._watched is request:
+                # Bytes before any end: a pipelined request, or (TLS) a close_notify alert.
+                # A readable socket is not waited for again; its end (FIN) still is, by an
+                # epoll of its own that reports only that (EPOLLRDHUP), unread bytes or not.
+                ended = await self._wait_for_end(request)
+            if self._watched is request:
+                self._watched = None
+            if ended:
                 self.at_end = True
                 request._cancel_as_gone()
+
+    async def _wait_for_end(self, request: HttpRequest) -> bool:
+        """Wait, while ``request`` is watched, for the client's socket to end: whether it did
+        (False when the watch ended first, or the platform cannot tell)."""
+        rdhup = getattr(select, "EPOLLRDHUP", None)
+        if rdhup is None or not hasattr(select, "epoll"):
+            return False
+        with select.epoll(1) as poller:
+            poller.register(self._socket.fileno(), rdhup)
+            with trio.CancelScope() as scope:
+                self._watch_scope = scope
+                await trio.lowlevel.wait_readable(poller.fileno())
+            if self._watch_scope is scope:
+                self._watch_scope = None
+            if self._watched is not request:
+                return False
+        return True
 
 
 @dataclass(frozen=True)
