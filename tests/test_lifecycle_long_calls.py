@@ -48,7 +48,10 @@ MODELS = textwrap.dedent(
 
     class SlowLoad(Model):
         def load(self):
+            # Marks in its folder: a load() has begun, and one has ended.
+            (self.settings.path / "loading").touch()
             time.sleep(3)
+            (self.settings.path / "loaded").touch()
 
         def predict(self, inputs, parameters):
             return {"pid": np.array([os.getpid()], np.int64)}
@@ -147,11 +150,13 @@ async def test_a_slow_load_leaves_the_served_models_a_worker(
     server = await _explicit(nursery, repository, "quick")
     client = GrpcioClient(server.port)
     try:
+        folder = repository / "slow_load"
         async with trio.open_nursery() as loading:
             loading.start_soon(_repository_call, client, "RepositoryModelLoad", "slow_load", 30.0)
-            await trio.sleep(0.5)  # the load() of 3 s runs now
-            # Served by a worker that is not loading, not after the load.
-            await client.call("ModelInfer", pb.ModelInferRequest(model_name="quick"), timeout=1.5)
+            await eventually(lambda: (folder / "loading").exists())
+            # Served by a worker that is not loading: answered before any load() has ended.
+            await client.call("ModelInfer", pb.ModelInferRequest(model_name="quick"), timeout=30)
+            assert not (folder / "loaded").exists()
         await client.call("ModelInfer", pb.ModelInferRequest(model_name="slow_load"), timeout=5)
     finally:
         client.channel.close()
