@@ -330,10 +330,10 @@ class WorkerPool:
         """
         errors: list[InferError] = []
         not_started: list[Unavailable] = []
-        for settings in models:
-            self._retired.pop(self._pickled(settings), None)  # loaded again on purpose
-
         pickled = tuple(self._pickled(s) for s in models)
+        for key in pickled:
+            self._retired.pop(key, None)  # loaded again on purpose
+
         lanes = [
             lane
             for lane in self._lanes
