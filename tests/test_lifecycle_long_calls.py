@@ -191,3 +191,37 @@ async def test_a_replaced_worker_does_not_hold_the_manager_behind_a_long_call(
     finally:
         stream.close()
         client.channel.close()
+
+
+async def test_loads_and_unloads_do_not_wait_for_a_long_call(
+    nursery: trio.Nursery, repository: Path
+) -> None:
+    server = await _explicit(nursery, repository, "endless", "quick")
+    client = GrpcioClient(server.port)
+    stream = _Stream(client)
+    try:
+        await trio.to_thread.run_sync(lambda: stream.first.wait(10))
+        # The stream holds one of the two workers for as long as it runs: the other loads.
+        await _repository_call(client, "RepositoryModelLoad", "other", within=10)
+        answer = await client.call("ModelInfer", pb.ModelInferRequest(model_name="other"))
+        assert int(np.frombuffer(answer.raw_output_contents[0], np.int64)[0]) != stream.pid()
+        # A reload (new settings), and an unload, both answered while the stream runs.
+        await client.call(
+            "RepositoryModelLoad",
+            pb.RepositoryModelLoadRequest(
+                model_name="other",
+                parameters={
+                    "config": pb.ModelRepositoryParameter(
+                        string_param='{"parameters": {"extra": {"v": 2}}}'
+                    )
+                },
+            ),
+            timeout=10,
+        )
+        await _repository_call(client, "RepositoryModelUnload", "quick", within=10)
+        answered = len(stream.answers)
+        await eventually(lambda: len(stream.answers) > answered)
+        assert stream.status is None
+    finally:
+        stream.close()
+        client.channel.close()

@@ -4,6 +4,7 @@ real workers, where such a moment is too short to hit on purpose)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +37,7 @@ class FakePool:
         await trio.lowlevel.checkpoint()
         return 1
 
-    async def unload(self, settings: ModelSettings) -> int:
+    async def unload(self, settings: ModelSettings, busy_deadline: float = -math.inf) -> int:
         await trio.lowlevel.checkpoint()
         self.dropped.append(settings)
         return 1

@@ -68,6 +68,36 @@ class Pid(Model):
         return {"pid": np.array([os.getpid()])}
 
 
+class Tracked(Model):
+    """Writes "load <pid>" when loaded and "drop <pid>" when dropped from its worker's cache."""
+
+    def load(self):
+        self._log("load")
+
+    def __del__(self):
+        self._log("drop")
+
+    def _log(self, what):
+        with Path(self.settings.parameters.extra["events"]).open("a") as f:
+            f.write(f"{what} {os.getpid()}\\n")
+
+    def predict(self, inputs, parameters):
+        return {"pid": np.array([os.getpid()])}
+
+
+class Gate(Model):
+    """Runs until the file its call names exists (a minute at most)."""
+
+    def predict(self, inputs, parameters):
+        Path(parameters["pid_file"]).write_text(str(os.getpid()))
+        release = Path(parameters["release"])
+        for _ in range(6000):
+            if release.exists():
+                break
+            time.sleep(0.01)
+        return {}
+
+
 class Nap(Model):
     def predict(self, inputs, parameters):
         Path(parameters["pid_file"]).write_text(str(os.getpid()))
@@ -207,8 +237,11 @@ def repo(tmp_path: Path) -> dict[str, ModelSettings]:
     root.mkdir()
     log = str(tmp_path / "loads.txt")
     write_model(root, "pid", "Pid", parameters={"extra": {"log": log}})
+    events = str(tmp_path / "events.txt")
+    write_model(root, "tracked", "Tracked", parameters={"extra": {"events": events}})
     for name, cls in [
         ("nap", "Nap"),
+        ("gate", "Gate"),
         ("boom", "Boom"),
         ("boom_on_load", "BoomOnLoad"),
         ("quota", "Quota"),
@@ -701,6 +734,35 @@ async def test_a_call_cancelled_after_it_ended_in_the_worker_leaves_the_next_one
             assert len(pids) == 1
             assert starts.read_text().split() == [str(pids[0])]
         assert pool.statistics().crashed == 0
+
+
+async def test_a_busy_worker_loads_and_drops_a_model_after_its_call_holding_up_neither(
+    repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    started, release = tmp_path / "gate.pid", tmp_path / "release"
+    events = tmp_path / "events.txt"
+    async with WorkerPool.open(2) as pool, trio.open_nursery() as nursery:
+        gate = Parameters({"pid_file": str(started), "release": str(release)})
+        nursery.start_soon(pool.predict, repo["gate"], {}, gate)
+        await eventually(lambda: started.exists() and bool(started.read_text()))
+        busy = int(started.read_text())
+        # The idle worker loads it while the other runs its call; neither the load nor the
+        # unload waits for that call (the release comes only after both returned).
+        assert await pool.warm_up([repo["tracked"]]) == 1
+        [(what, idle)] = [line.split() for line in events.read_text().splitlines()]
+        assert what == "load"
+        assert int(idle) != busy
+        out = await pool.predict(repo["tracked"], {}, NO_PARAMETERS)
+        assert out["pid"].item() == int(idle)
+        assert await pool.unload(repo["tracked"]) == 1
+        assert events.read_text().split() == ["load", idle, "drop", idle]
+        release.touch()
+        # The busy worker, once its call ends, loads the model and then drops it, in the order
+        # they were sent.
+        await eventually(lambda: len(events.read_text().split()) == 8)
+        assert events.read_text().split()[4:] == ["load", str(busy), "drop", str(busy)]
+        with pytest.raises(Unavailable, match="model 'tracked' was unloaded"):
+            await pool.predict(repo["tracked"], {}, NO_PARAMETERS)
 
 
 async def test_workers_that_cannot_start_fail_their_calls_and_the_pool_goes_on(

@@ -660,20 +660,17 @@ async def test_a_reload_takes_new_weights_and_code_and_a_failing_one_keeps_the_o
         await eventually(lambda: any(p.name.startswith("holding-") for p in repo.state.iterdir()))
         repo.write_weight("model", 2)
         repo.write_code("model", 1)
-        loaded = trio.Event()
-
-        async def load() -> None:
-            await triton.grpc(lambda c: c.load_model("model"))
-            loaded.set()
-
-        calls.start_soon(load)
-        # The worker that runs the held call loads the new version after it.
-        assert await index_entry(triton, "model", "LOADING") == ""
+        # The idle worker loads the new version and the server switches to it while the held
+        # call runs: the load does not wait for that call.
+        await triton.grpc(lambda c: c.load_model("model"))
+        assert len(repo.instances("loaded", "model") - first) == 1
+        assert await infer(grpcio, "model") == 1002
         assert await infer(grpcio, "other") == 5
-        assert not loaded.is_set()
         (repo.state / "release").touch()
-    # The call in flight answered with the old version, every call since with the new one.
+    # The call in flight answered with the old version, every call since with the new one; the
+    # worker that ran it loaded the new version after it.
     assert held == [1]
+    await eventually(lambda: len(repo.instances("loaded", "model") - first) == 2)
     for _ in range(6):
         assert await infer(grpcio, "model") == 1002
     # The old version is dropped from every worker once its calls are done.

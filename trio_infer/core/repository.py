@@ -9,10 +9,12 @@ deadline, its client gone) does not stop the operation, which leaves the registr
 way. Waiting for a model's calls to end is not done in that task but beside it, so that a long
 grace period holds no other change back.
 
-Loading never stops other models' calls: a model is loaded into every worker while the
-settings before it (if any) still serve; only once every worker has it does the registry
-switch to it, and the old settings are dropped from the workers once their calls have ended
-(or the grace period has passed). A load that fails leaves the old settings serving.
+Loading never stops other models' calls: a model is loaded into every idle worker while the
+settings before it (if any) still serve; only once they have it does the registry switch to
+it, and the old settings are dropped from the workers once their calls have ended (or the
+grace period has passed). A busy worker loads and drops after the calls it runs, in the pool's
+nursery: no operation waits for a running call, which may be a stream that never ends. A load
+that fails leaves the old settings serving.
 
 Control modes (Triton's ``--model-control-mode``):
 
@@ -337,7 +339,8 @@ class ModelManager:
     async def load(self, name: str, config: Mapping[str, Any] | None = None) -> None:
         """Load (or reload) model ``name`` from the repository folder, its settings
         overridden by ``config`` (top-level fields of ``model-settings.json``); returns once
-        every worker has it and the registry serves it.
+        every idle worker has it (a busy one loads it after its calls, before any other) and
+        the registry serves it.
 
         Raises:
             InvalidInput: The name is not a plain folder name, the folder leads out of the
@@ -484,7 +487,8 @@ class ModelManager:
         unary call still running keeps its worker until it ends."""
         admission = self.core.admission
         name = settings.name
-        with trio.move_on_after(self.grace_period):
+        grace_end = trio.current_time() + self.grace_period
+        with trio.move_on_at(grace_end):
             await admission.wait_idle(settings)
         if not self._kept(settings):
             admission.cancel_calls(
@@ -493,11 +497,13 @@ class ModelManager:
                 f"{self.grace_period:g} s",
             )
         # Done beside the lifecycle task, not in it: the workers drop the model after the calls
-        # they hold, and one of those may run long. Only a load of this model waits (_switch).
+        # they hold, and one of those may run long (another model's: waited for until the end
+        # of the grace period, then left to drop it once it ends). Only a load of this model
+        # waits (_switch).
         async with self._lock(name):
             if self._kept(settings):
                 return
-            await self.core.pool.unload(settings)
+            await self.core.pool.unload(settings, busy_deadline=grace_end)
 
     def _kept(self, settings: ModelSettings) -> bool:
         """Whether settings being dropped were loaded again meanwhile with equal settings: the

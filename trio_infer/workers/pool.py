@@ -305,11 +305,17 @@ class WorkerPool:
     async def warm_up(self, models: Sequence[ModelSettings], *, keep_serving: bool = False) -> int:
         """Start every worker process and load every model in each.
 
+        No load waits for a running call: a worker that is idle loads at once, and this waits
+        for it; a busy worker's load is sent ahead of any other call it is sent, and it loads
+        the models once the calls it runs have ended, after this has returned (the lanes'
+        private calls keep their order, so an ``unload`` sent later drops them after). When
+        no worker is idle, this waits for the first busy one to load them. A busy worker
+        whose load fails logs it and loads the models again when it is next called with them.
+
         A worker that loaded these models already (by an earlier ``warm_up`` in its process's
-        life) is not asked again: the load would wait behind the call it runs, which may be
-        long (a decoupled model's stream). With ``keep_serving`` (models are served beside
-        these), one idle worker loads them only once the others have, so that a slow
-        ``load()`` does not take every worker from the models served meanwhile.
+        life) is not asked again. With ``keep_serving`` (models are served beside these), one
+        idle worker loads them only once another has, so that a slow ``load()`` does not take
+        every worker from the models served meanwhile.
 
         A worker that cannot be started (out of file descriptors, say) is not a failure of the
         models: its lane tries again on its own (``PoolStatistics.down``), and
@@ -320,67 +326,98 @@ class WorkerPool:
             models: The models to load.
 
         Returns:
-            How many workers have every model loaded: at least 1, fewer than ``workers`` while
-            some lanes are down.
+            How many workers have every model loaded: at least 1; fewer than ``workers`` while
+            some lanes are down or some workers load them behind their calls.
 
         Raises:
             InferError: A model failed to load (the first failure; the message names the
                 model). Workers that loaded every model stay warm.
             Unavailable: A worker died while loading, or no worker could be started.
         """
-        errors: list[InferError] = []
-        not_started: list[Unavailable] = []
         pickled = tuple(self._pickled(s) for s in models)
         for key in pickled:
             self._retired.pop(key, None)  # loaded again on purpose
 
-        lanes = [
-            lane
-            for lane in self._lanes
-            if lane.down or not (lane.connected and lane.holds.issuperset(pickled))
-        ]
-        loaded = len(self._lanes) - len(lanes)  # their workers hold the models already
+        lanes = [lane for lane in self._lanes if lane.down or not lane.holds.issuperset(pickled)]
+        # Those not in lanes hold the models already.
+        loading = _Loading(", ".join(repr(s.name) for s in models), len(self._lanes) - len(lanes))
         later: list[_Lane] = []
-        idle = [lane for lane in lanes if not lane.down and not lane.outstanding]
-        if keep_serving and idle and len(lanes) + loaded > 1:
-            # One idle worker goes on serving while the others load (a busy one loads as soon
-            # as its call ends, its load sent ahead so that no other call is sent ahead of it).
+        idle = [lane for lane in lanes if lane.idle]
+        if keep_serving and idle and (len(idle) > 1 or loading.loaded):
+            # One idle worker goes on serving while another loads.
             later = [idle[-1]]
             lanes.remove(idle[-1])
+        try:
+            for group in (lanes, later):
+                async with trio.open_nursery() as nursery:
+                    for lane in group:
+                        self._send_load(lane, pickled, loading, nursery)
+                while not (loading.loaded or loading.errors) and loading.behind.count:
+                    await loading.behind.one_ends()
+                if loading.errors:
+                    raise loading.errors[0]
+        finally:
+            loading.returned = True
+        if not loading.loaded:
+            raise loading.not_started[0]
+        return loading.loaded
 
-        async def warm(lane: _Lane) -> None:
-            nonlocal loaded
-            if lane.down:
-                not_started.append(lane.start_error())
-                return
-            call = self._call("loading models", None, child.load_all, pickled)
-            try:
-                await self._submit(call, lane.private)
-            except _StartFailed as exc:
-                not_started.append(exc)
-            except InferError as exc:
-                errors.append(exc)
+    def _send_load(
+        self, lane: _Lane, pickled: tuple[bytes, ...], loading: _Loading, nursery: trio.Nursery
+    ) -> None:
+        """Send a lane its load; its end is awaited in ``nursery`` if the lane is idle, in the
+        pool's (behind the calls it runs) if not."""
+        if lane.down:
+            loading.not_started.append(lane.start_error())
+            return
+        behind = not lane.idle
+        call = self._call("loading models", None, child.load_all, pickled)
+        try:
+            self._enqueue(call, lane.private)
+        except InferError as exc:
+            loading.errors.append(exc)
+            return
+        lane.holds.update(pickled)
+        if behind:
+            loading.behind.count += 1
+            assert self._nursery is not None
+            nursery = self._nursery
+        nursery.start_soon(self._end_load, lane, call, pickled, loading, behind)
+
+    async def _end_load(
+        self, lane: _Lane, call: _Call, pickled: tuple[bytes, ...], loading: _Loading, behind: bool
+    ) -> None:
+        try:
+            await self._reply(call)
+        except _StartFailed as exc:
+            loading.not_started.append(exc)
+        except InferError as exc:
+            lane.holds.difference_update(pickled)
+            # A busy worker's failure fails the warm-up only while no worker has loaded them.
+            if not (loading.returned or (behind and loading.loaded)):
+                loading.errors.append(exc)
             else:
-                if lane.connected:
-                    lane.holds.update(pickled)
-                loaded += 1
+                _log.warning(
+                    "worker lane %d could not load model(s) %s after the calls it ran: %s; "
+                    "it loads them when next called with them",
+                    lane.index,
+                    loading.names,
+                    exc.message,
+                )
+        else:
+            loading.loaded += 1
+        finally:
+            if behind:
+                loading.behind.ended()
 
-        for group in (lanes, later):
-            async with trio.open_nursery() as nursery:
-                for lane in group:
-                    nursery.start_soon(warm, lane)
-            if errors:
-                break
-        if errors:
-            raise errors[0]
-        if not loaded:
-            raise not_started[0]
-        return loaded
+    async def unload(self, settings: ModelSettings, busy_deadline: float = -math.inf) -> int:
+        """Drop a model from every live worker, freeing its memory there; how many workers
+        dropped it by the time this returns.
 
-    async def unload(self, settings: ModelSettings) -> int:
-        """Drop a model from every live worker, freeing its memory there; how many workers had
-        it loaded. Each worker does it after the calls it was sent before (a call of the model
-        still queued would load it again: its caller ends its calls first). A worker that dies
+        Each worker drops it after the calls it was sent before (a call of the model still
+        queued would load it again: its caller ends its calls first). Idle workers are waited
+        for; a busy one drops it once the calls it runs have ended, waited for until
+        ``busy_deadline`` (Trio time) and in the pool's nursery after that. A worker that dies
         meanwhile, or cannot be started, does not have it either.
         """
         pickled = self._pickled(settings)
@@ -388,19 +425,34 @@ class WorkerPool:
         if len(self._retired) > _MAX_RETIRED:
             del self._retired[next(iter(self._retired))]
         dropped = 0
+        pending = _Behind()
 
-        async def drop(lane: _Lane) -> None:
+        async def drop(call: _Call, behind: bool) -> None:
             nonlocal dropped
-            lane.holds.discard(pickled)
-            if lane.down:
-                return
-            call = self._call(f"unloading model {settings.name!r}", None, child.unload, pickled)
-            with contextlib.suppress(Unavailable):
-                dropped += bool(await self._submit(call, lane.private))
+            try:
+                with contextlib.suppress(Unavailable):
+                    dropped += bool(await self._reply(call))
+            finally:
+                if behind:
+                    pending.ended()
 
         async with trio.open_nursery() as nursery:
             for lane in self._lanes:
-                nursery.start_soon(drop, lane)
+                lane.holds.discard(pickled)
+                if lane.down:
+                    continue
+                behind = not lane.idle
+                call = self._call(f"unloading model {settings.name!r}", None, child.unload, pickled)
+                try:
+                    self._enqueue(call, lane.private)
+                except Unavailable:
+                    continue
+                assert self._nursery is not None
+                pending.count += behind
+                (self._nursery if behind else nursery).start_soon(drop, call, behind)
+        with trio.move_on_at(busy_deadline):
+            while pending.count:
+                await pending.one_ends()
         return dropped
 
     async def predict(
@@ -608,6 +660,14 @@ class WorkerPool:
     async def _submit(self, call: _Call, home: deque[_Call]) -> Any:
         try:
             self._enqueue(call, home)
+        except BaseException:
+            self._finished(call)
+            raise
+        return await self._reply(call)
+
+    async def _reply(self, call: _Call) -> Any:
+        """Wait for the reply of a call sent to the queues; one given up on is abandoned."""
+        try:
             assert isinstance(call.reply, Reply), "a generating call is WorkerPool.generate's"
             try:
                 return await call.reply.wait()
@@ -819,6 +879,42 @@ class _StartFailed(Unavailable):
     """A worker process could not be started: a failure of the lane, not of a model."""
 
 
+class _Behind:
+    """Private calls sent behind a busy worker's calls, whose ends are awaited in the pool's
+    nursery: how many have not ended, and a way to wait for the next that does."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._ended = trio.Event()
+
+    def ended(self) -> None:
+        """One of them has ended."""
+        self.count -= 1
+        self._ended.set()
+        self._ended = trio.Event()
+
+    async def one_ends(self) -> None:
+        """Wait until the next of them ends."""
+        await self._ended.wait()
+
+
+@dataclass
+class _Loading:
+    """What one ``warm_up``'s loads have come to; the loads sent behind a busy worker's calls
+    end in the pool's nursery, possibly after the ``warm_up`` has returned."""
+
+    names: str
+    """The models, for log lines."""
+    loaded: int
+    """Workers that hold every model."""
+    errors: list[InferError] = field(default_factory=list)
+    not_started: list[Unavailable] = field(default_factory=list)
+    behind: _Behind = field(default_factory=lambda: _Behind())
+    """Its loads sent behind a busy worker's calls."""
+    returned: bool = False
+    """Whether the ``warm_up`` has returned (or raised): a failure is then logged."""
+
+
 class _Queue:
     """Calls no lane has taken yet: one first-in, first-out queue per priority level."""
 
@@ -905,8 +1001,9 @@ class _Lane:
         self.private: deque[_Call] = deque()
         """Calls for this worker only (a warm-up), taken before the pool's queue."""
         self.holds: set[bytes] = set()
-        """The models (pickled settings) its current worker process loaded by
-        WorkerPool.warm_up: emptied when a new process starts."""
+        """The models (pickled settings) its worker process has loaded, or will have once its
+        ``private`` calls sent so far are done (WorkerPool.warm_up and unload): emptied when a
+        process ends."""
         self.pinned: deque[_Call] = deque()
         """Calls of the sequences this worker runs, in arrival order: taken after ``private``,
         before the pool's queue, and by no other lane."""
@@ -934,6 +1031,11 @@ class _Lane:
         self._moved_on = False
         self._leaving = False
         self._exit_cause = "cause unknown"
+
+    @property
+    def idle(self) -> bool:
+        """Whether a call sent to it privately now would start without waiting for another."""
+        return not (self.down or self.outstanding or self.private)
 
     @property
     def down(self) -> bool:
@@ -1131,6 +1233,7 @@ class _Lane:
             raise
         finally:
             self.live = False
+            self.holds.clear()
             self._pool._forget_exited(self.pid)
             # A crash leaves the calls to the pool (see above); otherwise they are settled here.
             if not crashed:
@@ -1148,7 +1251,6 @@ class _Lane:
                 with self._connecting:
                     connection = await _accept(listener)
                     self.pid = _peer_pid(connection)
-                    self.holds.clear()
                     self._pool._track(self.pid)
                     self._pool._started += 1
                     if self.down:
