@@ -189,10 +189,11 @@ async def test_a_call_that_outlives_the_grace_ends_with_unavailable(
         await trio.to_thread.run_sync(lambda: sleep(b"inf", timeout=TIMEOUT))
     elapsed = trio.current_time() - started
     error = caught.value
+    # Ended by the server at its age (0.18-0.22 s) plus the grace: UNAVAILABLE naming the age,
+    # not the client's DEADLINE_EXCEEDED, and not before the grace had passed.
     assert error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     assert "maximum age" in error.details()  # type: ignore[attr-defined]
-    # The age (0.18-0.22 s) plus the grace, not the client's timeout.
-    assert 0.45 <= elapsed < 3
+    assert elapsed >= 0.45
 
 
 # -- HTTP/1.1 --------------------------------------------------------------------------------
