@@ -765,6 +765,24 @@ async def test_a_busy_worker_loads_and_drops_a_model_after_its_call_holding_up_n
             await pool.predict(repo["tracked"], {}, NO_PARAMETERS)
 
 
+async def test_a_cancelled_warm_up_leaves_no_worker_counted_as_holding_what_it_did_not_load(
+    repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    events = tmp_path / "events.txt"
+    async with WorkerPool.open(1) as pool:
+        # The lane has no worker yet: its load waits for one, and is given up on with the
+        # warm-up; the worker never loads the model.
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await pool.warm_up([repo["tracked"]])
+        await pool.predict(repo["pid"], {}, NO_PARAMETERS)  # a worker is up now
+        assert not events.exists()
+        # So the next warm-up loads it there rather than count that worker as warm.
+        assert await pool.warm_up([repo["tracked"]]) == 1
+        [(what, _)] = [line.split() for line in events.read_text().splitlines()]
+        assert what == "load"
+
+
 async def test_workers_that_cannot_start_fail_their_calls_and_the_pool_goes_on(
     examples: dict[str, ModelSettings], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

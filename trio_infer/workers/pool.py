@@ -404,6 +404,11 @@ class WorkerPool:
                     loading.names,
                     exc.message,
                 )
+        except BaseException:
+            # Given up on (the warm-up was cancelled): the worker skipped the load, never got
+            # it, or was killed for it; it must not count as holding the models.
+            lane.holds.difference_update(pickled)
+            raise
         else:
             loading.loaded += 1
         finally:
