@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -9,7 +10,7 @@ import signal
 import tempfile
 import textwrap
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -781,6 +782,39 @@ async def test_a_cancelled_warm_up_leaves_no_worker_counted_as_holding_what_it_d
         assert await pool.warm_up([repo["tracked"]]) == 1
         [(what, _)] = [line.split() for line in events.read_text().splitlines()]
         assert what == "load"
+
+
+async def test_a_warm_up_whose_first_idle_worker_cannot_start_loads_the_last_one_at_once(
+    repo: dict[str, ModelSettings], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_infer.workers import pool as pool_module
+
+    started, release = tmp_path / "gate.pid", tmp_path / "release"
+    events = tmp_path / "events.txt"
+    async with WorkerPool.open(3) as pool, trio.open_nursery() as nursery:
+        gate = Parameters({"pid_file": str(started), "release": str(release)})
+        nursery.start_soon(pool.predict, repo["gate"], {}, gate)
+        await eventually(lambda: started.exists() and bool(started.read_text()))
+        [busy] = [lane for lane in pool._lanes if lane.outstanding]
+        first_idle = next(lane for lane in pool._lanes if lane is not busy)
+        listening = pool_module._listening
+
+        @contextlib.contextmanager
+        def refusing(address: str) -> Iterator[Any]:
+            if address == first_idle.address:
+                raise OSError(24, "Too many open files")
+            with listening(address) as listener:
+                yield listener
+
+        monkeypatch.setattr(pool_module, "_listening", refusing)
+        # The first idle worker cannot start and the other runs a long call: the last idle
+        # one, kept serving meanwhile, loads the models rather than wait for that call.
+        with trio.fail_after(10):
+            assert await pool.warm_up([repo["tracked"]], keep_serving=True) == 1
+        [(what, pid)] = [line.split() for line in events.read_text().splitlines()]
+        assert what == "load"
+        assert int(pid) != int(started.read_text())
+        release.touch()
 
 
 async def test_workers_that_cannot_start_fail_their_calls_and_the_pool_goes_on(

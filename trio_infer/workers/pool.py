@@ -352,10 +352,14 @@ class WorkerPool:
                 async with trio.open_nursery() as nursery:
                     for lane in group:
                         self._send_load(lane, pickled, loading, nursery)
-                while not (loading.loaded or loading.errors) and loading.behind.count:
-                    await loading.behind.one_ends()
                 if loading.errors:
                     raise loading.errors[0]
+            # No idle worker loaded them (none was idle, or none could start): the first busy
+            # one. Not before the last group: an idle worker kept serving loads sooner.
+            while not (loading.loaded or loading.errors) and loading.behind.count:
+                await loading.behind.one_ends()
+            if loading.errors:
+                raise loading.errors[0]
         finally:
             loading.returned = True
         if not loading.loaded:
