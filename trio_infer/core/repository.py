@@ -285,7 +285,11 @@ class ModelManager:
         self._retry_all = math.inf
         now = trio.current_time()
         for settings in list(registry):
-            if registry.is_unloading(settings.name):
+            # Checked as each comes: an unload ends beside this task (its drop, its withdraw),
+            # so a model unloaded while the ones before it loaded is served no more.
+            if registry.served(settings.name) is not settings or registry.is_unloading(
+                settings.name
+            ):
                 continue
             # A model not ready yet (at start, or failed) is LOADING in the index meanwhile.
             loading = not registry.is_ready(settings.name)
