@@ -817,6 +817,41 @@ async def test_a_warm_up_whose_first_idle_worker_cannot_start_loads_the_last_one
         release.touch()
 
 
+async def test_a_queued_call_of_settings_unloaded_since_fails_rather_than_loading_them_again(
+    repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    started, release = tmp_path / "gate.pid", tmp_path / "release"
+    events = tmp_path / "events.txt"
+    async with WorkerPool.open(1) as pool, trio.open_nursery() as nursery:
+        assert await pool.warm_up([repo["tracked"]]) == 1
+        gate = Parameters({"pid_file": str(started), "release": str(release)})
+
+        async def gated() -> None:
+            with pytest.raises(Unavailable, match="worker process died"):
+                await pool.predict(repo["gate"], {}, gate)
+
+        nursery.start_soon(gated)
+        await eventually(lambda: started.exists() and bool(started.read_text()))
+        late: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await pool.predict(repo["tracked"], {}, NO_PARAMETERS)
+            except Unavailable as exc:
+                late.append(exc)
+
+        # A call sent behind the gated one, then the settings are unloaded (its grace period
+        # is over); the worker dies, and the call goes back to the queue, behind the unload.
+        nursery.start_soon(call)
+        await eventually(lambda: len(pool._lanes[0].outstanding) == 2)
+        await pool.unload(repo["tracked"])
+        os.kill(int(started.read_text()), signal.SIGKILL)
+        await eventually(lambda: bool(late))
+        assert "model 'tracked' was unloaded" in str(late[0])
+        # The replacement never loaded them.
+        assert [line.split()[0] for line in events.read_text().splitlines()] == ["load"]
+
+
 async def test_workers_that_cannot_start_fail_their_calls_and_the_pool_goes_on(
     examples: dict[str, ModelSettings], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

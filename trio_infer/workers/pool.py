@@ -1390,8 +1390,15 @@ class _Lane:
             frame = wire.pack(dict(self._credits))
             self._credits.clear()
             return frame, None
+        retired = self._pool._retired
         while (call := self._take()) is not None:
             function, args = call.message
+            if call.model is not None and retired and args[0] in retired:
+                # Unloaded since it was queued (it outlived the grace period, or went back to
+                # the queue when its worker died): a worker that never had the settings would
+                # load them again, for good, behind the unload.
+                call.reply.set_error(Unavailable(f"model {call.model!r} was unloaded"))
+                continue
             try:
                 frame = wire.pack((call.id, function, args))
             except Exception as exc:
