@@ -4,6 +4,7 @@ real worker processes, grpcio stubs and the repository extension over gRPC."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import textwrap
@@ -221,6 +222,44 @@ async def test_loads_and_unloads_do_not_wait_for_a_long_call(
         await _repository_call(client, "RepositoryModelUnload", "quick", within=10)
         answered = len(stream.answers)
         await eventually(lambda: len(stream.answers) > answered)
+        assert stream.status is None
+    finally:
+        stream.close()
+        client.channel.close()
+
+
+async def test_a_reload_does_not_wait_for_the_drop_before_it_beside_a_long_call(
+    nursery: trio.Nursery, repository: Path
+) -> None:
+    server = await start_server(
+        nursery,
+        repository,
+        model_control_mode=ControlMode.EXPLICIT,
+        load_models=("endless", "other"),
+        grace_period=5.0,
+        workers=2,
+    )
+    client = GrpcioClient(server.port)
+    stream = _Stream(client)
+
+    def config(v: int) -> pb.RepositoryModelLoadRequest:
+        value = json.dumps({"parameters": {"extra": {"v": v}}})
+        return pb.RepositoryModelLoadRequest(
+            model_name="other",
+            parameters={"config": pb.ModelRepositoryParameter(string_param=value)},
+        )
+
+    try:
+        await trio.to_thread.run_sync(lambda: stream.first.wait(10))
+        # Each reload drops the settings before it once their calls are done (at once: there
+        # are none), from the busy worker after its stream: that drop holds no later load of
+        # the model back, though the grace period it may wait for the busy worker is 5 s.
+        for v in (1, 2, 3):
+            started = trio.current_time()
+            await client.call("RepositoryModelLoad", config(v), timeout=10)
+            assert trio.current_time() - started < 2.5
+        answer = await client.call("ModelInfer", pb.ModelInferRequest(model_name="other"))
+        assert int(np.frombuffer(answer.raw_output_contents[0], np.int64)[0]) != stream.pid()
         assert stream.status is None
     finally:
         stream.close()

@@ -38,9 +38,16 @@ class FakePool:
         await trio.lowlevel.checkpoint()
         return 1
 
-    async def unload(self, settings: ModelSettings, busy_deadline: float = -math.inf) -> int:
+    async def unload(
+        self,
+        settings: ModelSettings,
+        busy_deadline: float = -math.inf,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> int:
         await trio.lowlevel.checkpoint()
         self.dropped.append(settings)
+        task_status.started()
         return 1
 
     async def wait_workers_changed(self) -> None:
@@ -102,10 +109,16 @@ class GatedPool(FakePool):
                 await self.gates[settings.name].wait()
         return await super().warm_up(models, keep_serving=keep_serving)
 
-    async def unload(self, settings: ModelSettings, busy_deadline: float = -math.inf) -> int:
+    async def unload(
+        self,
+        settings: ModelSettings,
+        busy_deadline: float = -math.inf,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> int:
         if settings.name in self.gates:
             await self.gates[settings.name].wait()
-        return await super().unload(settings, busy_deadline)
+        return await super().unload(settings, busy_deadline, task_status=task_status)
 
     async def wait_workers_changed(self) -> None:
         await self.changed.wait()

@@ -33,6 +33,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -420,8 +421,9 @@ class ModelManager:
         registry.set_loading(name, True)
         # The workers' cache keys a model by its settings' value, so a drop of equal settings
         # (an unload's, or a reload's of the settings it replaced, loaded again now) would drop
-        # what this load puts there. The lock orders them: a drop under way ends first and this
-        # load loads anew; a drop that comes later finds these settings served and keeps them.
+        # what this load puts there. The lock orders them: a drop under way is sent to every
+        # worker first and this load follows it there (it loads anew); a drop that comes later
+        # finds these settings served and keeps them.
         async with self._lock(name):
             try:
                 try:
@@ -502,12 +504,12 @@ class ModelManager:
             )
         # Done beside the lifecycle task, not in it: the workers drop the model after the calls
         # they hold, and one of those may run long (another model's: waited for until the end
-        # of the grace period, then left to drop it once it ends). Only a load of this model
-        # waits (_switch).
-        async with self._lock(name):
+        # of the grace period, then left to drop it once it ends). A load of this model waits
+        # (_switch) only until the drops are sent: its own loads follow them in every worker.
+        async with trio.open_nursery() as dropping, self._lock(name):
             if self._kept(settings):
                 return
-            await self.core.pool.unload(settings, busy_deadline=grace_end)
+            await dropping.start(partial(self.core.pool.unload, settings, busy_deadline=grace_end))
 
     def _kept(self, settings: ModelSettings) -> bool:
         """Whether settings being dropped were loaded again meanwhile with equal settings: the

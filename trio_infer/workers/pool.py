@@ -419,9 +419,20 @@ class WorkerPool:
             if behind:
                 loading.behind.ended()
 
-    async def unload(self, settings: ModelSettings, busy_deadline: float = -math.inf) -> int:
+    async def unload(
+        self,
+        settings: ModelSettings,
+        busy_deadline: float = -math.inf,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> int:
         """Drop a model from every live worker, freeing its memory there; how many workers
         dropped it by the time this returns.
+
+        ``task_status.started()`` comes once every drop is sent (``nursery.start``): a load
+        sent from then on follows the drop in every worker (the lanes' private calls keep
+        their order), so its caller need not wait for the drops to end before loading the
+        same settings again.
 
         Each worker drops it after the calls it was sent before (a call of the model still
         queued would load it again: its caller ends its calls first). Idle workers are waited
@@ -459,6 +470,7 @@ class WorkerPool:
                 assert self._nursery is not None
                 pending.count += behind
                 (self._nursery if behind else nursery).start_soon(drop, call, behind)
+            task_status.started()
         with trio.move_on_at(busy_deadline):
             while pending.count:
                 await pending.one_ends()
