@@ -264,3 +264,29 @@ async def test_a_reload_does_not_wait_for_the_drop_before_it_beside_a_long_call(
     finally:
         stream.close()
         client.channel.close()
+
+
+async def test_a_load_while_every_worker_runs_a_long_call_fails_after_the_grace_period(
+    nursery: trio.Nursery, repository: Path
+) -> None:
+    server = await _explicit(nursery, repository, "endless", "quick")
+    client = GrpcioClient(server.port)
+    streams = [_Stream(client), _Stream(client)]
+    try:
+        for stream in streams:
+            await trio.to_thread.run_sync(lambda stream=stream: stream.first.wait(10))
+        assert len({stream.pid() for stream in streams}) == 2  # one on each worker
+        # Neither worker frees up: the load fails once the grace period (1 s) has passed, and
+        # the manager goes on to the unload that ends the streams.
+        error = await client.error(
+            "RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name="other"), timeout=10
+        )
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "every worker ran calls that did not end within 1 s" in error.details()
+        await _repository_call(client, "RepositoryModelUnload", "endless", within=10)
+        await _repository_call(client, "RepositoryModelLoad", "other", within=10)
+        await client.call("ModelInfer", pb.ModelInferRequest(model_name="other"), timeout=10)
+    finally:
+        for stream in streams:
+            stream.close()
+        client.channel.close()

@@ -34,7 +34,13 @@ class FakePool:
     def statistics(self) -> Any:
         return SimpleNamespace(workers=1)
 
-    async def warm_up(self, models: Sequence[ModelSettings], *, keep_serving: bool = False) -> int:
+    async def warm_up(
+        self,
+        models: Sequence[ModelSettings],
+        *,
+        keep_serving: bool = False,
+        busy_wait: float = math.inf,
+    ) -> int:
         await trio.lowlevel.checkpoint()
         return 1
 
@@ -102,7 +108,13 @@ class GatedPool(FakePool):
         self.warmed: list[str] = []
         self.changed = trio.Event()
 
-    async def warm_up(self, models: Sequence[ModelSettings], *, keep_serving: bool = False) -> int:
+    async def warm_up(
+        self,
+        models: Sequence[ModelSettings],
+        *,
+        keep_serving: bool = False,
+        busy_wait: float = math.inf,
+    ) -> int:
         for settings in models:
             self.warmed.append(settings.name)
             if settings.name in self.gates:

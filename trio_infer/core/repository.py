@@ -296,7 +296,7 @@ class ModelManager:
             loading = not registry.is_ready(settings.name)
             registry.set_loading(settings.name, loading)
             try:
-                await self.core.pool.warm_up([settings])
+                await self.core.pool.warm_up([settings], busy_wait=self.grace_period)
             except InferError as error:
                 logger.error("model '%s' is not ready: %s", settings.name, error.message)
                 registry.set_ready(settings.name, False, error.message)
@@ -428,7 +428,7 @@ class ModelManager:
             try:
                 try:
                     # Not every worker at once: the models served meanwhile keep a worker.
-                    await pool.warm_up([settings], keep_serving=True)
+                    await pool.warm_up([settings], keep_serving=True, busy_wait=self.grace_period)
                 except InferError as error:
                     # Workers that loaded it drop it again; the old settings still serve.
                     # Equal settings are the old ones' cache entry: those must stay.

@@ -302,15 +302,22 @@ class WorkerPool:
             if pool is not None:
                 await pool._reap()
 
-    async def warm_up(self, models: Sequence[ModelSettings], *, keep_serving: bool = False) -> int:
+    async def warm_up(
+        self,
+        models: Sequence[ModelSettings],
+        *,
+        keep_serving: bool = False,
+        busy_wait: float = math.inf,
+    ) -> int:
         """Start every worker process and load every model in each.
 
         No load waits for a running call: a worker that is idle loads at once, and this waits
         for it; a busy worker's load is sent ahead of any other call it is sent, and it loads
         the models once the calls it runs have ended, after this has returned (the lanes'
         private calls keep their order, so an ``unload`` sent later drops them after). When
-        no worker is idle, this waits for the first busy one to load them. A busy worker
-        whose load fails logs it and loads the models again when it is next called with them.
+        no worker is idle, this waits for the first busy one to load them, ``busy_wait``
+        seconds at most. A busy worker whose load fails logs it and loads the models again when
+        it is next called with them.
 
         A worker that loaded these models already (by an earlier ``warm_up`` in its process's
         life) is not asked again. With ``keep_serving`` (models are served beside these), one
@@ -332,7 +339,9 @@ class WorkerPool:
         Raises:
             InferError: A model failed to load (the first failure; the message names the
                 model). Workers that loaded every model stay warm.
-            Unavailable: A worker died while loading, or no worker could be started.
+            Unavailable: A worker died while loading, no worker could be started, or every
+                worker ran calls that did not end within ``busy_wait`` (the loads sent to them
+                still follow those calls).
         """
         pickled = tuple(self._pickled(s) for s in models)
         for key in pickled:
@@ -356,10 +365,16 @@ class WorkerPool:
                     raise loading.errors[0]
             # No idle worker loaded them (none was idle, or none could start): the first busy
             # one. Not before the last group: an idle worker kept serving loads sooner.
-            while not (loading.loaded or loading.errors) and loading.behind.count:
-                await loading.behind.one_ends()
+            with trio.move_on_after(busy_wait):
+                while not (loading.loaded or loading.errors) and loading.behind.count:
+                    await loading.behind.one_ends()
             if loading.errors:
                 raise loading.errors[0]
+            if not loading.loaded and loading.behind.count:
+                raise Unavailable(
+                    f"loading model(s) {loading.names} failed: every worker ran calls that did "
+                    f"not end within {busy_wait:g} s; try again once one has ended"
+                )
         finally:
             loading.returned = True
         if not loading.loaded:
@@ -400,7 +415,7 @@ class WorkerPool:
             # A busy worker's failure fails the warm-up only while no worker has loaded them.
             if not (loading.returned or (behind and loading.loaded)):
                 loading.errors.append(exc)
-            else:
+            elif not self._closing:
                 _log.warning(
                     "worker lane %d could not load model(s) %s after the calls it ran: %s; "
                     "it loads them when next called with them",
