@@ -2,6 +2,7 @@
 drift with the machine's speed, for comparing small changes.
 
     .venv/bin/python -m bench.instructions [--baseline REV] [--calls N] [--scenarios LIST]
+                                           [--worker]
 
 Each build (this working tree, and trio-infer as of ``--baseline REV``, installed as
 ``python -m bench --baseline`` installs it) is started once with one worker, under
@@ -13,6 +14,10 @@ checked), zeroes the counters (``callgrind_control -z``), makes ``--calls`` call
 time and dumps them (``callgrind_control -d``): the dump's total Ir over the calls is the
 row's instructions per call. The table goes to stdout and, with ``results.jsonl`` and the
 servers' logs, to ``bench/results/<timestamp>-instructions/``.
+
+With ``--worker``, valgrind follows the server's children too (``--trace-children=yes``: the
+fork server, and the worker it forks): the worker process is zeroed and dumped with the
+front-end, and each row has both counts.
 """
 
 from __future__ import annotations
@@ -86,12 +91,14 @@ class CallgrindServer(ServerProcess):
 
     valgrind: str = "valgrind"
     out_dir: Path = field(default_factory=Path)
+    trace_children: bool = False
 
     def _command(self) -> list[str]:
         return [
             self.valgrind,
             "--tool=callgrind",
             "--dump-instr=no",
+            f"--trace-children={'yes' if self.trace_children else 'no'}",
             f"--callgrind-out-file={self.out_dir / 'callgrind.out.%p'}",
             *super()._command(),
         ]
@@ -111,7 +118,8 @@ def total_ir(dump: Path) -> int | None:
 
 @dataclass
 class Counter:
-    """Zeroes and dumps one traced process's counters with ``callgrind_control``."""
+    """Zeroes and dumps one traced process's counters with ``callgrind_control``; its dumps
+    are the files of ``out_dir`` named after its pid (``callgrind.out.<pid>...``)."""
 
     control: str
     pid: int
@@ -130,7 +138,15 @@ class Counter:
     def zero(self) -> None:
         """Zero the counters; the dumps so far are not the next one."""
         self._run("-z")
-        self.seen.update(self.out_dir.iterdir())
+        self.seen.update(self._dumps())
+
+    def _dumps(self) -> set[Path]:
+        own = f"callgrind.out.{self.pid}"
+        return {
+            path
+            for path in self.out_dir.iterdir()
+            if path.name == own or path.name.startswith(own + ".")
+        }
 
     def dump(self) -> int:
         """Dump the counters (which zeroes them) and return the dump's total Ir.
@@ -141,7 +157,7 @@ class Counter:
         self._run("-d")
         deadline = time.monotonic() + CONTROL_TIMEOUT
         while time.monotonic() < deadline:
-            for path in sorted(set(self.out_dir.iterdir()) - self.seen):
+            for path in sorted(self._dumps() - self.seen):
                 total = total_ir(path)
                 if total is not None:
                     self.seen.add(path)
@@ -284,30 +300,42 @@ class Client:
 
 @dataclass
 class Row:
-    """One scenario on one build: the dump's total Ir over ``calls`` calls."""
+    """One scenario on one build: the dumps' total Ir over ``calls`` calls, the front-end's
+    and (with ``--worker``) the worker processes'."""
 
     build: str
     scenario: str
     calls: int
     instructions: int
     check: str
+    worker_instructions: int | None = None
 
     @property
     def per_call(self) -> float:
-        """Instructions per call."""
+        """The front-end's instructions per call."""
         return self.instructions / self.calls
 
+    @property
+    def worker_per_call(self) -> float | None:
+        """The workers' instructions per call; None when they were not counted."""
+        if self.worker_instructions is None:
+            return None
+        return self.worker_instructions / self.calls
 
-def measure_scenario(probe: Probe, counter: Counter, calls: int, warmup: int) -> tuple[int, str]:
+
+def measure_scenario(
+    probe: Probe, counter: Counter, calls: int, warmup: int, workers: Sequence[Counter] = ()
+) -> tuple[int, int, str]:
     """Warm up (the first answer checked), zero, make ``calls`` calls, dump: the total Ir of
-    the calls and the check."""
+    the calls in the front-end, in ``workers`` (0 without any), and the check."""
     check = probe.check(probe.call())
     for _ in range(warmup - 1):
         probe.call()
-    counter.zero()
+    for each in [counter, *workers]:
+        each.zero()
     for _ in range(calls):
         probe.call()
-    return counter.dump(), check
+    return counter.dump(), sum(worker.dump() for worker in workers), check
 
 
 @dataclass(frozen=True)
@@ -319,33 +347,60 @@ class Build:
 
 
 def measure_build(
-    build: Build, chosen: Sequence[str], calls: int, warmup: int, run_dir: Path
+    build: Build, chosen: Sequence[str], calls: int, warmup: int, run_dir: Path, worker: bool
 ) -> list[Row]:
-    """Start one server of ``build`` under callgrind, measure every scenario on it, stop it
-    and remove its callgrind files."""
+    """Start one server of ``build`` under callgrind (its workers too with ``worker``),
+    measure every scenario on it, stop it and remove its callgrind files."""
     valgrind, control = require_tools()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-callgrind-") as out_dir:
         server = CallgrindServer(
-            build.kind, build.python, 1, run_dir, valgrind=valgrind, out_dir=Path(out_dir)
+            build.kind,
+            build.python,
+            1,
+            run_dir,
+            valgrind=valgrind,
+            out_dir=Path(out_dir),
+            trace_children=worker,
         )
         try:
             took = server.start(timeout=START_TIMEOUT)
             log(f"{build.kind.name} ready under callgrind in {took:.0f} s (pid {server.pid})")
             counter = Counter(control, server.pid, Path(out_dir))
+            workers = [Counter(control, pid, Path(out_dir)) for pid in worker_pids(server, worker)]
             connection = Client(server)
             try:
                 for scenario in chosen:
-                    total, check = measure_scenario(
-                        connection.probe(scenario), counter, calls, warmup
+                    total, in_workers, check = measure_scenario(
+                        connection.probe(scenario), counter, calls, warmup, workers
                     )
-                    rows.append(Row(build.kind.name, scenario, calls, total, check))
-                    log(f"{build.kind.name} {scenario}: {rows[-1].per_call:,.0f} Ir/call ({check})")
+                    row = Row(build.kind.name, scenario, calls, total, check)
+                    if worker:
+                        row.worker_instructions = in_workers
+                    rows.append(row)
+                    counts = f"{row.per_call:,.0f} Ir/call"
+                    if row.worker_per_call is not None:
+                        counts += f", worker {row.worker_per_call:,.0f}"
+                    log(f"{build.kind.name} {scenario}: {counts} ({check})")
             finally:
                 connection.close()
         finally:
             server.stop()
     return rows
+
+
+def worker_pids(server: ServerProcess, worker: bool) -> list[int]:
+    """The pids of the server's worker processes to count (none without ``worker``).
+
+    Raises:
+        RuntimeError: ``worker``, and the server has none (its kind names none, or none runs).
+    """
+    if not worker:
+        return []
+    found = server.kind.find_workers(server.pid) if server.kind.find_workers else []
+    if not found:
+        raise RuntimeError(f"--worker: no worker process of {server.kind.name} found")
+    return found
 
 
 def builds(revision: str | None) -> list[Build]:
@@ -372,21 +427,28 @@ def builds(revision: str | None) -> list[Build]:
 
 def table(rows: Sequence[Row], names: Sequence[str]) -> str:
     """The markdown table: one line per scenario, instructions per call of each build and,
-    with a baseline, new / baseline."""
+    with a baseline, new / baseline; the same for the workers when they were counted."""
     by_key = {(row.build, row.scenario): row for row in rows}
     scenarios = list(dict.fromkeys(row.scenario for row in rows))
     ratio = len(names) == 2
-    header = ["scenario", *(f"{name} Ir/call" for name in names)] + (
-        ["new / baseline"] if ratio else []
-    )
+    counts: list[tuple[str, Callable[[Row], float | None]]] = [("", lambda row: row.per_call)]
+    if any(row.worker_instructions is not None for row in rows):
+        counts.append(("worker ", lambda row: row.worker_per_call))
+    header = ["scenario"]
+    for what, _ in counts:
+        header += [f"{name} {what}Ir/call" for name in names]
+        header += [f"{what}new / baseline"] if ratio else []
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
     for scenario in scenarios:
         found = [by_key.get((name, scenario)) for name in names]
-        cells = [f"{row.per_call:,.0f}" if row else "-" for row in found]
-        if ratio:
-            new, old = found
-            cells.append(f"{new.per_call / old.per_call:.3f}" if new and old else "-")
-        lines.append("| " + " | ".join([scenario, *cells]) + " |")
+        cells = [scenario]
+        for _, count in counts:
+            values = [count(row) if row else None for row in found]
+            cells += [f"{value:,.0f}" if value is not None else "-" for value in values]
+            if ratio:
+                new, old = values
+                cells.append(f"{new / old:.3f}" if new is not None and old else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     failed = [row for row in rows if row.check != "ok"]
     lines += [f"\nCHECK: {row.build} {row.scenario}: {row.check}" for row in failed]
     return "\n".join(lines)
@@ -399,6 +461,8 @@ def save(run_dir: Path, rows: Sequence[Row], text: str, meta: dict[str, object])
         out.write(json.dumps({"type": "run", **meta}) + "\n")
         for row in rows:
             line = {"type": "result", **asdict(row), "per_call": round(row.per_call)}
+            if row.worker_per_call is not None:
+                line["worker_per_call"] = round(row.worker_per_call)
             out.write(json.dumps(line) + "\n")
 
 
@@ -433,6 +497,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scenarios", default="all", help=f"names or prefixes of {', '.join(SCENARIOS)}"
     )
+    parser.add_argument(
+        "--worker",
+        action="store_true",
+        help="also count the worker process (valgrind follows the server's children)",
+    )
     return parser
 
 
@@ -462,7 +531,7 @@ def _run(args: argparse.Namespace, chosen: list[str], run_dir: Path) -> int:
     measured = builds(args.baseline)
     rows: list[Row] = []
     for build in measured:
-        rows += measure_build(build, chosen, args.calls, args.warmup, run_dir)
+        rows += measure_build(build, chosen, args.calls, args.warmup, run_dir, args.worker)
     names = [build.kind.name for build in measured]
     text = table(rows, names)
     meta = {
@@ -473,6 +542,7 @@ def _run(args: argparse.Namespace, chosen: list[str], run_dir: Path) -> int:
         "scenarios": chosen,
         "calls": args.calls,
         "warmup": args.warmup,
+        "worker": args.worker,
         "python": platform.python_version(),
         "seconds": round(time.monotonic() - began, 1),
     }
