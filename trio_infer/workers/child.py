@@ -154,11 +154,18 @@ def serve(address: str) -> None:
         receiver = wire.Receiver(sock)
         try:
             while True:
-                # Block only with nothing to run and nothing to report.
-                block = finished is None and not skipped and not inbox
-                while block or receiver.waiting():
+                if finished is None and not skipped and not inbox:
+                    # Nothing to run or report: wait for a message, and take what came with it.
+                    # What comes later is read when the call it brought has ended.
                     _take(receiver.receive(), inbox, skipped)
-                    block = False
+                    while receiver.held:
+                        _take(receiver.receive(), inbox, skipped)
+                elif inbox:
+                    # A call ended and others wait: the cancels that came meanwhile are read
+                    # before the next one starts. With none waiting there is nothing a cancel
+                    # could skip: the report goes at once, and the next read waits anyway.
+                    while receiver.waiting():
+                        _take(receiver.receive(), inbox, skipped)
                 if finished is not None or skipped:
                     _report(sock, finished, skipped)
                     finished, skipped = None, []

@@ -216,6 +216,12 @@ class Receiver:
             except StopIteration as done:
                 return done.value
 
+    @property
+    def held(self) -> bool:
+        """Whether bytes of a message that :meth:`receive` has not returned were read already
+        (a message came with the last one): known without a system call."""
+        return self._staging.held
+
     def waiting(self) -> bool:
         """Whether :meth:`receive` would not block (a message, or the end of the connection)."""
         return self._staging.held or bool(select.select([self._sock], [], [], 0)[0])
