@@ -3,7 +3,8 @@
 trio-parallel starts each worker process with ``configure`` and runs ``serve`` in it, as one job
 for the process's whole life; ``serve`` then runs the calls the pool
 (``trio_infer.workers.pool``) sends over a socket: ``load_all``, ``predict``, ``generate`` (a
-decoupled model's call, whose items are sent as they come) and ``unload``, by reference. This
+decoupled model's call, whose items are sent as they come) and ``unload``, by name
+(:data:`JOBS`). This
 module must stay importable without Trio or the server: it is what every worker imports.
 
 Error contract (every exception leaving this module must unpickle in the parent):
@@ -53,6 +54,7 @@ from trio_infer.repository.settings import ModelSettings
 from trio_infer.workers import wire
 
 __all__ = [
+    "JOBS",
     "THREAD_VARIABLES",
     "configure",
     "generate",
@@ -131,7 +133,9 @@ def configure(threads_per_worker: int, debug: bool) -> None:
     gc.freeze()
 
 
-_Call = tuple[int, Callable[..., object], tuple[object, ...]]
+#: A call as the pool sends it: its id, the name of the job (a function of :data:`JOBS`) and
+#: the job's arguments.
+_Call = tuple[int, str, tuple[object, ...]]
 
 
 def serve(address: str) -> None:
@@ -170,7 +174,8 @@ def serve(address: str) -> None:
                     _report(sock, finished, skipped)
                     finished, skipped = None, []
                 if inbox:
-                    call_id, function, args = inbox.popleft()
+                    call_id, name, args = inbox.popleft()
+                    function = JOBS[name]
                     if function is generate:
                         finished = _generate(sock, receiver, call_id, args, inbox, skipped)
                     else:
@@ -447,6 +452,13 @@ def unload(settings: bytes) -> bool:
     del model
     gc.collect()
     return True
+
+
+#: The jobs ``serve`` runs, by the name the pool sends: a name costs a message less to pickle
+#: and to unpickle than a reference to a function, which is looked up and imported each time.
+JOBS: dict[str, Callable[..., object]] = {
+    job.__name__: job for job in (load_all, predict, generate, unload)
+}
 
 
 def _cached_model(settings: ModelSettings, key: bytes) -> Model:

@@ -685,11 +685,12 @@ class WorkerPool:
     def _call(
         self, what: str, model: str | None, function: Callable[..., Any], *args: object
     ) -> _Call:
+        # function is one of child.JOBS: the worker is sent its name.
         return _Call(
             id=next(self._ids),
             what=what,
             model=model,
-            message=(function, args),
+            message=(function.__name__, args),
             deadline=trio.current_effective_deadline(),
         )
 
@@ -994,7 +995,8 @@ class _Call:
     """What the call does, for error messages: ``running model 'dense'``."""
     model: str | None
     """The model whose call times this call teaches (None: not a model call)."""
-    message: tuple[Callable[..., Any], tuple[object, ...]]
+    message: tuple[str, tuple[object, ...]]
+    """The job's name in ``child.JOBS``, and its arguments."""
     deadline: float
     reply: Reply[Any] | ReplyStream[Any] = field(default_factory=Reply)
     home: deque[_Call] = field(default_factory=deque)
@@ -1419,7 +1421,7 @@ class _Lane:
             return frame, None
         retired = self._pool._retired
         while (call := self._take()) is not None:
-            function, args = call.message
+            name, args = call.message
             if call.model is not None and retired and args[0] in retired:
                 # Unloaded since it was queued (it outlived the grace period, or went back to
                 # the queue when its worker died): a worker that never had the settings would
@@ -1427,7 +1429,7 @@ class _Lane:
                 call.reply.set_error(Unavailable(f"model {call.model!r} was unloaded"))
                 continue
             try:
-                frame = wire.pack((call.id, function, args))
+                frame = wire.pack((call.id, name, args))
             except Exception as exc:
                 call.reply.set_error(
                     ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")

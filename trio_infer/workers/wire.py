@@ -9,7 +9,8 @@ A frame is a header (``!IQ``: buffer count, pickle length), the buffers' lengths
 the pickle, then the buffers. This module is I/O-free apart from the blocking helpers the worker
 uses; the pool drives :func:`reader` with Trio. It must stay importable without Trio.
 
-Messages, pool to worker: a tuple ``(call_id, function, args)`` runs ``function(*args)``; a
+Messages, pool to worker: a tuple ``(call_id, name, args)`` runs the worker's job of that name
+(``trio_infer.workers.child.JOBS``) with ``args``; a
 list of call ids cancels those calls that have not started, and stops a generating call between
 two of its items; a dict ``{call_id: n}`` gives a generating call ``n`` more credits. Worker to
 pool: ``(done, skipped, item)``. After each call (and when it skipped cancelled calls), ``done``
