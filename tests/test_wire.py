@@ -132,6 +132,42 @@ def test_large_contiguous_tensors_travel_out_of_band_and_small_ones_in_the_pickl
     assert memoryview(frame[2]).nbytes == large.nbytes
 
 
+class _Unpicklable:
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError("no pickle for this")
+
+
+class _PacksWhilePacked:
+    """Its own pickling packs another message: the kept pickler is busy then."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        inner = wire.pack({"inner": np.arange(3, dtype=np.float32)})
+        return bytes, (b"".join(bytes(buffer) for buffer in inner),)
+
+
+@settings(max_examples=50, deadline=None)
+@given(message=_messages)
+def test_the_kept_pickler_makes_the_frame_a_fresh_one_makes(message: tuple[object, ...]) -> None:
+    # The kept pickler has pickled messages before, and one that failed halfway, holding this
+    # one: nothing of them (memo, bytes, buffers) is in the next frame.
+    wire.pack(message)
+    with pytest.raises(TypeError, match="no pickle for this"):
+        wire.pack(({"x": np.zeros(8192)}, message, _Unpicklable()))
+    kept = wire.pack(message)
+    fresh = wire._Packer().pack(message)
+    assert [bytes(buffer) for buffer in kept] == [bytes(buffer) for buffer in fresh]
+    _assert_same(_read(kept, []), message)
+
+
+def test_a_message_packed_while_another_is_packed_is_whole() -> None:
+    outer = _read(wire.pack(["outer", _PacksWhilePacked(), "outer"]), [])
+    assert isinstance(outer, list)
+    assert outer[0] == outer[2] == "outer"
+    inner = _read([outer[1]], [])
+    assert isinstance(inner, dict)
+    np.testing.assert_array_equal(inner["inner"], np.arange(3, dtype=np.float32))
+
+
 @pytest.mark.parametrize("buffers", [1, 600, 1100])
 def test_send_some_goes_on_until_a_frame_with_many_buffers_is_sent(buffers: int) -> None:
     message = [np.full(4096, i, np.float32) for i in range(buffers)]

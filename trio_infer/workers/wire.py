@@ -32,6 +32,7 @@ import pickle
 import select
 import socket
 import struct
+import threading
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -88,26 +89,58 @@ class _Pickler(pickle.Pickler):
     dispatch_table = copyreg.dispatch_table | {np.ndarray: _reduce_array}
 
 
+class _Packer:
+    """A pickler and its output kept from message to message: making a pickler, its memo and
+    its output buffer cost more than pickling a small message."""
+
+    def __init__(self) -> None:
+        self._out = io.BytesIO()
+        self._buffers: list[memoryview] = []
+        self._pickler = _Pickler(self._out, protocol=5, buffer_callback=self._out_of_band)
+        # Held while packing: a second thread, or a message pickled while another is (an
+        # object's __reduce__ calling pack), packs with a pickler of its own.
+        self.busy = threading.Lock()
+
+    def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
+        view = buffer.raw()
+        if view.nbytes < _OUT_OF_BAND_BYTES:
+            return True  # serialise in band
+        self._buffers.append(view)
+        return False
+
+    def pack(self, message: object) -> list[Buffer]:
+        buffers = self._buffers = []
+        try:
+            self._pickler.dump(message)
+            data = self._out.getvalue()
+        finally:
+            # Nothing of this message is kept: not its objects (the memo), nor its bytes,
+            # whether it pickled or not.
+            self._pickler.clear_memo()
+            self._out.seek(0)
+            self._out.truncate()
+            self._buffers = []
+        if not buffers:
+            return [_HEADER.pack(0, len(data)), data]
+        lengths = struct.pack(f"!{len(buffers)}Q", *(view.nbytes for view in buffers))
+        return [_HEADER.pack(len(buffers), len(data)) + lengths, data, *buffers]
+
+
+_packer = _Packer()
+
+
 def pack(message: object) -> list[Buffer]:
     """The frame of a message, as buffers to send in order.
 
     Raises:
         Exception: Whatever pickling the message raises (an object that does not pickle).
     """
-    buffers: list[memoryview] = []
-
-    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
-        view = buffer.raw()
-        if view.nbytes < _OUT_OF_BAND_BYTES:
-            return True  # serialise in band
-        buffers.append(view)
-        return False
-
-    out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=out_of_band).dump(message)
-    data = out.getvalue()
-    lengths = struct.pack(f"!{len(buffers)}Q", *(view.nbytes for view in buffers))
-    return [_HEADER.pack(len(buffers), len(data)) + lengths, data, *buffers]
+    if not _packer.busy.acquire(blocking=False):
+        return _Packer().pack(message)
+    try:
+        return _packer.pack(message)
+    finally:
+        _packer.busy.release()
 
 
 def send_some(sock: socket.socket, frame: Sequence[Buffer]) -> list[Buffer]:
