@@ -77,6 +77,12 @@ def _reduce_array(array: np.ndarray) -> str | tuple[Any, ...]:
     return array.__reduce_ex__(5)
 
 
+#: The code :func:`_array` travels as (an extension code of :mod:`copyreg`, in the range it
+#: leaves to private use): unpickling a code takes one look-up in a cache, where a name is
+#: imported again at every message.
+_ARRAY_CODE = 0xF1
+copyreg.add_extension(__name__, _array.__name__, _ARRAY_CODE)
+
 #: numpy's bool and numeric dtype classes (numpy 1.25 gave each dtype its class), each with
 #: the character of the dtype numpy's unpickling makes of it (from its kind and size).
 _PLAIN_DTYPES: dict[type[np.dtype[Any]], str] = {
