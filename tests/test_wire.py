@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trio_infer.model import Parameters
 from trio_infer.workers import wire
 
 # Sizes either side of the 16 KiB out-of-band threshold, and arrays that are not contiguous
@@ -130,6 +131,25 @@ def test_large_contiguous_tensors_travel_out_of_band_and_small_ones_in_the_pickl
     frame = wire.pack({"large": large, "small": small, "strided": np.zeros(8192)[::2]})
     assert len(frame) == 3  # header, pickle, and the one large buffer
     assert memoryview(frame[2]).nbytes == large.nbytes
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        Parameters(),
+        Parameters({"delay_ms": 5, "flag": True, "name": "x"}),
+        Parameters({"a": 1.5}, {"INPUT0": {"binary_data_size": 16}}, {"X-User": "me"}),
+    ],
+    ids=repr,
+)
+def test_parameters_arrive_as_pickle_makes_them(parameters: Parameters) -> None:
+    got = _read(wire.pack({"parameters": parameters}), [])["parameters"]  # type: ignore[index]
+    expected = pickle.loads(pickle.dumps(parameters, protocol=5))
+    assert type(got) is Parameters
+    assert got == expected
+    assert got.inputs == expected.inputs
+    assert got.headers == expected.headers
+    assert repr(got) == repr(expected)
 
 
 class _Unpicklable:

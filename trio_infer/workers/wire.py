@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from trio_infer.buffers import Buffer, write_some
+from trio_infer.model import Parameters, ParameterValue
 
 __all__ = ["ITEMS_AHEAD", "Buffer", "Receiver", "Staging", "pack", "reader", "send", "send_some"]
 
@@ -77,12 +78,6 @@ def _reduce_array(array: np.ndarray) -> str | tuple[Any, ...]:
     return array.__reduce_ex__(5)
 
 
-#: The code :func:`_array` travels as (an extension code of :mod:`copyreg`, in the range it
-#: leaves to private use): unpickling a code takes one look-up in a cache, where a name is
-#: imported again at every message.
-_ARRAY_CODE = 0xF1
-copyreg.add_extension(__name__, _array.__name__, _ARRAY_CODE)
-
 #: numpy's bool and numeric dtype classes (numpy 1.25 gave each dtype its class), each with
 #: the character of the dtype numpy's unpickling makes of it (from its kind and size).
 _PLAIN_DTYPES: dict[type[np.dtype[Any]], str] = {
@@ -90,9 +85,41 @@ _PLAIN_DTYPES: dict[type[np.dtype[Any]], str] = {
 }
 
 
+def _parameters(
+    values: dict[str, ParameterValue],
+    inputs: dict[str, dict[str, ParameterValue]],
+    headers: dict[str, str],
+) -> Parameters:
+    """Parameters that :func:`_reduce_parameters` pickled, made of the unpickled mappings (this
+    message's own copies) as pickle's default would make them: its fields set, no copies."""
+    parameters: Parameters = object.__new__(Parameters)
+    fields = parameters.__dict__
+    fields["_values"], fields["inputs"], fields["headers"] = values, inputs, headers
+    return parameters
+
+
+def _reduce_parameters(parameters: Parameters) -> tuple[Any, ...]:
+    """How a message pickles a request's parameters: their three mappings, which pickle as
+    plain dicts. The default (the class, a new object, then its state set key by key) cost a
+    call's message more than its tensor."""
+    fields = parameters.__dict__
+    return _parameters, (fields["_values"], fields["inputs"], fields["headers"])
+
+
+#: The codes :func:`_array` and :func:`_parameters` travel as (extension codes of
+#: :mod:`copyreg`, in the range it leaves to private use): unpickling a code takes one look-up
+#: in a cache, where a name is imported again at every message. Only this module's messages
+#: hold these functions, so no other pickle changes.
+copyreg.add_extension(__name__, _array.__name__, 0xF1)
+copyreg.add_extension(__name__, _parameters.__name__, 0xF2)
+
+
 class _Pickler(pickle.Pickler):
     # Exact types only: a subclass of ndarray pickles as numpy (or it) says.
-    dispatch_table = copyreg.dispatch_table | {np.ndarray: _reduce_array}
+    dispatch_table = copyreg.dispatch_table | {
+        np.ndarray: _reduce_array,
+        Parameters: _reduce_parameters,
+    }
 
 
 class _Packer:
