@@ -250,6 +250,32 @@ def test_a_message_read_ahead_with_the_one_before_it_is_waiting() -> None:
         assert not receiver.waiting()
 
 
+def _no_reader() -> object:
+    raise AssertionError("a message staged whole is not stepped through reader()")
+
+
+def test_a_message_staged_whole_is_what_the_reader_makes_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    message = (7, {"x": np.arange(4, dtype=np.float32)}, ["a", None])
+    frame = wire.pack(message)
+    data = b"".join(bytes(buffer) for buffer in frame)
+    sender, receiving = socket.socketpair()
+    with sender, receiving:
+        receiver = wire.Receiver(receiving)
+        wire.send(sender, frame)
+        with monkeypatch.context() as patch:
+            patch.setattr(wire, "reader", _no_reader)
+            _assert_same(receiver.receive(), message)
+        # In two reads, it is the reader's from its first part on.
+        wire.send(sender, [data[:20]])
+        rest = threading.Timer(0.05, lambda: wire.send(sender, [data[20:]]))
+        rest.start()
+        _assert_same(receiver.receive(), message)
+        rest.join()
+        assert not receiver.waiting()
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(_messages, min_size=1, max_size=4),

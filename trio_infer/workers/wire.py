@@ -227,6 +227,31 @@ class Staging:
         """Whether bytes are staged (a message has started, or more than one arrived)."""
         return self._start < self._end
 
+    def fill(self, sock: socket.socket) -> bool:
+        """Read from ``sock`` into the staging buffer, which holds nothing; whether any bytes
+        came (none: the end of the connection).
+
+        Raises:
+            OSError: The connection is broken.
+        """
+        assert not self.held, "staged bytes would be read over"
+        self._start, self._end = 0, sock.recv_into(self._buffer)
+        return self.held
+
+    def take_pickle(self) -> memoryview | None:
+        """The pickle of the next message when the staged bytes hold the whole message and it has
+        no out-of-band buffers (taken: what is staged starts after it); otherwise None, and
+        nothing is taken."""
+        start = self._start
+        if self._end - start < _HEADER.size:
+            return None
+        count, size = _HEADER.unpack_from(self._buffer, start)
+        end = start + _HEADER.size + size
+        if count or end > self._end:
+            return None
+        self._start = end
+        return memoryview(self._buffer)[start + _HEADER.size : end]
+
     def _fill(self, view: memoryview) -> memoryview:
         """Copy what is staged into ``view``; return the part of it still to fill."""
         count = min(self._end - self._start, view.nbytes)
@@ -271,11 +296,20 @@ class Receiver:
         Raises:
             EOFError: The peer closed the connection.
         """
+        staging = self._staging
+        if not staging.held and not staging.fill(self._sock):
+            raise EOFError
+        data = staging.take_pickle()
+        if data is not None:
+            # The whole message came in one read, with no buffer of its own: as reader() would
+            # unpickle it, without stepping through its parts.
+            with data:
+                return pickle.loads(data)
         parse = reader()
         view: memoryview | None = next(parse)
         while True:
             while view:
-                view = self._staging.read(self._sock, view)
+                view = staging.read(self._sock, view)
                 if view is None:
                     raise EOFError
             try:
