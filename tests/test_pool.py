@@ -274,6 +274,30 @@ async def pool() -> AsyncIterator[WorkerPool]:
 NO_PARAMETERS = Parameters()
 
 
+async def test_reports_taken_whole_and_read_in_parts_are_the_results(
+    pool: WorkerPool, examples: dict[str, ModelSettings]
+) -> None:
+    # Small answers come whole in one read (taken at once), large ones in parts: either kind
+    # after the other, and several sent ahead at once, each is its call's.
+    sizes = [1, 4096, 3, 70_000, 70_000, 2, 5000, 1]
+    rng = np.random.default_rng(2)
+    sent = [rng.standard_normal(size).astype(np.float32) for size in sizes]
+    for array in sent:
+        out = await pool.predict(examples["echo"], {"x": array}, NO_PARAMETERS)
+        np.testing.assert_array_equal(out["x"], array)
+    answers: dict[int, np.ndarray] = {}
+
+    async def call(i: int) -> None:
+        out = await pool.predict(examples["echo"], {"x": sent[i]}, NO_PARAMETERS)
+        answers[i] = out["x"]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(sent)):
+            nursery.start_soon(call, i)
+    for i, array in enumerate(sent):
+        np.testing.assert_array_equal(answers[i], array)
+
+
 async def test_example_models_compute_exact_results(
     pool: WorkerPool, examples: dict[str, ModelSettings]
 ) -> None:

@@ -1475,15 +1475,39 @@ class _Lane:
             parse = wire.reader()
             view = next(parse)
             reporting = False  # part of a report is read: the call it reports on has ended
+            report: Any  # (done, skipped, item), as wire's module docstring says
             while True:
+                if not reporting:
+                    # A report's start: one read into the staging buffer, and a report that
+                    # came whole in it is taken at once (as wire.Receiver takes it).
+                    if not staging.held:
+                        try:
+                            if not staging.fill(connection):
+                                return
+                        except BlockingIOError:
+                            # Every report the worker has sent is read, so the first
+                            # outstanding call is the one it runs: if abandoned, it is killed.
+                            self._stop_abandoned()
+                            with trio.CancelScope() as self._reading:
+                                await trio.lowlevel.wait_readable(connection)
+                            continue
+                        except ConnectionResetError:
+                            return
+                    reporting = True
+                    try:
+                        whole, report = staging.take_message()
+                    except Exception as exc:
+                        self._unreadable_report(exc)
+                        return
+                    if whole:
+                        self._on_report(*report)
+                        reporting = False
+                        continue
+                    # The rest of it is read through parse, which has not started on it.
                 if view:
                     try:
                         received = staging.read(connection, view)
                     except BlockingIOError:
-                        if not reporting:
-                            # Every report the worker has sent is read, so the first
-                            # outstanding call is the one it runs: if abandoned, it is killed.
-                            self._stop_abandoned()
                         with trio.CancelScope() as self._reading:
                             await trio.lowlevel.wait_readable(connection)
                         continue
@@ -1491,7 +1515,6 @@ class _Lane:
                         return
                     if received is None:
                         return
-                    reporting = True
                     view = received
                     if view:
                         continue

@@ -238,19 +238,25 @@ class Staging:
         self._start, self._end = 0, sock.recv_into(self._buffer)
         return self.held
 
-    def take_pickle(self) -> memoryview | None:
-        """The pickle of the next message when the staged bytes hold the whole message and it has
-        no out-of-band buffers (taken: what is staged starts after it); otherwise None, and
-        nothing is taken."""
+    def take_message(self) -> tuple[bool, object]:
+        """The next message, when the staged bytes hold all of it and it has no out-of-band
+        buffers: ``(True, message)``, unpickled as :func:`reader` would, without stepping
+        through its parts; what is staged then starts after it. Otherwise ``(False, None)``,
+        and nothing is taken.
+
+        Raises:
+            Exception: Whatever unpickling the message raises (it is taken all the same).
+        """
         start = self._start
         if self._end - start < _HEADER.size:
-            return None
+            return False, None
         count, size = _HEADER.unpack_from(self._buffer, start)
         end = start + _HEADER.size + size
         if count or end > self._end:
-            return None
+            return False, None
         self._start = end
-        return memoryview(self._buffer)[start + _HEADER.size : end]
+        with memoryview(self._buffer)[start + _HEADER.size : end] as data:
+            return True, pickle.loads(data)
 
     def _fill(self, view: memoryview) -> memoryview:
         """Copy what is staged into ``view``; return the part of it still to fill."""
@@ -299,12 +305,9 @@ class Receiver:
         staging = self._staging
         if not staging.held and not staging.fill(self._sock):
             raise EOFError
-        data = staging.take_pickle()
-        if data is not None:
-            # The whole message came in one read, with no buffer of its own: as reader() would
-            # unpickle it, without stepping through its parts.
-            with data:
-                return pickle.loads(data)
+        whole, message = staging.take_message()
+        if whole:
+            return message
         parse = reader()
         view: memoryview | None = next(parse)
         while True:
