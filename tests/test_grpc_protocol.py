@@ -494,3 +494,34 @@ def test_sending_headers_or_data_moves_the_connection_state_as_h2_does(
     except h2.exceptions.ProtocolError:
         got = h2.exceptions.ProtocolError
     assert got == expected
+
+
+def _stream_record(connection: h2.connection.H2Connection, stream_id: int) -> object:
+    """Everything h2 holds of a stream, and the connection's record of its streams."""
+    stream = connection.streams[stream_id]
+    parts = {
+        name: vars(value) if name in ("state_machine", "_inbound_window_manager") else value
+        for name, value in vars(stream).items()
+    }
+    return parts, sorted(connection.streams), connection.highest_inbound_stream_id
+
+
+@pytest.mark.parametrize("client_window", [None, 1000])
+def test_a_request_stream_is_made_as_h2_makes_it(client_window: int | None) -> None:
+    # _new_request_stream stands for h2's _begin_new_stream where a client opens a stream:
+    # the stream (with its state machine and window) and the connection's record of it must
+    # be h2's, whatever window the client's settings give its streams.
+    client, server = client_and_server()
+    if client_window is not None:
+        client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: client_window})
+    _exchange(client, server)
+    client.send_headers(1, GRPC_REQUEST)
+    server.receive_data(client.data_to_send())
+    connection = server.h2_connection
+    connection._new_request_stream(3)
+    ours = _stream_record(connection, 3)
+    del connection.streams[3]
+    connection.highest_inbound_stream_id = 1
+    connection._begin_new_stream(3, h2.connection.AllowedStreamIDs.ODD)
+    assert ours == _stream_record(connection, 3)
+    assert ours[0]["outbound_flow_control_window"] == (client_window or 65535)  # type: ignore[index]

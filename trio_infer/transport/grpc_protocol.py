@@ -46,7 +46,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.stream
-from h2.connection import AllowedStreamIDs, ConnectionInputs, ConnectionState, _decode_headers
+from h2.connection import ConnectionInputs, ConnectionState, _decode_headers
 from h2.errors import ErrorCodes
 from h2.exceptions import FrameDataMissingError
 from h2.frame_buffer import FrameBuffer
@@ -809,7 +809,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         """
         headers = _decode_headers(self.decoder, frame.data)
         _connection_input(self, ConnectionInputs.RECV_HEADERS)
-        stream = self._begin_new_stream(frame.stream_id, AllowedStreamIDs.ODD)
+        stream = self._new_request_stream(frame.stream_id)
         states = stream.state_machine
         states.state = _OPEN
         states.client = False
@@ -826,6 +826,24 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         stream._initialize_content_length(headers)
         received.headers = headers
         return events
+
+    def _new_request_stream(self, stream_id: int) -> Any:
+        """h2's ``_begin_new_stream`` for a stream the client opens, its id odd and above every
+        earlier one (the caller's checks): the same stream, made by h2's own constructor, and
+        the same record of it, without the steps that cannot change the outcome then (the id's
+        checks; the calls to the configuration's logger, which is h2's that logs nothing), each
+        a Python call."""
+        stream = h2.stream.H2Stream(
+            stream_id,
+            config=self.config,
+            inbound_window_size=self.local_settings.initial_window_size,
+            outbound_window_size=self.remote_settings.initial_window_size,
+        )
+        stream.max_inbound_frame_size = self.max_inbound_frame_size
+        stream.max_outbound_frame_size = self.max_outbound_frame_size
+        self.streams[stream_id] = stream
+        self.highest_inbound_stream_id = stream_id
+        return stream
 
     def _stream_error(self, stream_id: int) -> h2.events.StreamReset:
         """Reset one stream with PROTOCOL_ERROR; the event tells the layers above."""
