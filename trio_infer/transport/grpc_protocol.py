@@ -553,6 +553,14 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
         """The most encoded bytes one header block may have (HEADERS and its CONTINUATIONs)."""
 
     def next(self) -> Any:
+        frame = self.take()
+        if frame is None:
+            raise StopIteration
+        return frame
+
+    def take(self) -> Any:
+        """The next whole frame, or None until more data is added (h2's ``next`` without
+        the exception it raises at the end of every read)."""
         data = self.data
         while len(data) >= 9:
             high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(data)
@@ -561,7 +569,8 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             # Both limits are enforced from a frame's 9-byte header, before its body is
             # buffered or a header block decoded: a peer cannot make the server hold or decode
             # more than it advertised by announcing it.
-            self._validate_frame_length(length)
+            if length > self.max_frame_size:
+                self._validate_frame_length(length)  # raises
             if kind in (_HEADERS, _CONTINUATION) and (
                 self._headers_buffer or length > self.max_header_block
             ):
@@ -607,7 +616,7 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             frame = self._update_header_buffer(frame)
             if frame is not None:  # None: part of a header block still being assembled
                 return frame
-        raise StopIteration
+        return None
 
     def _check_header_block(self, length: int) -> None:
         # An encoder uses Huffman coding only where it is shorter, so a block's encoded size
@@ -686,9 +695,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         self.input_pending = False
         try:
             for _ in range(_FRAMES_PER_PASS):
-                try:
-                    frame = buffer.next()
-                except StopIteration:
+                frame = buffer.take()
+                if frame is None:
                     return events
                 events.extend(self._receive_frame(frame))
         except InvalidPaddingError:
