@@ -525,3 +525,69 @@ def test_a_request_stream_is_made_as_h2_makes_it(client_window: int | None) -> N
     connection._begin_new_stream(3, h2.connection.AllowedStreamIDs.ODD)
     assert ours == _stream_record(connection, 3)
     assert ours[0]["outbound_flow_control_window"] == (client_window or 65535)  # type: ignore[index]
+
+
+def _state(server: ServerProtocol) -> object:
+    """What a read leaves in a server's h2 connection: every stream's state and windows, the
+    connection's windows and what it queued to send."""
+    connection = server.h2_connection
+    streams = {
+        stream_id: (
+            stream.state_machine.state,
+            stream.outbound_flow_control_window,
+            stream._inbound_window_manager.current_window_size,
+        )
+        for stream_id, stream in connection.streams.items()
+    }
+    sent = b"".join(bytes(buffer) for buffer in server.data_to_send())
+    return (
+        streams,
+        connection.outbound_flow_control_window,
+        connection.inbound_flow_control_window,
+        sent,
+    )
+
+
+def test_the_frames_every_call_brings_leave_what_h2s_dispatch_leaves() -> None:
+    # The read loop hands a call's HEADERS, DATA and WINDOW_UPDATEs to their handlers itself,
+    # not through h2's _receive_frame: frame by frame, both ways must give the same events and
+    # leave the same state, for frames the handlers take and frames they leave to h2.
+    client, _ = client_and_server()
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1000})
+    limits = ProtocolLimits(max_concurrent_streams=2)
+    ours, theirs = ServerProtocol(limits), ServerProtocol(limits)
+    theirs.h2_connection._handled_here = {}  # every frame through h2's dispatch
+    for server in (ours, theirs):
+        server.initiate_connection()
+    to_client = b"".join(bytes(buffer) for buffer in ours.data_to_send())
+    theirs.data_to_send()
+    client.receive_data(to_client)
+    message = b"\x00\x00\x00\x00\x03abc"
+    reads: list[bytes] = [client.data_to_send()]
+    client.send_headers(1, GRPC_REQUEST)
+    client.send_data(1, message, end_stream=True)
+    client.increment_flow_control_window(5000)
+    client.increment_flow_control_window(7000, stream_id=1)
+    reads.append(client.data_to_send())
+    client.send_headers(3, [*GRPC_REQUEST, ("content-length", "8")])
+    client.send_data(3, message)
+    reads.append(client.data_to_send())
+    reads.append(_frame(0x8, 0, 3, (0).to_bytes(4, "big")))  # an increment of 0: h2's path
+    # Frames h2's client would not send past the limit it counts (it never hears of the reset).
+    # With priority: h2's path.
+    priority = (0).to_bytes(4, "big") + bytes([15])
+    reads.append(_frame(0x1, 0x4 | 0x20, 5, priority + client.encoder.encode(GRPC_REQUEST)))
+    # Over the limit of two open streams: refused, then its DATA, already on its way.
+    reads.append(_frame(0x1, 0x4, 7, client.encoder.encode(GRPC_REQUEST)))
+    reads.append(_frame(0x0, 0x1, 7, message) + _frame(0x0, 0x1, 5, message))
+    # An even id: h2's path, which ends the connection.
+    reads.append(_frame(0x1, 0x4, 10, client.encoder.encode(GRPC_REQUEST)))
+    for read in reads:
+        outcomes = []
+        for server in (ours, theirs):
+            try:
+                events: object = [(type(e), vars(e)) for e in server.receive_data(read)]
+            except ProtocolViolation as exc:
+                events = str(exc)
+            outcomes.append((events, _state(server)))
+        assert outcomes[0] == outcomes[1]

@@ -678,6 +678,14 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         self._frame_dispatch_table[_DataRecord] = self._receive_data_frame
         self._frame_dispatch_table[_HeadersRecord] = self._receive_headers_frame
         self._frame_dispatch_table[_WindowUpdateRecord] = self._receive_window_update_frame
+        #: The records' handlers for frames that need nothing of h2: each returns the frame's
+        #: events, or None when h2 must handle the frame. None of them raises the stream
+        #: errors h2's dispatch catches, nor has a frame to send.
+        self._handled_here: dict[type, Callable[[Any], list[Any] | None]] = {
+            _DataRecord: self._request_data,
+            _HeadersRecord: self._new_request,
+            _WindowUpdateRecord: self._window_increment,
+        }
         self._resets = RateLimit(*_RESETS)
         self._deadline_resets = RateLimit(*_DEADLINE_RESETS)
         self._settings_frames = RateLimit(*_SETTINGS_FRAMES)
@@ -693,12 +701,20 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         buffer.max_frame_size = self.max_inbound_frame_size
         events: list[Any] = []
         self.input_pending = False
+        handlers = self._handled_here
         try:
             for _ in range(_FRAMES_PER_PASS):
                 frame = buffer.take()
                 if frame is None:
                     return events
-                events.extend(self._receive_frame(frame))
+                # A frame every call brings is handled here when nothing is wrong with it;
+                # otherwise (None) h2 dispatches it, and catches the stream errors only its
+                # handlers raise.
+                handler = handlers.get(frame.__class__)
+                received = None if handler is None else handler(frame)
+                if received is None:
+                    received = self._receive_frame(frame)
+                events.extend(received)
         except InvalidPaddingError:
             self._terminate_connection(ErrorCodes.PROTOCOL_ERROR)
             raise h2.exceptions.ProtocolError("a frame with invalid padding") from None
@@ -763,27 +779,44 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         count: int = self._open_streams(int(not self.config.client_side))
         return count
 
+    def _new_request(self, frame: Any) -> list[Any] | None:
+        """A header block opening a new stream: refused over the limit (no events); opened,
+        with an odd id and no priority, as a request (its events, or its stream's reset if its
+        headers are malformed). None for any other block, which h2 handles."""
+        stream_id = frame.stream_id
+        if stream_id <= self.highest_inbound_stream_id:
+            return None
+        if self.open_inbound_streams >= self.local_settings.max_concurrent_streams:
+            # RFC 9113 §5.1.2: a stream over the limit is refused, not the whole connection
+            # (h2 raises a connection error). Its header block is still decoded, because
+            # HPACK state is shared by every stream of the connection.
+            _decode_headers(self.decoder, frame.data)
+            self.highest_inbound_stream_id = stream_id
+            self._closed_streams[stream_id] = StreamClosedBy.SEND_RST_STREAM
+            refusal = RstStreamFrame(stream_id)
+            refusal.error_code = ErrorCodes.REFUSED_STREAM
+            self._prepare_for_sending([refusal])
+            return []
+        if not stream_id % 2 or "PRIORITY" in frame.flags:
+            return None
+        events = self._request_opened(frame)
+        try:
+            events[0].headers = self._checked(events[0].headers, _REQUEST_HEADERS)
+        except (h2.exceptions.ProtocolError, UnicodeDecodeError, IndexError):
+            return [self._stream_error(stream_id)]  # as _receive_headers_frame fails it
+        return events
+
     def _receive_headers_frame(self, frame: Any) -> Any:
+        events = self._new_request(frame)
+        if events is not None:
+            return [], events
         if frame.stream_id > self.highest_inbound_stream_id:
-            counted = self.open_inbound_streams
-            if counted >= self.local_settings.max_concurrent_streams:
-                # RFC 9113 §5.1.2: a stream over the limit is refused, not the whole connection
-                # (h2 raises a connection error). Its header block is still decoded, because
-                # HPACK state is shared by every stream of the connection.
-                _decode_headers(self.decoder, frame.data)
-                self.highest_inbound_stream_id = frame.stream_id
-                self._closed_streams[frame.stream_id] = StreamClosedBy.SEND_RST_STREAM
-                refusal = RstStreamFrame(frame.stream_id)
-                refusal.error_code = ErrorCodes.REFUSED_STREAM
-                return [refusal], []
-            if frame.stream_id % 2 and "PRIORITY" not in frame.flags:
-                frames, events = [], self._request_opened(frame)
-            else:
-                self._inbound_counted = counted
-                try:
-                    frames, events = super()._receive_headers_frame(frame)
-                finally:
-                    self._inbound_counted = None
+            # A new stream under the limit that h2 opens: it counts the open streams again.
+            self._inbound_counted = self.open_inbound_streams
+            try:
+                frames, events = super()._receive_headers_frame(frame)
+            finally:
+                self._inbound_counted = None
         else:
             frames, events = super()._receive_headers_frame(frame)
         try:
@@ -893,13 +926,20 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         return [], [event]
 
     def _receive_data_frame(self, frame: Any) -> Any:
+        events = self._request_data(frame)
+        if events is None:
+            return super()._receive_data_frame(frame)
+        return [], events
+
+    def _request_data(self, frame: Any) -> list[Any] | None:
+        """A request's DATA on its open stream: its events; None for any other DATA."""
         stream = self.streams.get(frame.stream_id)
         if (
             self.state_machine.state is not ConnectionState.SERVER_OPEN
             or stream is None
             or stream.state_machine.state is not _OPEN
         ):
-            return super()._receive_data_frame(frame)
+            return None
         # A request's DATA on its open stream: done here as h2 does it (both windows spent,
         # the body's length checked against a content-length, END_STREAM half-closes the
         # stream), without the connection's and the stream's state machines, whose inputs
@@ -914,14 +954,28 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         received.data = frame.data
         received.flow_controlled_length = length
         if not end_stream:
-            return [], [received]
+            return [received]
         stream.state_machine.state = _HALF_CLOSED_REMOTE
         ended = h2.events.StreamEnded()
         ended.stream_id = frame.stream_id
         received.stream_ended = ended
-        return [], [received, ended]
+        return [received, ended]
 
     def _receive_window_update_frame(self, frame: Any) -> Any:
+        events = self._window_increment(frame)
+        if events is not None:
+            return [], events
+        if self._is_cleaned_up(frame.stream_id):
+            return [], []
+        if frame.window_increment == 0 and frame.stream_id in self.streams:
+            # RFC 9113 §6.9: an increment of 0 on a stream is an error of that stream only
+            # (h2 ends the whole connection).
+            return [], [self._stream_error(frame.stream_id)]
+        return super()._receive_window_update_frame(frame)
+
+    def _window_increment(self, frame: Any) -> list[Any] | None:
+        """A WINDOW_UPDATE that opens a window of the open connection or of a stream open
+        or half-closed (remote) without overflowing it: its event; None for any other."""
         increment = frame.window_increment
         stream_id = frame.stream_id
         if self.state_machine.state is ConnectionState.SERVER_OPEN and increment > 0:
@@ -931,7 +985,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             if stream_id == 0:
                 if self.outbound_flow_control_window + increment <= _MAX_WINDOW:
                     self.outbound_flow_control_window += increment
-                    return [], [_window_updated(0, increment)]
+                    return [_window_updated(0, increment)]
             else:
                 # In OPEN and HALF_CLOSED_REMOTE a WINDOW_UPDATE only adds to the stream's
                 # window (h2's state machine changes nothing else in them).
@@ -941,14 +995,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                     state is _OPEN or state is _HALF_CLOSED_REMOTE
                 ) and stream.outbound_flow_control_window + increment <= _MAX_WINDOW:
                     stream.outbound_flow_control_window += increment
-                    return [], [_window_updated(stream_id, increment)]
-        if self._is_cleaned_up(stream_id):
-            return [], []
-        if frame.window_increment == 0 and frame.stream_id in self.streams:
-            # RFC 9113 §6.9: an increment of 0 on a stream is an error of that stream only
-            # (h2 ends the whole connection).
-            return [], [self._stream_error(frame.stream_id)]
-        return super()._receive_window_update_frame(frame)
+                    return [_window_updated(stream_id, increment)]
+        return None
 
     def _receive_rst_stream_frame(self, frame: Any) -> Any:
         if self._is_cleaned_up(frame.stream_id):
