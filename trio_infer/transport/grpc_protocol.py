@@ -634,13 +634,6 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
 _MAX_WINDOW = 2**31 - 1
 
 
-def _window_updated(stream_id: int, delta: int) -> h2.events.WindowUpdated:
-    event = h2.events.WindowUpdated()
-    event.stream_id = stream_id
-    event.delta = delta
-    return event
-
-
 class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     """h2's connection, tolerant of the late frames RFC 9113 §5.1 allows on closed streams,
     failing only the stream of a malformed header block, doing the work for header blocks
@@ -975,7 +968,9 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
 
     def _window_increment(self, frame: Any) -> list[Any] | None:
         """A WINDOW_UPDATE that opens a window of the open connection or of a stream open
-        or half-closed (remote) without overflowing it: its event; None for any other."""
+        or half-closed (remote) without overflowing it: its event, already the
+        :class:`WindowUpdated` that :class:`ServerProtocol` hands on (h2's event would only be
+        made into it); None for any other."""
         increment = frame.window_increment
         stream_id = frame.stream_id
         if self.state_machine.state is ConnectionState.SERVER_OPEN and increment > 0:
@@ -985,7 +980,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             if stream_id == 0:
                 if self.outbound_flow_control_window + increment <= _MAX_WINDOW:
                     self.outbound_flow_control_window += increment
-                    return [_window_updated(0, increment)]
+                    return [WindowUpdated(0, increment)]
             else:
                 # In OPEN and HALF_CLOSED_REMOTE a WINDOW_UPDATE only adds to the stream's
                 # window (h2's state machine changes nothing else in them).
@@ -995,7 +990,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                     state is _OPEN or state is _HALF_CLOSED_REMOTE
                 ) and stream.outbound_flow_control_window + increment <= _MAX_WINDOW:
                     stream.outbound_flow_control_window += increment
-                    return [_window_updated(stream_id, increment)]
+                    return [WindowUpdated(stream_id, increment)]
         return None
 
     def _receive_rst_stream_frame(self, frame: Any) -> Any:
@@ -1325,6 +1320,9 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         handlers = self._handlers
         try:
             for event in self.h2_connection.receive_data(data):
+                if type(event) is WindowUpdated:  # the connection's own, handed on as it is
+                    events.append(event)
+                    continue
                 handler = handlers.get(type(event))
                 if handler is not None:  # others (PingAckReceived...) carry nothing for gRPC
                     events.extend(handler(event))
