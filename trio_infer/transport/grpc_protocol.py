@@ -730,6 +730,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
 
     def pending_bytes(self) -> int:
         """Bytes queued to send and not yet taken."""
+        if not self.queued:  # the usual case: everything is in the buffer
+            return len(self._data_to_send)
         return len(self._data_to_send) + sum(memoryview(part).nbytes for part in self.queued)
 
     def queue_data_frame(self, stream_id: int, payload: Buffer) -> None:

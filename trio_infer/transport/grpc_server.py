@@ -389,7 +389,7 @@ def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
     parts = [message] if isinstance(message, bytes | bytearray | memoryview) else message
     views = [memoryview(part).cast("B") for part in parts]
     frames: list[memoryview] = []
-    joined = bytearray(_MESSAGE_PREFIX.pack(False, sum(len(view) for view in views)))
+    joined = bytearray(_MESSAGE_PREFIX.pack(False, _size(views)))
     for view in views:
         if len(view) < BY_REFERENCE_BYTES:
             joined += view
@@ -405,7 +405,11 @@ def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
 
 
 def _size(buffers: Sequence[Buffer]) -> int:
-    return sum(memoryview(part).nbytes for part in buffers)
+    # A loop, not sum() over a generator: a call's path sizes a few short lists.
+    size = 0
+    for part in buffers:
+        size += memoryview(part).nbytes
+    return size
 
 
 @dataclass

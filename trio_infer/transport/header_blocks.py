@@ -138,10 +138,17 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
 
     def encode(self, headers: Iterable[Any], huffman: bool = False) -> bytes:
         fields = tuple(headers)
-        if self.header_table.resized or any(isinstance(field, HeaderTuple) for field in fields):
-            # A block after a resize starts with the size update, which must be sent once.
-            # A field's class says whether it may be indexed, and tuples that compare equal
-            # may differ in it. Neither kind of block is remembered.
+        # A block after a resize starts with the size update, which must be sent once. A
+        # field's class says whether it may be indexed, and tuples that compare equal may
+        # differ in it. Neither kind of block is remembered. (A loop rather than any() over a
+        # generator: this runs for every response's headers and trailers.)
+        remembered = not self.header_table.resized
+        if remembered:
+            for field in fields:
+                if isinstance(field, HeaderTuple):
+                    remembered = False
+                    break
+        if not remembered:
             return bytes(super().encode(fields, huffman))
         key = (fields, huffman)
         block: bytes | None = self._memo.get(key)
