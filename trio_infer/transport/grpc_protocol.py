@@ -475,17 +475,26 @@ class _WindowUpdateRecord:
         self.window_increment = window_increment
 
 
+# The enum members read on every call's path, as module constants: a member read off its class
+# goes through the slow attribute hook of a metaclass that defines ``__getattr__`` (EnumType).
+_OPEN = h2.stream.StreamState.OPEN
+_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
+_HALF_CLOSED_LOCAL = h2.stream.StreamState.HALF_CLOSED_LOCAL
+_CLOSED = h2.stream.StreamState.CLOSED
+_CLOSED_BY_SENT_END = StreamClosedBy.SEND_END_STREAM
+_SERVER_OPEN = ConnectionState.SERVER_OPEN
+_SEND_HEADERS = ConnectionInputs.SEND_HEADERS
+_SEND_DATA = ConnectionInputs.SEND_DATA
+_RECV_HEADERS = ConnectionInputs.RECV_HEADERS
+
+
 def _connection_input(h2_connection: Any, sent: ConnectionInputs) -> None:
     """Give h2's connection state machine a SEND_HEADERS, SEND_DATA or RECV_HEADERS input. In
     SERVER_OPEN, where a connection spends its life, h2's transition for each is to stay, doing
     nothing: only another state needs the machine (which opens the connection on its first
     request, and refuses the input after a GOAWAY)."""
-    if h2_connection.state_machine.state is not ConnectionState.SERVER_OPEN:
+    if h2_connection.state_machine.state is not _SERVER_OPEN:
         h2_connection.state_machine.process_input(sent)
-
-
-_OPEN = h2.stream.StreamState.OPEN
-_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
 
 
 def _headers_sent(states: Any, end_stream: bool) -> None:
@@ -505,10 +514,10 @@ def _headers_sent(states: Any, end_stream: bool) -> None:
             states.process_input(StreamInputs.SEND_HEADERS)  # raises: trailers twice
         if end_stream:
             if state is _OPEN:
-                states.state = h2.stream.StreamState.HALF_CLOSED_LOCAL
+                states.state = _HALF_CLOSED_LOCAL
             else:
-                states.state = h2.stream.StreamState.CLOSED
-                states.stream_closed_by = StreamClosedBy.SEND_END_STREAM
+                states.state = _CLOSED
+                states.stream_closed_by = _CLOSED_BY_SENT_END
         return
     states.process_input(StreamInputs.SEND_HEADERS)
     if end_stream:
@@ -844,7 +853,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             h2.exceptions.ProtocolError: what h2 raises for this block.
         """
         headers = _decode_headers(self.decoder, frame.data)
-        _connection_input(self, ConnectionInputs.RECV_HEADERS)
+        _connection_input(self, _RECV_HEADERS)
         stream = self._new_request_stream(frame.stream_id)
         states = stream.state_machine
         states.state = _OPEN
@@ -930,7 +939,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         """A request's DATA on its open stream: its events; None for any other DATA."""
         stream = self.streams.get(frame.stream_id)
         if (
-            self.state_machine.state is not ConnectionState.SERVER_OPEN
+            self.state_machine.state is not _SERVER_OPEN
             or stream is None
             or stream.state_machine.state is not _OPEN
         ):
@@ -975,7 +984,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         made into it); None for any other."""
         increment = frame.window_increment
         stream_id = frame.stream_id
-        if self.state_machine.state is ConnectionState.SERVER_OPEN and increment > 0:
+        if self.state_machine.state is _SERVER_OPEN and increment > 0:
             # A client sends two of these a call, one for the connection and one for the call's
             # stream: done here as h2 does them when nothing is wrong (neither state changes),
             # without h2's two state machines, which cost about 5 us a call.
@@ -1391,7 +1400,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             # A closed stream, or a payload over the window: h2 raises what it raises for those.
             h2_connection.send_data(stream_id, data)
             return
-        _connection_input(h2_connection, ConnectionInputs.SEND_DATA)
+        _connection_input(h2_connection, _SEND_DATA)
         _data_sent(stream.state_machine)
         h2_connection.pings.data_sent()
         stream.outbound_flow_control_window -= size
@@ -1416,7 +1425,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if stream is None:
             h2_connection.send_headers(stream_id, headers, end_stream=end_stream)
             return
-        _connection_input(h2_connection, ConnectionInputs.SEND_HEADERS)
+        _connection_input(h2_connection, _SEND_HEADERS)
         h2_connection.pings.data_sent()
         stream_states = stream.state_machine
         _headers_sent(stream_states, end_stream)
@@ -1464,7 +1473,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         trailers: list[tuple[str, str] | HeaderTuple] = (
             [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
         )
-        trailers.append(("grpc-status", str(status.value)))
+        trailers.append(("grpc-status", str(int(status))))
         if message:
             # Messages differ call to call: indexed, each would take a place in the connection's
             # HPACK table, evicting the headers every response repeats.
