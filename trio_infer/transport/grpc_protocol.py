@@ -486,6 +486,8 @@ _SERVER_OPEN = ConnectionState.SERVER_OPEN
 _SEND_HEADERS = ConnectionInputs.SEND_HEADERS
 _SEND_DATA = ConnectionInputs.SEND_DATA
 _RECV_HEADERS = ConnectionInputs.RECV_HEADERS
+_INITIAL_WINDOW_SIZE = SettingCodes.INITIAL_WINDOW_SIZE
+_MAX_CONCURRENT_STREAMS = SettingCodes.MAX_CONCURRENT_STREAMS
 
 
 def _connection_input(h2_connection: Any, sent: ConnectionInputs) -> None:
@@ -790,7 +792,9 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         stream_id = frame.stream_id
         if stream_id <= self.highest_inbound_stream_id:
             return None
-        if self.open_inbound_streams >= self.local_settings.max_concurrent_streams:
+        # Settings read by their codes, not h2's properties (which read the codes off the enum):
+        # ServerProtocol's local settings always name the stream limit.
+        if self.open_inbound_streams >= self.local_settings[_MAX_CONCURRENT_STREAMS]:
             # RFC 9113 §5.1.2: a stream over the limit is refused, not the whole connection
             # (h2 raises a connection error). Its header block is still decoded, because
             # HPACK state is shared by every stream of the connection.
@@ -881,8 +885,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         stream = h2.stream.H2Stream(
             stream_id,
             config=self.config,
-            inbound_window_size=self.local_settings.initial_window_size,
-            outbound_window_size=self.remote_settings.initial_window_size,
+            inbound_window_size=self.local_settings[_INITIAL_WINDOW_SIZE],
+            outbound_window_size=self.remote_settings[_INITIAL_WINDOW_SIZE],
         )
         stream.max_inbound_frame_size = self.max_inbound_frame_size
         stream.max_outbound_frame_size = self.max_outbound_frame_size
@@ -1483,7 +1487,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         self._send_headers(stream_id, trailers, end_stream=True, extra=extra)
         self._inbound.pop(stream_id, None)
         stream = self.h2_connection.streams.get(stream_id)
-        if stream is not None and not stream.closed:
+        # h2's ``stream.closed``, without reading CLOSED off the enum.
+        if stream is not None and stream.state_machine.state is not _CLOSED:
             # The client is still sending (its END_STREAM has not come): tell it to stop, which
             # also frees the stream's slot under SETTINGS_MAX_CONCURRENT_STREAMS.
             self.h2_connection.reset_stream(stream_id, ErrorCodes.NO_ERROR)
@@ -1492,7 +1497,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         """Abandon a stream with RST_STREAM CANCEL, if it is still open."""
         self._inbound.pop(stream_id, None)
         stream = self.h2_connection.streams.get(stream_id)
-        if stream is not None and not stream.closed:
+        if stream is not None and stream.state_machine.state is not _CLOSED:
             self.h2_connection.reset_stream(stream_id, ErrorCodes.CANCEL)
 
     def admit(self, stream_id: int, length: int) -> bool:

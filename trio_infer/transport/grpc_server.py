@@ -93,6 +93,8 @@ _Inbound = int | bytes | bytearray | InferError
 #: Numbers the process's connections, never reusing a number.
 _connection_ids = itertools.count()
 _MESSAGE_PREFIX = struct.Struct(">?I")
+#: Read once: a member read off its enum class goes through the metaclass's slow hook.
+_OK = StatusCode.OK
 
 
 class _InboundQueue:
@@ -893,7 +895,7 @@ class Connection:
 
     async def _run_call(self, state: _CallState) -> None:
         call = state.call
-        status, message = StatusCode.OK, ""
+        status, message = _OK, ""
         try:
             with state.scope:
                 try:
