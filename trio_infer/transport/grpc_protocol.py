@@ -1383,7 +1383,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         """Queue the response headers, with the handler's initial metadata and the call's
         ``x-request-id`` (none when ``""``)."""
         headers = [(":status", "200"), ("content-type", "application/grpc")]
-        headers.extend(sanitize_headers(metadata))
+        if metadata:  # most calls have none: no generator then
+            headers.extend(sanitize_headers(metadata))
         self._send_headers(stream_id, headers, end_stream=False, extra=_request_id(request_id))
 
     def send_data(self, stream_id: int, data: Buffer) -> None:
@@ -1482,7 +1483,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             # Messages differ call to call: indexed, each would take a place in the connection's
             # HPACK table, evicting the headers every response repeats.
             trailers.append(NeverIndexedHeaderTuple("grpc-message", grpc_message_value(message)))
-        trailers.extend(sanitize_headers(metadata))
+        if metadata:
+            trailers.extend(sanitize_headers(metadata))
         extra = b"" if headers_sent else _request_id(request_id)
         self._send_headers(stream_id, trailers, end_stream=True, extra=extra)
         self._inbound.pop(stream_id, None)
