@@ -199,6 +199,82 @@ def test_json_integers_are_accepted_for_float_datatypes() -> None:
     assert decode_infer_request(*body_of(document)).inputs["x"].tolist() == [1.0, 2.5, -3.0]
 
 
+FLOAT_DATATYPES = ["FP16", "FP32", "FP64"]
+#: A float tensor's JSON numbers: floats of every magnitude (beyond FP16's and FP32's largest
+#: and beyond 2**53) and around FP16's range, integers up to 64 bits and small ones, bools.
+JSON_NUMBERS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(-70000.0, 70000.0),
+    st.integers(-(2**63), 2**64 - 1),
+    st.integers(-3000, 3000),
+    st.booleans(),
+)
+
+
+def decoded_or_refused(body: bytes) -> tuple[Any, ...]:
+    """Input ``x`` of a request, bit for bit and whether it is writable, or the refusal."""
+    try:
+        array = decode_infer_request(body, None).inputs["x"]
+    except InvalidInput as error:
+        return ("refused", str(error))
+    return (array.dtype, array.shape, array.tobytes(), array.flags.writeable)
+
+
+@given(
+    datatype=st.sampled_from(FLOAT_DATATYPES),
+    data=st.lists(JSON_NUMBERS, min_size=1, max_size=40),
+    odd=st.one_of(
+        st.none(), st.tuples(st.integers(0, 39), st.sampled_from([None, "1.5", [1.0], {}]))
+    ),
+    form=st.sampled_from(["flat", "row", "nested", "miscounted"]),
+)
+@settings(max_examples=500, deadline=None)
+def test_float_data_packed_as_doubles_decodes_as_numpys_inference_of_the_list(
+    datatype: str, data: list[Any], odd: tuple[int, Any] | None, form: str
+) -> None:
+    # Small float tensors are packed by struct unless the general path must decide; whatever
+    # the elements, the outcome is the general path's.
+    if odd is not None:
+        position, value = odd
+        data[position % len(data)] = value
+    shape = [len(data)]
+    document_data: Any = data
+    if form == "row":
+        shape = [1, len(data)]
+    elif form == "nested":
+        shape, document_data = [1, len(data)], [data]
+    elif form == "miscounted":
+        shape = [len(data) + 1]
+    body, _ = body_of(numbers(datatype, document_data, shape))
+
+    packed = decoded_or_refused(body)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "_PACKED_MAX_ELEMENTS", 0)
+        general = decoded_or_refused(body)
+    assert packed == general
+
+
+@pytest.mark.parametrize("datatype", FLOAT_DATATYPES)
+def test_small_float_data_is_packed_as_doubles(
+    datatype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed: list[bool] = []
+    original = codec._packed_floats
+
+    def spy(datatype: str, shape: tuple[int, ...], count: int, data: list[Any]) -> Any:
+        result = original(datatype, shape, count, data)
+        packed.append(result is not None)
+        return result
+
+    monkeypatch.setattr(codec, "_packed_floats", spy)
+    data = [0.5, -2, 1e-3, 3, True, -0.0]
+    request = decode_infer_request(*body_of(numbers(datatype, data, [2, 3])))
+    assert packed == [True]
+    expected = np.array(data, dtype=np.float64).astype(DATATYPES[datatype]).reshape(2, 3)
+    assert_identical(request.inputs["x"], expected)
+    assert request.inputs["x"].flags.writeable
+
+
 def test_a_binary_input_is_a_view_of_the_body_where_aligned_and_a_copy_where_not() -> None:
     values = np.arange(4, dtype=np.float64)
     for pad in range(8):

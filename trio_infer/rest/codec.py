@@ -21,7 +21,9 @@ elements or more, any datatype but BOOL and BYTES) is read from a simdjson parse
 straight into a buffer of doubles or 64-bit integers, with no Python object per element; every
 other tensor, and any large one the fast path cannot decide, goes through orjson's Python
 objects and numpy, whose checks and messages are the reference. Both flatten nested data as
-Triton does: only the values, their row-major order and their count matter.
+Triton does: only the values, their row-major order and their count matter. On that path a
+small flat float tensor is packed as doubles by ``struct`` rather than inferred by numpy,
+wherever that gives the same array (else numpy's inference decides).
 
 Every malformed request raises :class:`~trio_infer.errors.InvalidInput` with a message that
 names the tensor and what is wrong; every output that cannot be written raises
@@ -31,6 +33,7 @@ names the tensor and what is wrong; every output that cannot be written raises
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
@@ -131,6 +134,17 @@ _FAST_BUFFER = {
 #: integer that simdjson rounded once to a double and numpy would round again to FP32, where
 #: the orjson path rounds it once from int64.
 _EXACT_DOUBLE_LIMIT = 2.0**53
+#: Below this magnitude every value of a float datatype's tensor may be packed as a double and
+#: cast, as the orjson path's inferred array would be: an integer is exact as a double (so it
+#: is rounded once, as from int64) and the cast cannot overflow. Above it, that path decides.
+_PACKED_LIMIT = {
+    "FP16": float(np.finfo(np.float16).max),
+    "FP32": _EXACT_DOUBLE_LIMIT,
+    "FP64": _EXACT_DOUBLE_LIMIT,
+}
+#: The most elements packed that way: ``struct.pack`` takes them as arguments, a tuple of a
+#: pointer each beside the packed doubles, which stays small below this.
+_PACKED_MAX_ELEMENTS = FAST_JSON_MIN_ELEMENTS
 
 #: The parameters the binary tensor data extension defines; taken out of the maps the request
 #: hands on, since they describe the body's layout, not the inference.
@@ -725,6 +739,10 @@ def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[A
         return object_array(elements, shape)
 
     count = math.prod(shape)
+    if datatype in _PACKED_LIMIT and 0 < count <= _PACKED_MAX_ELEMENTS:
+        packed = _packed_floats(datatype, shape, count, data)
+        if packed is not None:
+            return packed
     try:
         # numpy converts the parsed list in C: an int64, uint64 or float64 array when the
         # elements are numbers, bool when all are bools, strings or objects otherwise.
@@ -767,6 +785,33 @@ def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[A
     if converted.dtype != values.dtype and np.isinf(converted).any():
         _raise_element_error(where, datatype, data, shape)
     return converted.reshape(shape)
+
+
+def _packed_floats(
+    datatype: str, shape: tuple[int, ...], count: int, data: list[Any]
+) -> np.ndarray | None:
+    """A float datatype's array from a flat list of numbers, packed as doubles by ``struct``
+    (numpy's inference of the list's dtype costs several times more); ``None`` when the
+    general path must decide: nested data, a count other than the shape's, an element that is
+    not a number, a first element that is a bool (the list may be all bools, which numpy infers
+    as BOOL and the general path refuses), or a value at or beyond :data:`_PACKED_LIMIT`.
+
+    Gives the array the general path gives: numpy infers float64 from floats mixed with
+    integers (bools count as integers) and converts each the way ``struct`` does, and from
+    integers alone int64, which casts to the datatype as their exact doubles do.
+    """
+    if len(data) != count or type(data[0]) is bool:
+        return None
+    try:
+        # A list, string, null or object among the numbers fails to pack, and so does an
+        # integer beyond a double's range.
+        values = np.frombuffer(struct.pack(f"{count}d", *data), dtype=np.float64)
+    except struct.error:
+        return None
+    if np.abs(values).max() >= _PACKED_LIMIT[datatype]:
+        return None
+    # A copy even for FP64: the array is writable, as the general path's is.
+    return values.astype(DATATYPES[datatype]).reshape(shape)
 
 
 def _leaves(where: str, shape: tuple[int, ...], data: list[Any]) -> list[Any]:
