@@ -175,7 +175,14 @@ class BinaryOutputs:
         return self.default
 
 
-@dataclass(frozen=True)
+#: The two choices of a request that names no output's own: shared, as they are immutable.
+_NO_BINARY = BinaryOutputs()
+_ALL_BINARY = BinaryOutputs(default=True)
+
+
+# The request types are not frozen: a frozen dataclass sets each field through
+# object.__setattr__, which costs several times a plain slot's store, for every request.
+@dataclass(slots=True)
 class RestInferRequest:
     """A decoded inference request (see :func:`decode_infer_request`)."""
 
@@ -210,7 +217,7 @@ class _LazyNumbers:
     """The input's position in the request's ``inputs``."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _InputSpec:
     """One input as the JSON part declares it, checked; its data not yet converted."""
 
@@ -227,7 +234,7 @@ class _InputSpec:
     the dtype, else 0 (a view)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ParsedInferRequest:
     """A request whose JSON part is parsed and checked, its tensors not yet decoded.
 
@@ -356,12 +363,16 @@ def parse_infer_request(
         )
 
     outputs, by_name, output_parameters = _requested_outputs(document.get("outputs"))
+    if by_name:
+        binary_outputs = BinaryOutputs(default_binary, by_name)
+    else:
+        binary_outputs = _ALL_BINARY if default_binary else _NO_BINARY
     return ParsedInferRequest(
         id=request_id,
         parameters=parameters,
         input_parameters=input_parameters,
         outputs=outputs,
-        binary_outputs=BinaryOutputs(default_binary, by_name or None),
+        binary_outputs=binary_outputs,
         output_parameters=output_parameters,
         decoded_nbytes=decoded_nbytes,
         _inputs=specs,
