@@ -559,8 +559,12 @@ class HttpRequest:
             await connection.send([_CONTINUE], self)
         body = bytearray()
         self._take_body(body, on_data, decoder, limit)
+        # What is buffered of the body (most small ones come with their head) is parsed before
+        # the timeout's scope is entered: parsing never waits, and the scope costs more.
+        while not message.complete and connection.parse_body(message):
+            self._take_body(body, on_data, decoder, limit)
         if not message.complete:
-            # A body that did not come with its head (most small ones do): waited for.
+            # The rest of a body that did not come with its head: waited for.
             with trio.move_on_after(limits.receive_timeout) as waiting:
                 while not message.complete:
                     if not connection.parse_body(message) and not await connection.fill():
