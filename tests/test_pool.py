@@ -597,6 +597,42 @@ async def test_calls_cancelled_before_they_start_are_skipped_and_leave_the_worke
         assert pool.statistics().crashed == 0
 
 
+async def test_a_call_cancelled_behind_the_running_one_is_skipped_not_killed(
+    repo: dict[str, ModelSettings], examples: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    # The call sent behind the running one, and its cancel, wait unread in the worker's socket
+    # while the first runs. The worker must read them before it reports the first call's end,
+    # and name the skipped call in that report: reported alone, the pool may read that report,
+    # find the cancelled call first among the worker's calls with nothing more to read, and
+    # kill the worker as running it (a race the pool won nearly every time). An input read
+    # past the staging buffer (but small enough for the socket to hold it and the cancel while
+    # the first call runs) leaves the cancel in the socket after the call is read: read only
+    # when the worker asks the socket, the call is skipped; else it runs.
+    calls = tmp_path / "calls.txt"
+    behind_input = {"x": np.zeros(64 * 1024, np.uint8)}
+    async with WorkerPool.open(1) as pool:
+        first = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
+        for _ in range(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    pool.predict, examples["sleep"], {}, Parameters({"delay_ms": 200})
+                )
+                await eventually(lambda: pool.statistics().busy == 1)
+                async with trio.open_nursery() as behind:
+                    behind.start_soon(
+                        pool.predict,
+                        repo["count"],
+                        behind_input,
+                        Parameters({"file": str(calls)}),
+                    )
+                    await eventually(lambda: pool.statistics().waiting == 1)
+                    behind.cancel_scope.cancel()
+            await eventually(lambda: pool.statistics().waiting == 0)
+        second = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
+        assert second == first, "the worker was killed for a call it never ran"
+        assert not calls.exists()
+
+
 async def test_calls_sent_behind_a_call_whose_worker_dies_run_on_its_replacement(
     repo: dict[str, ModelSettings], tmp_path: Path
 ) -> None:

@@ -164,10 +164,13 @@ def serve(address: str) -> None:
                     _take(receiver.receive(), inbox, skipped)
                     while receiver.held:
                         _take(receiver.receive(), inbox, skipped)
-                elif inbox:
-                    # A call ended and others wait: the cancels that came meanwhile are read
-                    # before the next one starts. With none waiting there is nothing a cancel
-                    # could skip: the report goes at once, and the next read waits anyway.
+                else:
+                    # A call ended: what came meanwhile is read before its report goes and the
+                    # next call starts, even with no call in the inbox. A call sent behind the
+                    # one that ran, and its cancel, may wait unread in the socket: the report
+                    # must name that call skipped, for the pool takes a call it has given up on
+                    # at the head of the worker's calls, with no report left to read, as the
+                    # one the worker runs, and kills the worker.
                     while receiver.waiting():
                         _take(receiver.receive(), inbox, skipped)
                 if finished is not None or skipped:
