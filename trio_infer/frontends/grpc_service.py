@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-import numpy as np
 import trio
 from google.protobuf.message import DecodeError, Message
 
@@ -621,8 +620,8 @@ class GrpcService:
         )
         if final is not None:
             response.parameters[_FINAL].bool_param = final
-        # asarray is free for arrays and lets a model return a numpy scalar.
-        outputs = [(name, np.asarray(array)) for name, array in answer.outputs]
+        # Arrays: a worker refuses a model's output that is not an ndarray.
+        outputs = answer.outputs
 
         def reserve_answer(cost: EncodingCost) -> None:
             # What the reservation holds for the answer: all of it but the message and the

@@ -981,10 +981,8 @@ class _Writer:
 
 
 def _tensors_to_encode(
-    outputs: Sequence[tuple[str, np.ndarray]], raw: bool, side: _Side
-) -> tuple[list[tuple[str, np.ndarray]], list[str], bool]:
-    # asarray is free for arrays and lets a model return a numpy scalar.
-    arrays = [(name, np.asarray(array)) for name, array in outputs]
+    arrays: Sequence[tuple[str, np.ndarray]], raw: bool, side: _Side
+) -> tuple[Sequence[tuple[str, np.ndarray]], list[str], bool]:
     datatypes: list[str] = []
     for name, array in arrays:
         try:
@@ -1236,6 +1234,8 @@ def _encode_tensors(
     raw: bool,
     side: _Side,
 ) -> None:
+    # asarray is free for arrays and lets a caller pass a numpy scalar.
+    arrays = [(name, np.asarray(array)) for name, array in arrays]
     arrays, datatypes, raw = _tensors_to_encode(arrays, raw, side)
     for (name, array), datatype in zip(arrays, datatypes, strict=True):
         where = f"{side.role} '{name}'"
