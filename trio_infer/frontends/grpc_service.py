@@ -773,9 +773,10 @@ def _stream_error(message: str, request: Any) -> _Answer:
     return _Answer([failed.SerializeToString()])
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Decoded:
-    """What encoding a request's answer needs to know of the request as it was decoded."""
+    """What encoding a request's answer needs to know of the request as it was decoded (made
+    for every request: slotted, not frozen, as a frozen field's store is a call)."""
 
     raw: bool
     """Whether its outputs go back raw (``binary_data_output``, true by default)."""

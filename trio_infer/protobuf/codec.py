@@ -211,8 +211,12 @@ _REQUEST_OUT = _Side("request", "input", "raw_input_contents", InvalidInput)
 # --------------------------------------------------------------------------------------------
 # Decoding
 
+# DecodingCost, WireInputs, _WireContents and EncodingCost are made for every request: slotted,
+# not frozen, as a frozen dataclass sets each field through object.__setattr__, which costs
+# several times a plain slot's store.
 
-@dataclass(frozen=True)
+
+@dataclass(slots=True)
 class DecodingCost:
     """What decoding a parsed request's inputs takes (see :func:`decoding_cost`)."""
 
@@ -224,7 +228,7 @@ class DecodingCost:
     """Elements converted (typed contents and BYTES): the decode's time."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _WireContents:
     """One input's typed contents split by :func:`prepare_inputs`: numeric fields as blobs."""
 
@@ -246,7 +250,7 @@ class _WireContents:
 _Contents = InferTensorContents | _WireContents
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WireInputs:
     """A request's inputs as parsed by the wire view (:func:`prepare_inputs`), to decode."""
 
@@ -760,7 +764,7 @@ def encode_outputs(
     return contents
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EncodingCost:
     """What encoding a model's outputs takes (see :func:`encoding_cost`)."""
 
