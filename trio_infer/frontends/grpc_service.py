@@ -614,7 +614,7 @@ class GrpcService:
     ) -> list[Buffer]:
         """The serialised ModelInferResponse of ``answer`` (buffers in order), what encoding it
         takes reserved first; ``final``: its ``triton_final_response`` parameter (None: none)."""
-        raw, message_size = state.raw, state.message_size
+        raw = state.raw
         response = pb.ModelInferResponse(
             model_name=answer.model_name, model_version=answer.model_version, id=answer.id
         )
@@ -622,36 +622,25 @@ class GrpcService:
             response.parameters[_FINAL].bool_param = final
         # Arrays: a worker refuses a model's output that is not an ndarray.
         outputs = answer.outputs
-
-        def reserve_answer(cost: EncodingCost) -> None:
-            # What the reservation holds for the answer: all of it but the message and the
-            # decoded inputs (both still held). The output arrays and what encoding them
-            # allocates must fit in that or be added; the bytes stay reserved until the
-            # answer's buffers are written (handle's release_when_sent).
-            share = reservation.nbytes - message_size - max(state.nbytes, message_size)
-            extra = cost.outputs + cost.nbytes - share
-            if extra > 0:
-                reservation.grow_nowait(extra, "the encoded outputs")
-
-        def encode_off_loop() -> list[Buffer]:
-            cost = encoding_cost(outputs, raw=raw)
-            trio.from_thread.run_sync(reserve_answer, cost)
-            return encode_response(response, outputs, raw=raw)
-
         # Elements the encode converts or copies one way or another (raw numeric outputs in
         # little-endian C order are sent from their own memory): known without a pass.
-        converted = sum(
-            array.size
-            for _, array in outputs
-            if not raw or array.dtype.kind in "OSU" or not array.flags.c_contiguous
-        )
+        converted = 0
+        for _, array in outputs:
+            if not raw or array.dtype.kind in "OSU" or not array.flags.c_contiguous:
+                converted += array.size
         if converted > _OFF_LOOP_ELEMENTS:
+
+            def encode_off_loop() -> list[Buffer]:
+                cost = encoding_cost(outputs, raw=raw)
+                trio.from_thread.run_sync(_reserve_answer, reservation, state, cost)
+                return encode_response(response, outputs, raw=raw)
+
             # Costing (a pass over the arrays) and encoding both run off the loop; only the
             # reservation's growth comes back to it.
             return await trio.to_thread.run_sync(
                 encode_off_loop, limiter=self._decoding, abandon_on_cancel=False
             )
-        reserve_answer(encoding_cost(outputs, raw=raw))
+        _reserve_answer(reservation, state, encoding_cost(outputs, raw=raw))
         # Raw outputs go to the socket from the arrays' memory, not through a serialised copy.
         return encode_response(response, outputs, raw=raw)
 
@@ -784,6 +773,20 @@ class _Decoded:
     """What its decoded inputs take (held in the reservation)."""
     message_size: int
     """Its message's size (the reservation's unit)."""
+
+
+def _reserve_answer(reservation: Reservation, state: _Decoded, cost: EncodingCost) -> None:
+    """Grow ``reservation`` to hold the answer to the request ``state`` describes, as encoding
+    it will ``cost``."""
+    # What the reservation holds for the answer: all of it but the message and the decoded
+    # inputs (both still held). The output arrays and what encoding them allocates must fit in
+    # that or be added; the bytes stay reserved until the answer's buffers are written
+    # (handle's release_when_sent).
+    message_size = state.message_size
+    share = reservation.nbytes - message_size - max(state.nbytes, message_size)
+    extra = cost.outputs + cost.nbytes - share
+    if extra > 0:
+        reservation.grow_nowait(extra, "the encoded outputs")
 
 
 def _model_headers(call: Call) -> dict[str, str]:

@@ -1169,7 +1169,10 @@ def stream_response(infer_response: Sequence[Buffer]) -> list[Buffer]:
     """A ``ModelStreamInferResponse`` whose ``infer_response`` is the serialised
     ModelInferResponse in ``infer_response`` (buffers in order, as :func:`encode_response`
     gives them), as buffers in order: a key and a length before them, none of them copied."""
-    size = sum(memoryview(part).nbytes for part in infer_response)
+    # A loop, not sum over a generator: a generator's frame costs more than its few steps.
+    size = 0
+    for part in infer_response:
+        size += memoryview(part).nbytes
     return [_INFER_RESPONSE_KEY + _varint(size), *infer_response]
 
 
