@@ -128,10 +128,17 @@ def batch_rows(inputs: Mapping[str, np.ndarray]) -> int | None:
         The common size of every input's first dimension, or None when there is none (no
         inputs, a scalar input, or first dimensions that differ): such a request runs alone.
     """
-    sizes = {array.shape[0] if array.ndim else -1 for array in inputs.values()}
-    if len(sizes) != 1 or -1 in sizes:
-        return None
-    return sizes.pop()
+    # A loop, not a set of the sizes: every request of a batching model comes here.
+    rows = None
+    for array in inputs.values():
+        if not array.ndim:
+            return None
+        size: int = array.shape[0]
+        if rows is None:
+            rows = size
+        elif size != rows:
+            return None
+    return rows
 
 
 def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hashable:
@@ -419,6 +426,17 @@ class _BatchCounts:
         self.total_queue_wait += sum(waits)
         self.max_queue_wait = max(self.max_queue_wait, *waits)
 
+    def add_batch_of_one(self, rows: int) -> None:
+        """:meth:`add_batch` of one request of ``rows`` rows that did not wait, without the
+        list of its waits."""
+        self.batches += 1
+        self.requests += 1
+        self.rows += rows
+        if not self.max_batch_requests:
+            self.max_batch_requests = 1
+        if rows > self.max_batch_rows:
+            self.max_batch_rows = rows
+
     def snapshot(self, waiting: int) -> BatchStatistics:
         """The statistics now, with ``waiting`` requests in the queue."""
         return BatchStatistics(
@@ -612,7 +630,7 @@ class ModelBatcher:
     async def _as_batch_of_one(self, alone: Awaitable[ModelOutputs], rows: int) -> ModelOutputs:
         """Await ``alone`` (a request's :meth:`_alone`, from its own task) as the batcher runs a
         batch of one: counted as one, its outputs' rows checked."""
-        self._counts.add_batch(rows, [0.0])
+        self._counts.add_batch_of_one(rows)
         self._in_pool += 1
         try:
             started = trio.current_time()
