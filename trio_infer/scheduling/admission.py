@@ -506,16 +506,28 @@ def estimate_output_bytes(inputs: Mapping[str, np.ndarray], outputs: Sequence[Te
     (no declared outputs, BYTES, or another free dimension): the caller then assumes an answer
     as large as the request.
     """
-    first = next(iter(inputs.values()), None)
-    rows = first.shape[0] if first is not None and first.ndim else 1
+    rows = 1
+    for first in inputs.values():
+        if first.ndim:
+            rows = first.shape[0]
+        break
     total = 0
+    # Loops, not comprehensions: every request comes here, and a comprehension's frame costs
+    # more than a few dimensions' steps.
     for spec in outputs:
-        if spec.datatype == "BYTES" or not spec.shape:
+        shape = spec.shape
+        if spec.datatype == "BYTES" or not shape:
             return 0
-        dims = [rows if index == 0 and dim == -1 else dim for index, dim in enumerate(spec.shape)]
-        if any(dim < 0 for dim in dims):
+        elements = shape[0]
+        if elements == -1:
+            elements = rows
+        elif elements < 0:
             return 0
-        total += math.prod(dims) * DATATYPES[spec.datatype].itemsize
+        for dim in shape[1:]:
+            if dim < 0:
+                return 0
+            elements *= dim
+        total += elements * DATATYPES[spec.datatype].itemsize
     return total
 
 
