@@ -288,7 +288,9 @@ class InferenceCore:
                     parameters,
                     priority,
                     context.deadline,
-                    sequence_of(parameters),
+                    # The request's own dict, whose values ``parameters`` holds: read without
+                    # a Python call per Parameters.get.
+                    sequence_of(request.parameters),
                     timing,
                 )
             return _response(settings, request, outputs, batch)
@@ -321,7 +323,7 @@ class InferenceCore:
             # Cancellable: a generator may never end, and its model's unload must.
             with self.admission.model_slot(settings, cancellable=True):
                 priority, parameters = _model_parameters(request, context)
-                sequence = sequence_of(parameters)
+                sequence = sequence_of(request.parameters)
 
                 async def each(outputs: ModelOutputs) -> None:
                     await respond(_response(settings, request, outputs, batch))

@@ -50,6 +50,8 @@ def sequence_of(parameters: Mapping[str, ParameterValue]) -> SequenceFlags | Non
         InvalidInput: ``sequence_id`` is neither an integer nor a string, a flag is not a
             boolean, or a flag is set without a ``sequence_id``.
     """
+    if not parameters:
+        return None  # most requests: no sequence, and no flag to check
     value = parameters.get("sequence_id", 0)
     start = parameters.get("sequence_start", False)
     end = parameters.get("sequence_end", False)
