@@ -9,6 +9,8 @@ import os
 import signal
 import textwrap
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,22 @@ class _Stream:
         self._thread.join(5)
 
 
+@asynccontextmanager
+async def _beside_a_stream(
+    nursery: trio.Nursery, repository: Path
+) -> AsyncIterator[tuple[RunningServer, GrpcioClient, _Stream]]:
+    """A server (2 workers, 'endless' and 'quick' loaded) with an endless stream answering."""
+    server = await _explicit(nursery, repository, "endless", "quick")
+    client = GrpcioClient(server.port)
+    stream = _Stream(client)
+    try:
+        await trio.to_thread.run_sync(lambda: stream.first.wait(10))
+        yield server, client, stream
+    finally:
+        stream.close()
+        client.channel.close()
+
+
 async def _repository_call(client: GrpcioClient, method: str, name: str, within: float) -> Any:
     request_type = {
         "RepositoryModelLoad": pb.RepositoryModelLoadRequest,
@@ -128,11 +146,7 @@ async def _repository_call(client: GrpcioClient, method: str, name: str, within:
 async def test_an_unload_ends_the_calls_that_outlive_the_grace_period(
     nursery: trio.Nursery, repository: Path
 ) -> None:
-    server = await _explicit(nursery, repository, "endless", "quick")
-    client = GrpcioClient(server.port)
-    stream = _Stream(client)
-    try:
-        await trio.to_thread.run_sync(lambda: stream.first.wait(10))
+    async with _beside_a_stream(nursery, repository) as (server, client, stream):
         # The grace period is 1 s: the unload answers soon after, the stream's request ended.
         await _repository_call(client, "RepositoryModelUnload", "endless", within=10)
         await eventually(lambda: any("was unloaded" in a.error_message for a in stream.answers))
@@ -140,9 +154,6 @@ async def test_an_unload_ends_the_calls_that_outlive_the_grace_period(
         await _repository_call(client, "RepositoryModelLoad", "endless", within=10)
         await _repository_call(client, "RepositoryModelUnload", "quick", within=10)
         await eventually(lambda: not server.statistics().admission.in_flight)
-    finally:
-        stream.close()
-        client.channel.close()
 
 
 async def test_a_slow_load_leaves_the_served_models_a_worker(
@@ -166,11 +177,7 @@ async def test_a_slow_load_leaves_the_served_models_a_worker(
 async def test_a_replaced_worker_does_not_hold_the_manager_behind_a_long_call(
     nursery: trio.Nursery, repository: Path
 ) -> None:
-    server = await _explicit(nursery, repository, "endless", "quick")
-    client = GrpcioClient(server.port)
-    stream = _Stream(client)
-    try:
-        await trio.to_thread.run_sync(lambda: stream.first.wait(10))
+    async with _beside_a_stream(nursery, repository) as (server, client, stream):
         # The worker that does not run the stream: kill it.
         busy = stream.pid()
         others: set[int] = set()
@@ -189,19 +196,12 @@ async def test_a_replaced_worker_does_not_hold_the_manager_behind_a_long_call(
             "RepositoryModelUnload", pb.RepositoryModelUnloadRequest(model_name="other"), timeout=8
         )
         assert error.code() == grpc.StatusCode.NOT_FOUND
-    finally:
-        stream.close()
-        client.channel.close()
 
 
 async def test_loads_and_unloads_do_not_wait_for_a_long_call(
     nursery: trio.Nursery, repository: Path
 ) -> None:
-    server = await _explicit(nursery, repository, "endless", "quick")
-    client = GrpcioClient(server.port)
-    stream = _Stream(client)
-    try:
-        await trio.to_thread.run_sync(lambda: stream.first.wait(10))
+    async with _beside_a_stream(nursery, repository) as (_, client, stream):
         # The stream holds one of the two workers for as long as it runs: the other loads.
         await _repository_call(client, "RepositoryModelLoad", "other", within=10)
         answer = await client.call("ModelInfer", pb.ModelInferRequest(model_name="other"))
@@ -223,9 +223,6 @@ async def test_loads_and_unloads_do_not_wait_for_a_long_call(
         answered = len(stream.answers)
         await eventually(lambda: len(stream.answers) > answered)
         assert stream.status is None
-    finally:
-        stream.close()
-        client.channel.close()
 
 
 async def test_a_reload_does_not_wait_for_the_drop_before_it_beside_a_long_call(

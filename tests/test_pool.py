@@ -797,16 +797,23 @@ async def test_a_call_cancelled_after_it_ended_in_the_worker_leaves_the_next_one
         assert pool.statistics().crashed == 0
 
 
+async def _hold_a_worker(
+    pool: WorkerPool, repo: dict[str, ModelSettings], nursery: trio.Nursery, tmp_path: Path
+) -> tuple[int, Path]:
+    """Start a call that runs until the returned file exists; its worker's pid."""
+    started, release = tmp_path / "gate.pid", tmp_path / "release"
+    gate = Parameters({"pid_file": str(started), "release": str(release)})
+    nursery.start_soon(pool.predict, repo["gate"], {}, gate)
+    await eventually(lambda: started.exists() and bool(started.read_text()))
+    return int(started.read_text()), release
+
+
 async def test_a_busy_worker_loads_and_drops_a_model_after_its_call_holding_up_neither(
     repo: dict[str, ModelSettings], tmp_path: Path
 ) -> None:
-    started, release = tmp_path / "gate.pid", tmp_path / "release"
     events = tmp_path / "events.txt"
     async with WorkerPool.open(2) as pool, trio.open_nursery() as nursery:
-        gate = Parameters({"pid_file": str(started), "release": str(release)})
-        nursery.start_soon(pool.predict, repo["gate"], {}, gate)
-        await eventually(lambda: started.exists() and bool(started.read_text()))
-        busy = int(started.read_text())
+        busy, release = await _hold_a_worker(pool, repo, nursery, tmp_path)
         # The idle worker loads it while the other runs its call; neither the load nor the
         # unload waits for that call (the release comes only after both returned).
         assert await pool.warm_up([repo["tracked"]]) == 1
@@ -849,12 +856,9 @@ async def test_a_warm_up_whose_first_idle_worker_cannot_start_loads_the_last_one
 ) -> None:
     from trio_infer.workers import pool as pool_module
 
-    started, release = tmp_path / "gate.pid", tmp_path / "release"
     events = tmp_path / "events.txt"
     async with WorkerPool.open(3) as pool, trio.open_nursery() as nursery:
-        gate = Parameters({"pid_file": str(started), "release": str(release)})
-        nursery.start_soon(pool.predict, repo["gate"], {}, gate)
-        await eventually(lambda: started.exists() and bool(started.read_text()))
+        busy, release = await _hold_a_worker(pool, repo, nursery, tmp_path)
         [busy] = [lane for lane in pool._lanes if lane.outstanding]
         first_idle = next(lane for lane in pool._lanes if lane is not busy)
         listening = pool_module._listening
@@ -873,7 +877,7 @@ async def test_a_warm_up_whose_first_idle_worker_cannot_start_loads_the_last_one
             assert await pool.warm_up([repo["tracked"]], keep_serving=True) == 1
         [(what, pid)] = [line.split() for line in events.read_text().splitlines()]
         assert what == "load"
-        assert int(pid) != int(started.read_text())
+        assert int(pid) != busy
         release.touch()
 
 
