@@ -233,7 +233,7 @@ async def test_a_reload_does_not_wait_for_the_drop_before_it_beside_a_long_call(
         repository,
         model_control_mode=ControlMode.EXPLICIT,
         load_models=("endless", "other"),
-        grace_period=5.0,
+        grace_period=60.0,
         workers=2,
     )
     client = GrpcioClient(server.port)
@@ -250,11 +250,10 @@ async def test_a_reload_does_not_wait_for_the_drop_before_it_beside_a_long_call(
         await trio.to_thread.run_sync(lambda: stream.first.wait(10))
         # Each reload drops the settings before it once their calls are done (at once: there
         # are none), from the busy worker after its stream: that drop holds no later load of
-        # the model back, though the grace period it may wait for the busy worker is 5 s.
+        # the model back, though it may wait the whole grace period (60 s, past the client's
+        # timeout) for the busy worker.
         for v in (1, 2, 3):
-            started = trio.current_time()
             await client.call("RepositoryModelLoad", config(v), timeout=10)
-            assert trio.current_time() - started < 2.5
         answer = await client.call("ModelInfer", pb.ModelInferRequest(model_name="other"))
         assert int(np.frombuffer(answer.raw_output_contents[0], np.int64)[0]) != stream.pid()
         assert stream.status is None
