@@ -441,6 +441,23 @@ Event: TypeAlias = (
 )
 
 
+#: This module's events (and purerpc's it hands on), none of them h2's: what a handler of
+#: :attr:`_H2Connection._handled_here` returns is among them, or an h2 event to dispatch.
+_OWN_EVENTS = frozenset(
+    {
+        RequestReceived,
+        MessageReceived,
+        RequestEnded,
+        WindowUpdated,
+        CallRejected,
+        MessageAnnounced,
+        MessageRefused,
+        StreamReset,
+        ConnectionTerminated,
+    }
+)
+
+
 class _DataRecord:
     """A DATA frame without padding, as h2's handler reads it."""
 
@@ -667,6 +684,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         self.pings = pings
         #: The frames of the last read are not all handled yet (see :meth:`receive_data`).
         self.input_pending = False
+        #: A frame of the last :meth:`receive_data` went through h2's dispatch.
+        self.dispatched = False
         #: Seconds to wait before reading more of the client's frames (calls it cancelled
         #: faster than their bounds allow); the transport takes it with ``take_read_pause``.
         self.read_pause = 0.0
@@ -699,12 +718,15 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
 
     def receive_data(self, data: bytes | bytearray) -> list[Any]:
         """h2's ``receive_data``, handling at most :data:`_FRAMES_PER_PASS` frames; the rest of
-        the read stays buffered and ``input_pending`` says so (call again with ``b""``)."""
+        the read stays buffered and ``input_pending`` says so (call again with ``b""``).
+        ``dispatched`` says whether any frame went through h2's dispatch: only then can the
+        events include h2's own (the handlers of :attr:`_handled_here` may return others)."""
         buffer = self.incoming_buffer
         buffer.add_data(data)
         buffer.max_frame_size = self.max_inbound_frame_size
         events: list[Any] = []
         self.input_pending = False
+        self.dispatched = False
         handlers = self._handled_here
         try:
             for _ in range(_FRAMES_PER_PASS):
@@ -718,6 +740,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                 received = None if handler is None else handler(frame)
                 if received is None:
                     received = self._receive_frame(frame)
+                    self.dispatched = True
                 events.extend(received)
         except InvalidPaddingError:
             self._terminate_connection(ErrorCodes.PROTOCOL_ERROR)
@@ -785,10 +808,11 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         count: int = self._open_streams(int(not self.config.client_side))
         return count
 
-    def _new_request(self, frame: Any) -> list[Any] | None:
-        """A header block opening a new stream: refused over the limit (no events); opened,
-        with an odd id and no priority, as a request (its events, or its stream's reset if its
-        headers are malformed). None for any other block, which h2 handles."""
+    def _open_request(self, frame: Any) -> tuple[list[Any], bool] | list[Any] | None:
+        """A header block opening a new stream: refused over the limit (``[]``: no events);
+        opened, with an odd id and no priority, as a request: its checked headers and whether
+        it ended the stream, as a tuple (or ``[reset]``, h2's StreamReset of a stream reset for
+        malformed headers). None for any other block, which h2 handles."""
         stream_id = frame.stream_id
         if stream_id <= self.highest_inbound_stream_id:
             return None
@@ -807,12 +831,28 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             return []
         if not stream_id % 2 or "PRIORITY" in frame.flags:
             return None
-        events = self._request_opened(frame)
+        headers, ended = self._request_opened(frame)
         try:
-            events[0].headers = self._checked(events[0].headers, _REQUEST_HEADERS)
+            return self._checked(headers, _REQUEST_HEADERS), ended
         except (h2.exceptions.ProtocolError, UnicodeDecodeError, IndexError):
             return [self._stream_error(stream_id)]  # as _receive_headers_frame fails it
-        return events
+
+    def _new_request(self, frame: Any) -> list[Any] | None:
+        """:meth:`_open_request` as h2's events: a request opened is its RequestReceived (and
+        StreamEnded, with END_STREAM)."""
+        opened = self._open_request(frame)
+        if not isinstance(opened, tuple):
+            return opened
+        headers, ended = opened
+        received = h2.events.RequestReceived()
+        received.stream_id = frame.stream_id
+        received.headers = headers
+        if not ended:
+            return [received]
+        end = h2.events.StreamEnded()
+        end.stream_id = frame.stream_id
+        received.stream_ended = end
+        return [received, end]
 
     def _receive_headers_frame(self, frame: Any) -> Any:
         events = self._new_request(frame)
@@ -840,14 +880,14 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             return frames, [self._stream_error(frame.stream_id)]
         return frames, events
 
-    def _request_opened(self, frame: Any) -> list[Any]:
+    def _request_opened(self, frame: Any) -> tuple[list[Any], bool]:
         """A request's header block opening a new stream (one under the limit, with an odd id):
         done as h2 does it (the block decoded, the connection's state machine given the block
         unless it is open, where that changes nothing; the stream made, its state machine moved
         to OPEN, or HALF_CLOSED_REMOTE with END_STREAM; a content-length read), but the
         stream's state machine set by hand: its inputs cost a tuple of enums hashed in Python
-        each. The headers are handed over as decoded (a list of the decoder's own), as this
-        connection's configuration asks of h2.
+        each. Returns the headers as decoded (a list of the decoder's own, as this connection's
+        configuration asks of h2) and whether the block ended the stream.
 
         One difference from h2, on purpose: a block with a response's ``:status`` (h2 takes an
         informational one for a response its state machine refuses, and ends the connection)
@@ -863,18 +903,11 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         states.state = _OPEN
         states.client = False
         states.headers_received = True
-        received = h2.events.RequestReceived()
-        received.stream_id = frame.stream_id
-        events: list[Any] = [received]
-        if "END_STREAM" in frame.flags:
+        ended = "END_STREAM" in frame.flags
+        if ended:
             states.state = _HALF_CLOSED_REMOTE
-            ended = h2.events.StreamEnded()
-            ended.stream_id = frame.stream_id
-            received.stream_ended = ended
-            events.append(ended)
         stream._initialize_content_length(headers)
-        received.headers = headers
-        return events
+        return headers, ended
 
     def _new_request_stream(self, stream_id: int) -> Any:
         """h2's ``_begin_new_stream`` for a stream the client opens, its id odd and above every
@@ -941,6 +974,23 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
 
     def _request_data(self, frame: Any) -> list[Any] | None:
         """A request's DATA on its open stream: its events; None for any other DATA."""
+        ended = self._take_request_data(frame)
+        if ended is None:
+            return None
+        received = h2.events.DataReceived()
+        received.stream_id = frame.stream_id
+        received.data = frame.data
+        received.flow_controlled_length = frame.flow_controlled_length
+        if not ended:
+            return [received]
+        end = h2.events.StreamEnded()
+        end.stream_id = frame.stream_id
+        received.stream_ended = end
+        return [received, end]
+
+    def _take_request_data(self, frame: Any) -> bool | None:
+        """A request's DATA on its open stream, taken: whether it ended the stream. None for
+        any other DATA, left as it is for h2."""
         stream = self.streams.get(frame.stream_id)
         if (
             self.state_machine.state is not _SERVER_OPEN
@@ -957,17 +1007,9 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         stream._inbound_window_manager.window_consumed(length)
         end_stream = "END_STREAM" in frame.flags
         stream._track_content_length(len(frame.data), end_stream)
-        received = h2.events.DataReceived()
-        received.stream_id = frame.stream_id
-        received.data = frame.data
-        received.flow_controlled_length = length
-        if not end_stream:
-            return [received]
-        stream.state_machine.state = _HALF_CLOSED_REMOTE
-        ended = h2.events.StreamEnded()
-        ended.stream_id = frame.stream_id
-        received.stream_ended = ended
-        return [received, ended]
+        if end_stream:
+            stream.state_machine.state = _HALF_CLOSED_REMOTE
+        return end_stream
 
     def _receive_window_update_frame(self, frame: Any) -> Any:
         events = self._window_increment(frame)
@@ -1150,6 +1192,11 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             events.AlternativeServiceAvailable: self._alternative_service_available,
             events.UnknownFrameReceived: self._unknown_frame_received,
         }
+        # A call's HEADERS and DATA give this class's events at once, without h2's events
+        # (made, then dispatched here by type); h2's handlers remain for the frames that need
+        # them, and their events are still dispatched by :meth:`receive_data`.
+        self.h2_connection._handled_here[_HeadersRecord] = self._headers_frame
+        self.h2_connection._handled_here[_DataRecord] = self._data_frame
         # Invariant: a stream is here while the client may still send on it and no status has
         # been sent for it.
         self._inbound: dict[int, _InboundStream] = {}
@@ -1178,12 +1225,39 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if increment > 0:
             self.h2_connection.increment_flow_control_window(increment)
 
+    def _headers_frame(self, frame: _HeadersRecord) -> list[Event] | None:
+        """h2's handler of a header block and :meth:`_request_received` in one, for a block
+        :meth:`_H2Connection._open_request` takes; None for any other."""
+        opened = self.h2_connection._open_request(frame)
+        if not isinstance(opened, tuple):
+            if opened:  # a malformed request, its stream reset
+                return self._stream_reset(opened[0])
+            return None if opened is None else []  # h2's, or refused
+        headers, ended = opened
+        events = self._request(frame.stream_id, headers, ended)
+        if ended:
+            events.extend(self._ended(frame.stream_id))
+        return events
+
+    def _data_frame(self, frame: _DataRecord) -> list[Event] | None:
+        """h2's handler of a DATA frame and :meth:`_data_received` in one, for a request's DATA
+        on its open stream; None for any other."""
+        ended = self.h2_connection._take_request_data(frame)
+        if ended is None:
+            return None
+        events = self._data(frame.stream_id, frame.data, frame.flow_controlled_length)
+        if ended:
+            events.extend(self._ended(frame.stream_id))
+        return events
+
     def _request_received(self, event: h2.events.RequestReceived) -> list[Event]:
-        stream_id: int = event.stream_id
+        return self._request(event.stream_id, event.headers, event.stream_ended is not None)
+
+    def _request(self, stream_id: int, headers: list[Any], ended: bool) -> list[Event]:
         try:
-            if event.stream_ended:
+            if ended:
                 raise _PurerpcProtocolError("the request ended before any message was sent")
-            request = self._parsed_request(stream_id, event.headers)
+            request = self._parsed_request(stream_id, headers)
             if request.message_encoding not in (None, "identity"):
                 # Compressed requests would need a decompressor sized by our limits; clients
                 # only compress when told the server accepts it, and we never say so.
@@ -1259,11 +1333,14 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         return request
 
     def _data_received(self, event: h2.events.DataReceived) -> list[Event]:
-        self._return_connection_window(event.flow_controlled_length)
-        inbound = self._inbound.get(event.stream_id)
+        return self._data(event.stream_id, event.data, event.flow_controlled_length)
+
+    def _data(self, stream_id: int, data: bytes, flow_controlled_length: int) -> list[Event]:
+        self._return_connection_window(flow_controlled_length)
+        inbound = self._inbound.get(stream_id)
         if inbound is None:
             return []  # a call already answered (e.g. its message was refused): drop the data
-        return inbound.feed(event.data)
+        return inbound.feed(data)
 
     def _return_connection_window(self, nbytes: int) -> None:
         # Streams' windows bound what is buffered; the connection window is handed back as
@@ -1279,9 +1356,12 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         return []
 
     def _stream_ended(self, event: h2.events.StreamEnded) -> list[Event]:
-        if self._inbound.pop(event.stream_id, None) is None:
+        return self._ended(event.stream_id)
+
+    def _ended(self, stream_id: int) -> list[Event]:
+        if self._inbound.pop(stream_id, None) is None:
             return []
-        return [RequestEnded(event.stream_id)]
+        return [RequestEnded(stream_id)]
 
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Event]:
         self._inbound.pop(event.stream_id, None)
@@ -1331,14 +1411,19 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             ProtocolViolation: the peer broke HTTP/2; a GOAWAY is queued and the connection
                 must be closed after sending it.
         """
-        events: list[Event] = []
-        handlers = self._handlers
+        h2_connection = self.h2_connection
         try:
-            for event in self.h2_connection.receive_data(data):
-                if type(event) is WindowUpdated:  # the connection's own, handed on as it is
+            received: list[Any] = h2_connection.receive_data(data)
+            if not h2_connection.dispatched:  # the usual case: every event is already ours
+                return received
+            events: list[Event] = []
+            handlers = self._handlers
+            for event in received:
+                kind = type(event)
+                if kind in _OWN_EVENTS:  # made by a handler of the connection's own
                     events.append(event)
                     continue
-                handler = handlers.get(type(event))
+                handler = handlers.get(kind)
                 if handler is not None:  # others (PingAckReceived...) carry nothing for gRPC
                     events.extend(handler(event))
         except h2.exceptions.ProtocolError as exc:
