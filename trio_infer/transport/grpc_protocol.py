@@ -1138,6 +1138,14 @@ class _InboundStream:
         return MessageRefused(self.stream_id, status, message)
 
 
+#: The fields of a response's headers, and those that start its trailers by status code (which
+#: indexes them), after the headers or alone (a trailers-only response): the same objects for
+#: every call, which the encoder remembers the coding of.
+_RESPONSE_HEADERS = ((":status", "200"), ("content-type", "application/grpc"))
+_TRAILERS = tuple((("grpc-status", str(int(code))),) for code in sorted(StatusCode))
+_TRAILERS_ONLY = tuple((*_RESPONSE_HEADERS, *trailers) for trailers in _TRAILERS)
+
+
 class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     """One server-side gRPC connection's protocol state. Feed it bytes, send what it queues.
 
@@ -1467,9 +1475,9 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     def start_response(self, stream_id: int, metadata: Metadata, request_id: str = "") -> None:
         """Queue the response headers, with the handler's initial metadata and the call's
         ``x-request-id`` (none when ``""``)."""
-        headers = [(":status", "200"), ("content-type", "application/grpc")]
-        if metadata:  # most calls have none: no generator then
-            headers.extend(sanitize_headers(metadata))
+        headers: Sequence[Any] = _RESPONSE_HEADERS
+        if metadata:  # most calls have none: no list then
+            headers = [*_RESPONSE_HEADERS, *sanitize_headers(metadata)]
         self._send_headers(stream_id, headers, end_stream=False, extra=_request_id(request_id))
 
     def send_data(self, stream_id: int, data: Buffer) -> None:
@@ -1482,23 +1490,33 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         h2_connection = self.h2_connection
         size = memoryview(data).nbytes
         stream = h2_connection.streams.get(stream_id)
-        if stream is None or size > min(
-            stream.outbound_flow_control_window,
-            h2_connection.outbound_flow_control_window,
-            h2_connection.max_outbound_frame_size,
+        if (
+            stream is None
+            or size > stream.outbound_flow_control_window
+            or size > h2_connection.outbound_flow_control_window
+            or size > h2_connection.max_outbound_frame_size
         ):
             # A closed stream, or a payload over the window: h2 raises what it raises for those.
             h2_connection.send_data(stream_id, data)
             return
-        _connection_input(h2_connection, _SEND_DATA)
-        _data_sent(stream.state_machine)
+        if h2_connection.state_machine.state is not _SERVER_OPEN:
+            _connection_input(h2_connection, _SEND_DATA)
+        states = stream.state_machine
+        if states.state is not _OPEN and states.state is not _HALF_CLOSED_REMOTE:
+            _data_sent(states)
         h2_connection.pings.data_sent()
         stream.outbound_flow_control_window -= size
         h2_connection.outbound_flow_control_window -= size
-        h2_connection.queue_data_frame(stream_id, data)
+        if size < BY_REFERENCE_BYTES:  # as queue_data_frame queues a small payload
+            h2_connection._data_to_send += _FRAME_HEADER.pack(
+                size >> 8, size & 0xFF, _DATA, 0, stream_id
+            )
+            h2_connection._data_to_send += data
+        else:
+            h2_connection.queue_data_frame(stream_id, data)
 
     def _send_headers(
-        self, stream_id: int, headers: list[Any], *, end_stream: bool, extra: bytes = b""
+        self, stream_id: int, headers: Sequence[Any], *, end_stream: bool, extra: bytes = b""
     ) -> None:
         """h2's ``send_headers`` for a response's headers or trailers: the same state machine
         inputs and h2's own HPACK encoder, a block longer than a frame cut into CONTINUATION
@@ -1515,7 +1533,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if stream is None:
             h2_connection.send_headers(stream_id, headers, end_stream=end_stream)
             return
-        _connection_input(h2_connection, _SEND_HEADERS)
+        if h2_connection.state_machine.state is not _SERVER_OPEN:
+            _connection_input(h2_connection, _SEND_HEADERS)
         h2_connection.pings.data_sent()
         stream_states = stream.state_machine
         _headers_sent(stream_states, end_stream)
@@ -1527,13 +1546,14 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         block = h2_connection.encoder.encode(headers)
         if extra:
             block += extra
-        frame_size = h2_connection.max_outbound_frame_size
-        if len(block) <= frame_size:  # the usual case: one frame
-            h2_connection._data_to_send += _frame_header(
-                len(block), _HEADERS, flags | _END_HEADERS, stream_id
+        size = len(block)
+        if size <= h2_connection.max_outbound_frame_size:  # the usual case: one frame
+            h2_connection._data_to_send += _FRAME_HEADER.pack(
+                size >> 8, size & 0xFF, _HEADERS, flags | _END_HEADERS, stream_id
             )
             h2_connection._data_to_send += block
             return
+        frame_size = h2_connection.max_outbound_frame_size
         # The block has no bound of its own (metadata, or the table size updates the encoder
         # owes the client, one for each change of its setting).
         kind = _HEADERS
@@ -1560,17 +1580,23 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         """Queue the trailers that end a call; a call that sent nothing gets a trailers-only
         response, with its ``x-request-id`` (none when ``""``). Requests still streaming in are
         then told to stop (RST_STREAM NO_ERROR)."""
-        trailers: list[tuple[str, str] | HeaderTuple] = (
-            [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
-        )
-        trailers.append(("grpc-status", str(int(status))))
-        if message:
-            # Messages differ call to call: indexed, each would take a place in the connection's
-            # HPACK table, evicting the headers every response repeats.
-            trailers.append(NeverIndexedHeaderTuple("grpc-message", grpc_message_value(message)))
-        if metadata:
-            trailers.extend(sanitize_headers(metadata))
-        extra = b"" if headers_sent else _request_id(request_id)
+        trailers: Sequence[tuple[str, str] | HeaderTuple]
+        if headers_sent:
+            trailers = _TRAILERS[status]
+            extra = b""
+        else:
+            trailers = _TRAILERS_ONLY[status]
+            extra = _request_id(request_id)
+        if message or metadata:
+            trailers = list(trailers)
+            if message:
+                # Messages differ call to call: indexed, each would take a place in the
+                # connection's HPACK table, evicting the headers every response repeats.
+                trailers.append(
+                    NeverIndexedHeaderTuple("grpc-message", grpc_message_value(message))
+                )
+            if metadata:
+                trailers.extend(sanitize_headers(metadata))
         self._send_headers(stream_id, trailers, end_stream=True, extra=extra)
         self._inbound.pop(stream_id, None)
         stream = self.h2_connection.streams.get(stream_id)
