@@ -1465,12 +1465,21 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         self.h2_connection.queued[:0] = data
 
     def send_window(self, stream_id: int) -> int:
-        """Bytes of DATA that may be sent on ``stream_id`` now (0 when the stream is closed)."""
-        try:
-            window: int = self.h2_connection.local_flow_control_window(stream_id)
-        except h2.exceptions.StreamClosedError:
+        """Bytes of DATA that may be sent on ``stream_id`` now (0 when the stream is closed).
+
+        h2's ``local_flow_control_window`` read off the stream directly (h2 raises
+        StreamClosedError for a stream it no longer has, which is 0 here; a call's stream is
+        never one the client has not opened yet)."""
+        h2_connection = self.h2_connection
+        stream = h2_connection.streams.get(stream_id)
+        if stream is None:
             return 0
-        return min(window, int(self.h2_connection.max_outbound_frame_size))
+        window: int = min(
+            stream.outbound_flow_control_window,
+            h2_connection.outbound_flow_control_window,
+            h2_connection.max_outbound_frame_size,
+        )
+        return window
 
     def start_response(self, stream_id: int, metadata: Metadata, request_id: str = "") -> None:
         """Queue the response headers, with the handler's initial metadata and the call's

@@ -38,6 +38,7 @@ import socket
 import ssl
 import struct
 from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,8 @@ _connection_ids = itertools.count()
 _MESSAGE_PREFIX = struct.Struct(">?I")
 #: Read once: a member read off its enum class goes through the metaclass's slow hook.
 _OK = StatusCode.OK
+#: The streams reset in a read that resets none (most reads).
+_NO_RESETS: frozenset[int] = frozenset()
 
 
 class _InboundQueue:
@@ -239,9 +242,12 @@ class Call:
         Raises:
             InferError: the message cannot be taken (too large: RESOURCE_EXHAUSTED).
         """
-        length = await self.receive_message_length()
+        # Usually announced already (the handler reserved room for it): no coroutine then.
+        length = self._announced
         if length is None:
-            return None
+            length = await self.receive_message_length()
+            if length is None:
+                return None
         if self._connection.protocol.admit(self._stream_id, length):
             self._connection.flush()
         try:
@@ -345,8 +351,10 @@ class Call:
         # (a few microseconds late at most), not after every chunk sent.
         progress: float | None = None
         self._message_half_sent = True
+        max_unsent = protocol.limits.max_unsent_bytes
         while pending:
-            room = connection.unsent_room()
+            # unsent_room(), without its calls.
+            room = max_unsent - connection._taken - protocol.pending_bytes()
             window = min(protocol.send_window(self._stream_id), room)
             if window <= 0:
                 if progress is None:
@@ -479,7 +487,7 @@ class Connection:
         self._closing = False
         #: Streams the client reset in the frames being dispatched: calls among them are not
         #: started, refused ones are already closed and get no status.
-        self._reset_in_read: set[int] = set()
+        self._reset_in_read: AbstractSet[int] = _NO_RESETS
         #: The peer broke HTTP/2: a GOAWAY is queued to send before the socket closes.
         self._goodbye_pending = False
         self._nursery: trio.Nursery | None = None
@@ -491,7 +499,8 @@ class Connection:
         self._no_calls: trio.Event | None = None
         #: When the connection reaches its maximum age (Trio clock; inf: never).
         self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
-        #: The protocol's events, by type, to what the connection does with them.
+        #: The protocol's events, by type, to what the connection does with them (but
+        #: WindowUpdated, which the reader handles itself).
         self._handlers: dict[type, Callable[[Any], None]] = {
             RequestReceived: self._start_call,
             MessageAnnounced: self._message_announced,
@@ -499,7 +508,6 @@ class Connection:
             RequestEnded: self._request_ended,
             MessageRefused: self._message_refused,
             StreamReset: self._stream_reset,
-            WindowUpdated: self._window_opened,
             CallRejected: self._call_rejected,
             ConnectionTerminated: self._connection_terminated,
         }
@@ -722,13 +730,18 @@ class Connection:
 
     async def _reader(self) -> None:
         drained = False
+        protocol = self.protocol
+        handlers = self._handlers
+        max_unsent = protocol.limits.max_unsent_bytes
+        handshaken = False
         while True:
-            if self.backlogged():
+            # backlogged(), without its calls: this runs for every read.
+            if self._taken + protocol.pending_bytes() > max_unsent:
                 # The client is not reading what it asked for: handle no more of its requests
                 # (or PINGs to answer) until it does. The writer's send timeout ends the wait.
                 await self.wait_written()
                 continue
-            if self.protocol.input_pending:
+            if protocol.input_pending:
                 # The last read's frames are handled in slices, other work between them.
                 await trio.lowlevel.checkpoint()
                 data: bytes | bytearray = b""
@@ -745,22 +758,37 @@ class Connection:
                     return
                 drained = len(data) < _READ_SIZE
             try:
-                events = self.protocol.receive_data(data)
+                events = protocol.receive_data(data)
             except ProtocolViolation as exc:
                 logger.warning("closing connection: %s", exc)
                 self._goodbye_pending = True
                 return
-            if self.protocol.handshake_done and not self._handshake.is_set():
+            if not handshaken and protocol.handshake_done:
+                handshaken = True
                 self._handshake.set()
-            self._reset_in_read = {e.stream_id for e in events if type(e) is StreamReset}
-            handlers = self._handlers
+            resets: set[int] | None = None
             for event in events:
-                handler = handlers.get(type(event))
+                if type(event) is StreamReset:
+                    if resets is None:
+                        resets = set()
+                    resets.add(event.stream_id)
+            self._reset_in_read = _NO_RESETS if resets is None else resets
+            window_updated = False
+            for event in events:
+                kind = type(event)
+                if kind is WindowUpdated:
+                    # A client sends two with nearly every call: whoever waits for the window
+                    # is woken once for all of them.
+                    window_updated = True
+                    continue
+                handler = handlers.get(kind)
                 if handler is not None:  # others (a PING's ACK, SETTINGS' ACK) need nothing
                     handler(event)
-            if self.protocol.has_data_to_send():
+            if window_updated:
+                self._window_updated.set()
+            if protocol.has_data_to_send():
                 self.flush()
-            pause = self.protocol.take_read_pause()
+            pause = protocol.take_read_pause()
             if pause:
                 # The client cancels calls faster than the bound on resets: what it sent is
                 # handled, what it sends next is read no sooner than the bound allows.
@@ -842,9 +870,6 @@ class Connection:
         if state is not None:
             state.call._reset = True
             state.scope.cancel()
-
-    def _window_opened(self, event: WindowUpdated) -> None:
-        self._window_updated.set()
 
     def _call_rejected(self, event: CallRejected) -> None:
         self._refuse(event.stream_id, event.status, event.message)
