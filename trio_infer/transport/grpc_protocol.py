@@ -387,7 +387,9 @@ class CallRejected:
     message: str
 
 
-@dataclass(frozen=True)
+# The events a call brings are made for every call: plain dataclasses, whose __init__ sets
+# fields without the object.__setattr__ call a frozen one makes per field.
+@dataclass
 class MessageAnnounced:
     """The prefix of a stream's next request message arrived: the message has ``length`` bytes.
 
@@ -398,7 +400,7 @@ class MessageAnnounced:
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class MessageReceived:
     """A whole request message arrived on a stream."""
 
@@ -459,37 +461,33 @@ _OWN_EVENTS = frozenset(
 
 
 class _DataRecord:
-    """A DATA frame without padding, as h2's handler reads it."""
+    """A DATA frame without padding, as h2's handler reads it (made by
+    :meth:`_FrameBuffer.take`): its flags as hyperframe's names, END_STREAM alone kept."""
 
     __slots__ = ("data", "flags", "flow_controlled_length", "stream_id")
-
-    def __init__(self, stream_id: int, flags: int, data: bytes) -> None:
-        self.stream_id = stream_id
-        self.flags = _FLAG_NAMES[flags & _END_STREAM]
-        self.data = data
-        self.flow_controlled_length = len(data)
+    stream_id: int
+    flags: frozenset[str]
+    data: bytes
+    flow_controlled_length: int
 
 
 class _HeadersRecord:
     """A HEADERS frame holding a whole header block, without padding or priority, as h2's
-    handler reads it."""
+    handler reads it (made by :meth:`_FrameBuffer.take`): its flags as hyperframe's names,
+    END_STREAM and END_HEADERS kept."""
 
     __slots__ = ("data", "flags", "stream_id")
-
-    def __init__(self, stream_id: int, flags: int, data: bytes) -> None:
-        self.stream_id = stream_id
-        self.flags = _FLAG_NAMES[flags & (_END_STREAM | _END_HEADERS)]
-        self.data = data
+    stream_id: int
+    flags: frozenset[str]
+    data: bytes
 
 
 class _WindowUpdateRecord:
-    """A WINDOW_UPDATE frame, as h2's handler reads it."""
+    """A WINDOW_UPDATE frame, as h2's handler reads it (made by :meth:`_FrameBuffer.take`)."""
 
     __slots__ = ("stream_id", "window_increment")
-
-    def __init__(self, stream_id: int, window_increment: int) -> None:
-        self.stream_id = stream_id
-        self.window_increment = window_increment
+    stream_id: int
+    window_increment: int
 
 
 # The enum members read on every call's path, as module constants: a member read off its class
@@ -551,6 +549,8 @@ def _data_sent(states: Any) -> None:
     if state is not _OPEN and state is not _HALF_CLOSED_REMOTE:
         states.process_input(StreamInputs.SEND_DATA)
 
+
+_new_object = object.__new__
 
 #: Below this, a frame's body is copied out of the read buffer by slicing (two copies, but a
 #: fifth of the time for a small frame); from it, through a memoryview (one copy).
@@ -614,20 +614,32 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             ):
                 if len(data) < length + 9:
                     break
-                record: _DataRecord | _HeadersRecord | _WindowUpdateRecord
+                # Each record is made field by field here, as its __init__ makes it, without
+                # the Python call: three or four of them a call.
                 if kind == _WINDOW_UPDATE:
-                    record = _WindowUpdateRecord(stream_id, _UINT32.unpack_from(data, 9)[0])
+                    update: _WindowUpdateRecord = _new_object(_WindowUpdateRecord)
+                    update.stream_id = stream_id
+                    update.window_increment = _UINT32.unpack_from(data, 9)[0]
+                    del data[:13]
+                    return update
+                if length < _SLICE_COPY_BYTES:
+                    payload = bytes(data[9 : 9 + length])
                 else:
-                    if length < _SLICE_COPY_BYTES:
-                        payload = bytes(data[9 : 9 + length])
-                    else:
-                        with memoryview(data) as view, view[9 : 9 + length] as body:
-                            payload = bytes(body)
-                    record = (_DataRecord if kind == _DATA else _HeadersRecord)(
-                        stream_id, flags, payload
-                    )
+                    with memoryview(data) as view, view[9 : 9 + length] as body:
+                        payload = bytes(body)
                 del data[: 9 + length]
-                return record
+                if kind == _DATA:
+                    record: _DataRecord = _new_object(_DataRecord)
+                    record.stream_id = stream_id
+                    record.flags = _FLAG_NAMES[flags & _END_STREAM]
+                    record.data = payload
+                    record.flow_controlled_length = length
+                    return record
+                block: _HeadersRecord = _new_object(_HeadersRecord)
+                block.stream_id = stream_id
+                block.flags = _FLAG_NAMES[flags & (_END_STREAM | _END_HEADERS)]
+                block.data = payload
+                return block
             try:
                 frame, length = self._parse_frame_header(data)
             except InvalidFrameError as exc:

@@ -179,6 +179,7 @@ class Call:
         metadata: Metadata,
         deadline: float,
         request_id: str = "",
+        started: float | None = None,
     ) -> None:
         self.method = method
         """The gRPC method path, e.g. ``/inference.GRPCInferenceService/ModelInfer``."""
@@ -197,8 +198,8 @@ class Call:
         response's ``x-request-id`` and logged; ``""``: none."""
         self.subject = ""
         """What the call is for, as the handler names it (a model), for the access log."""
-        self.started = trio.current_time()
-        """When the call started (the Trio clock)."""
+        self.started = trio.current_time() if started is None else started
+        """When the call started (the Trio clock; ``started``, read by the caller, if given)."""
         self.bytes_in = 0
         """Bytes of request messages received whole."""
         self.bytes_out = 0
@@ -887,9 +888,10 @@ class Connection:
         if self._refusing is not None:
             self._refuse(stream_id, StatusCode.UNAVAILABLE, self._refusing)
             return
+        now = trio.current_time()
         deadline = math.inf
         if event.timeout is not None:
-            deadline = trio.current_time() + event.timeout
+            deadline = now + event.timeout
         metadata = tuple(event.custom_metadata)
         sent = None
         for name, value in metadata:
@@ -903,6 +905,7 @@ class Connection:
             metadata,
             deadline,
             request_id(sent),
+            now,
         )
         state = _CallState(call, trio.CancelScope(deadline=deadline))
         self._calls[stream_id] = state
