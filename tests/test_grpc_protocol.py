@@ -548,6 +548,76 @@ def _state(server: ServerProtocol) -> object:
     )
 
 
+class _Forgetful(dict):  # type: ignore[type-arg]
+    """A memo that keeps nothing: every block is decoded, checked and parsed."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+
+def test_a_repeated_request_block_opens_its_stream_as_decoding_it_again_does() -> None:
+    # A request header block that repeats (the same bytes, the HPACK table as it was) opens its
+    # stream from what the first one gave, and its request is a copy of the first's: read by
+    # read, that must give the same events and leave the same state as a server that decodes,
+    # checks and parses every block, for requests taken, rejected and reset alike.
+    client, _ = client_and_server()
+    limits = ProtocolLimits(max_concurrent_streams=1000)
+    ours, theirs = ServerProtocol(limits), ServerProtocol(limits)
+    theirs.h2_connection._opened_blocks = _Forgetful()
+    for server in (ours, theirs):
+        server.initiate_connection()
+    client.receive_data(b"".join(bytes(buffer) for buffer in ours.data_to_send()))
+    theirs.data_to_send()
+    never = hpack.NeverIndexedHeaderTuple
+    message = b"\x00\x00\x00\x00\x03abc"
+    variants: list[tuple[list[tuple[str, str]], bool]] = [
+        (GRPC_REQUEST, False),
+        ([*GRPC_REQUEST, never("grpc-timeout", "5S")], False),
+        ([*GRPC_REQUEST, never("grpc-timeout", "7m"), ("x-a", "1")], False),
+        ([*GRPC_REQUEST, never("content-length", "8")], False),
+        (GRPC_REQUEST, True),  # ended with its headers: rejected
+        ([*GRPC_REQUEST, never("grpc-encoding", "gzip")], False),  # rejected
+        ([*GRPC_REQUEST, never("grpc-timeout", "1x")], False),  # rejected
+        ([*GRPC_REQUEST[:5], never("content-type", "text/plain")], False),  # rejected
+        ([*GRPC_REQUEST, never("X-Upper", "1")], False),  # malformed: reset
+    ]
+    reads: list[bytes | None] = [client.data_to_send()]
+    stream_id = 1
+    for _ in range(3):
+        for fields, ended in variants:
+            block = client.encoder.encode(fields)
+            flags = 0x4 | (0x1 if ended else 0)
+            read = _frame(0x1, flags, stream_id, block)
+            if not ended:
+                read += _frame(0x0, 0x1, stream_id, message)
+            reads.append(read)
+            stream_id += 2
+    # A limit lowered under a remembered block (None: lower it now): the block is checked
+    # again, and now refused.
+    reads += [None, _frame(0x1, 0x4, stream_id, client.encoder.encode(GRPC_REQUEST))]
+    for read in reads:
+        if read is None:
+            for server in (ours, theirs):
+                server.h2_connection.decoder.max_header_list_size = 10
+            continue
+        outcomes = []
+        for server in (ours, theirs):
+            try:
+                events: object = [(type(e), vars(e)) for e in server.receive_data(read)]
+            except ProtocolViolation as exc:
+                events = str(exc)
+            streams = {
+                stream_id: (vars(stream.state_machine), stream._expected_content_length)
+                for stream_id, stream in server.h2_connection.streams.items()
+            }
+            outcomes.append((events, _state(server), streams))
+        assert outcomes[0] == outcomes[1]
+    remembered = ours.h2_connection._opened_blocks.values()
+    # The four requests taken, remembered (some at two versions of the table): rounds after
+    # the one that remembered them read them from memory.
+    assert sum(block.request is not None for block in remembered) >= 4
+
+
 def test_the_frames_every_call_brings_leave_what_h2s_dispatch_leaves() -> None:
     # The read loop hands a call's HEADERS, DATA and WINDOW_UPDATEs to their handlers itself,
     # not through h2's _receive_frame: frame by frame, both ways must give the same events and

@@ -490,6 +490,28 @@ class _WindowUpdateRecord:
     window_increment: int
 
 
+class _OpenedBlock:
+    """A request header block, by its bytes, that opened a stream and left the connection's
+    HPACK table as it was: what decoding and checking it gave, valid while the table and the
+    decoder's limits are those it was decoded under (decoding it again would then give the
+    same headers and pass the same checks, changing nothing)."""
+
+    __slots__ = ("content_length", "headers", "limits", "request", "version")
+
+    def __init__(
+        self, version: int, limits: tuple[int, int], headers: list[Any], content_length: Any
+    ) -> None:
+        self.version = version
+        self.limits = limits
+        #: The headers as :meth:`_H2Connection._checked` gave them; never changed.
+        self.headers = headers
+        #: h2's ``_expected_content_length`` for a stream these headers open.
+        self.content_length = content_length
+        #: What :class:`ServerProtocol` parsed from them (a request with no stream id, never
+        #: handed out), once it has: a request from the same bytes is a copy of it.
+        self.request: RequestReceived | None = None
+
+
 # The enum members read on every call's path, as module constants: a member read off its class
 # goes through the slow attribute hook of a metaclass that defines ``__getattr__`` (EnumType).
 _OPEN = h2.stream.StreamState.OPEN
@@ -709,6 +731,10 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         # the SETTINGS ACK before it sends, and neither does the limit.
         self.decoder.max_header_list_size = _MAX_HEADER_LIST_SIZE
         self._checked_header_lists: dict[tuple[Any, ...], list[Any]] = {}
+        self._opened_blocks: dict[bytes, _OpenedBlock] = {}
+        #: The remembered block that the last request :meth:`_open_request` opened came as
+        #: (None: one not remembered).
+        self.opened_block: _OpenedBlock | None = None
         self.incoming_buffer = _FrameBuffer(server=not config.client_side)
         self._frame_dispatch_table[_DataRecord] = self._receive_data_frame
         self._frame_dispatch_table[_HeadersRecord] = self._receive_headers_frame
@@ -843,11 +869,41 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             return []
         if not stream_id % 2 or "PRIORITY" in frame.flags:
             return None
+        decoder = self.decoder
+        version = decoder.header_table.version
+        limits = (decoder.max_header_list_size, decoder.max_allowed_table_size)
+        known = self._opened_blocks.get(frame.data)
+        if known is not None and known.version == version and known.limits == limits:
+            # The block would decode to the same headers, pass the same checks and leave the
+            # table as it is: the stream is opened as _request_opened opens it, without them.
+            _connection_input(self, _RECV_HEADERS)
+            stream = self._new_request_stream(stream_id)
+            states = stream.state_machine
+            states.state = _OPEN
+            states.client = False
+            states.headers_received = True
+            ended = "END_STREAM" in frame.flags
+            if ended:
+                states.state = _HALF_CLOSED_REMOTE
+            stream._expected_content_length = known.content_length
+            self.opened_block = known
+            return known.headers, ended
+        self.opened_block = None
         headers, ended = self._request_opened(frame)
         try:
-            return self._checked(headers, _REQUEST_HEADERS), ended
+            checked = self._checked(headers, _REQUEST_HEADERS)
         except (h2.exceptions.ProtocolError, UnicodeDecodeError, IndexError):
             return [self._stream_error(stream_id)]  # as _receive_headers_frame fails it
+        if decoder.header_table.version == version and decoded_size(checked) <= (
+            MAX_REMEMBERED_BYTES
+        ):
+            if len(self._opened_blocks) >= _MAX_CHECKED_HEADER_LISTS:
+                self._opened_blocks.clear()
+            known = _OpenedBlock(
+                version, limits, checked, self.streams[stream_id]._expected_content_length
+            )
+            self._opened_blocks[frame.data] = self.opened_block = known
+        return checked, ended
 
     def _new_request(self, frame: Any) -> list[Any] | None:
         """:meth:`_open_request` as h2's events: a request opened is its RequestReceived (and
@@ -1254,9 +1310,22 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                 return self._stream_reset(opened[0])
             return None if opened is None else []  # h2's, or refused
         headers, ended = opened
-        events = self._request(frame.stream_id, headers, ended)
+        stream_id = frame.stream_id
+        known = self.h2_connection.opened_block
+        if known is not None and known.request is not None and not ended:
+            # The same bytes as a request parsed before (grpc-timeout included): a copy of it.
+            request: RequestReceived = _new_object(RequestReceived)
+            request.__dict__.update(known.request.__dict__)
+            request.stream_id = stream_id
+            return self._accepted(stream_id, request)
+        events = self._request(stream_id, headers, ended)
         if ended:
-            events.extend(self._ended(frame.stream_id))
+            events.extend(self._ended(stream_id))
+        elif known is not None and type(events[0]) is RequestReceived:
+            template: RequestReceived = _new_object(RequestReceived)
+            template.__dict__.update(events[0].__dict__)
+            template.stream_id = None
+            known.request = template
         return events
 
     def _data_frame(self, frame: _DataRecord) -> list[Event] | None:
@@ -1298,6 +1367,10 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                     stream_id, StatusCode.INVALID_ARGUMENT, "malformed gRPC request headers"
                 )
             ]
+        return self._accepted(stream_id, request)
+
+    def _accepted(self, stream_id: int, request: RequestReceived) -> list[Event]:
+        """A request taken: its stream's inbound side made, its deadline kept with it."""
         self._inbound[stream_id] = _InboundStream(stream_id, self.limits.max_message_size)
         # Kept with h2's stream, which goes when the stream does (already, if a frame handled
         # with its HEADERS closed it).
