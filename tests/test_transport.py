@@ -80,6 +80,13 @@ def make_handler(harness_ref: list[Harness]) -> Callable[[Call], Any]:
                 view = memoryview(data)
                 cuts = [0, 3, 3 + 70_000, 3 + 70_010, 3 + 70_010 + 65_536, 200_000, len(data)]
                 await call.send_message([view[a:b] for a, b in itertools.pairwise(cuts)])
+            elif method in ("EchoEach", "EchoEachAlone"):
+                # Every request message echoed as it comes, as a stream's answers are sent:
+                # with ``alone``, each is written at once rather than by the writer.
+                alone = method == "EchoEachAlone"
+                while data is not None:
+                    await call.send_message(data, alone=alone)
+                    data = await call.receive_message()
             elif method == "Invalid":
                 raise InvalidInput("input 'x' is wrong")
             elif method == "Crash":
@@ -186,6 +193,23 @@ async def test_a_message_sent_in_parts_arrives_whole(harness: Harness) -> None:
     payload = np.random.default_rng(5).bytes(3 * MiB)
     response, _ = await harness.call("Parts", payload)
     assert response == payload
+
+
+async def test_stream_messages_written_at_once_arrive_as_those_the_writer_sends(
+    harness: Harness,
+) -> None:
+    # Small messages (written whole at once) and ones larger than the client's window and the
+    # socket's buffers (what one write does not take is left to the writer), in order.
+    rng = np.random.default_rng(7)
+    messages = [rng.bytes(size) for size in (1, 100, 70_000, 3 * MiB, 5, 1 * MiB, 17)]
+
+    def stream(method: str) -> list[bytes]:
+        echo = harness.channel.stream_stream(f"/test.Service/{method}")
+        return list(echo(iter(messages)))
+
+    alone = await trio.to_thread.run_sync(stream, "EchoEachAlone")
+    by_writer = await trio.to_thread.run_sync(stream, "EchoEach")
+    assert alone == by_writer == messages
 
 
 async def test_25_concurrent_256k_calls_keep_the_connection(harness: Harness) -> None:

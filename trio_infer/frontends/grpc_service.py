@@ -414,8 +414,11 @@ class GrpcService:
                     sending.claim(answer)
                 del request
                 if answer is not None:
+                    # The stream's only message in flight has no other answer to leave with:
+                    # written at once when its connection has no other call.
+                    alone = slots.value == _STREAM_IN_FLIGHT - 1
                     with contextlib.suppress(InferError):  # the stream ends with it
-                        await sending.send(answer.buffers)
+                        await sending.send(answer.buffers, alone=alone)
             finally:
                 # Sent or not, the answer's buffers may be queued: held until written.
                 call.release_when_written(reservation.release_later())
@@ -935,8 +938,9 @@ class _StreamSender:
         self._trailers_size = size
         return True
 
-    async def send(self, message: list[Buffer]) -> None:
-        """Send ``message`` after those before it.
+    async def send(self, message: list[Buffer], *, alone: bool = False) -> None:
+        """Send ``message`` after those before it; ``alone``: as :meth:`Call.send_message`
+        takes it.
 
         Raises:
             InferError: this send, or an earlier one, failed.
@@ -952,7 +956,7 @@ class _StreamSender:
         try:
             if self.failure is not None:
                 raise self.failure
-            await self._call.send_message(message)
+            await self._call.send_message(message, alone=alone)
         except InferError as error:
             if self.failure is None:
                 self.failure = error

@@ -325,7 +325,9 @@ class Call:
         for what one message of a stream holds, while the call goes on."""
         self._connection._release_when_written(release)
 
-    async def send_message(self, message: Buffer | Sequence[Buffer], *, last: bool = False) -> None:
+    async def send_message(
+        self, message: Buffer | Sequence[Buffer], *, last: bool = False, alone: bool = False
+    ) -> None:
         """Send one response message, waiting for the client's flow-control window as needed.
 
         The message may come in parts, sent back to back as one message. Parts of 64 KiB or
@@ -335,6 +337,10 @@ class Call:
         With ``last``, the handler says it returns right after: what is left of the message
         then leaves with the call's status, in one write, rather than waking the writer for
         itself first (as gRPC's unary calls send the message and the status in one batch).
+
+        With ``alone``, the handler says it has nothing else to send soon (a stream's only
+        message in flight): on a connection with no other call, the message is written at
+        once, a scheduling tick before the writer would send it (as a unary call's answer is).
         """
         connection = self._connection
         protocol = connection.protocol
@@ -383,7 +389,7 @@ class Call:
             protocol.send_data(self._stream_id, chunk)
             progress = None
         self._message_half_sent = False
-        if not last:
+        if not last and not (alone and connection.write_alone()):
             connection.flush()
 
 
@@ -982,6 +988,14 @@ class Connection:
             )
         if len(self._calls) > 1 or self._writing or self._plain is None or not self._write_now():
             self.flush()
+
+    def write_alone(self) -> bool:
+        """Write what is queued at once if the connection carries one call and the writer is
+        not in a write (a plain socket only); whether all of it went. Otherwise the writer
+        must be woken (:meth:`flush`) for what is left."""
+        if len(self._calls) > 1 or self._writing or self._plain is None:
+            return False
+        return self._write_now()
 
     def _write_now(self) -> bool:
         """Write what is queued at once, without waiting; whether all of it went.
