@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -55,7 +55,15 @@ CONTROL_TIMEOUT = 60.0
 #: Where a dump gives its total: ``summary:`` or ``totals:``, then the events (Ir first).
 TOTAL_PREFIXES = ("summary:", "totals:")
 #: The scenarios, in the table's order.
-SCENARIOS = ("live", "dense-n1", "dense-n64", "stream-dense-n1", "rest-live", "rest-dense-n1")
+SCENARIOS = (
+    "live",
+    "dense-n1",
+    "dense-n64",
+    "stream-dense-n1",
+    "stream-add_sub",
+    "rest-live",
+    "rest-dense-n1",
+)
 
 
 def log(message: str) -> None:
@@ -188,14 +196,13 @@ class Client:
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.http_port = server.http_port
         self.http: http.client.HTTPConnection | None = None
-        #: The open ModelStreamInfer stream's requests (None ends it) and responses.
-        self._sending: queue.SimpleQueue[pb.ModelInferRequest | None] | None = None
-        self._answers: Iterator[pb.ModelStreamInferResponse] | None = None
+        #: The open ModelStreamInfer streams' requests (None ends one), by scenario.
+        self._streams: list[queue.SimpleQueue[pb.ModelInferRequest | None]] = []
 
     def close(self) -> None:
-        """End the stream and close both connections."""
-        if self._sending is not None:
-            self._sending.put(None)
+        """End the streams and close both connections."""
+        for sending in self._streams:
+            sending.put(None)
         self.channel.close()
         if self.http is not None:
             self.http.close()
@@ -226,7 +233,13 @@ class Client:
         if scenario.startswith("dense-n"):
             return self._dense(int(scenario.removeprefix("dense-n")))
         if scenario == "stream-dense-n1":
-            return self._stream_dense(1)
+            x = client.dense_input(1)
+            request = client.infer_request("dense", x, raw=True)
+            return self._stream(request, lambda response: client.check_dense(response, x))
+        if scenario == "stream-add_sub":
+            a, b = client.add_sub_inputs()
+            request = client.add_sub_request(a, b)
+            return self._stream(request, lambda response: client.check_add_sub(response, a, b))
         if scenario == "rest-live":
             return self._rest_live()
         if scenario == "rest-dense-n1":
@@ -250,15 +263,15 @@ class Client:
             lambda response: client.check_dense(response, x),
         )
 
-    def _stream_dense(self, rows: int) -> Probe:
-        """One message at a time over one ModelStreamInfer stream, opened on first use."""
-        x = client.dense_input(rows)
-        request = client.infer_request("dense", x, raw=True)
-        if self._sending is None:
-            self._sending = queue.SimpleQueue()
-            self._answers = self.stub.ModelStreamInfer(iter(self._sending.get, None))
-        sending, answers = self._sending, self._answers
-        assert answers is not None
+    def _stream(
+        self,
+        request: pb.ModelInferRequest,
+        check_answer: Callable[[pb.ModelInferResponse], str],
+    ) -> Probe:
+        """One message at a time over a ModelStreamInfer stream of its own."""
+        sending: queue.SimpleQueue[pb.ModelInferRequest | None] = queue.SimpleQueue()
+        self._streams.append(sending)
+        answers = self.stub.ModelStreamInfer(iter(sending.get, None))
 
         def call() -> object:
             sending.put(request)
@@ -268,7 +281,7 @@ class Client:
             assert isinstance(response, pb.ModelStreamInferResponse)
             if response.error_message:
                 return f"error_message: {response.error_message}"
-            return client.check_dense(response.infer_response, x)
+            return check_answer(response.infer_response)
 
         return Probe(call, check)
 
@@ -405,8 +418,8 @@ def worker_pids(server: ServerProcess, worker: bool) -> list[int]:
 
 def builds(revision: str | None) -> list[Build]:
     """The working tree's trio-infer, and the ``revision``'s when given (installed on first
-    use by :func:`bench.servers.ensure_installed`), each waiting only for ``dense`` and serving
-    the built-in examples.
+    use by :func:`bench.servers.ensure_installed`), each waiting only for the models the
+    scenarios call (``dense``, ``add_sub``) and serving the built-in examples.
 
     Raises:
         ValueError: ``revision`` names no commit.
@@ -416,7 +429,7 @@ def builds(revision: str | None) -> list[Build]:
     if revision:
         kinds.append(servers.baseline(revision))
     return [
-        Build(replace(kind, models=("dense",)), servers.ensure_installed(kind, log))
+        Build(replace(kind, models=("dense", "add_sub")), servers.ensure_installed(kind, log))
         for kind in kinds
     ]
 
