@@ -9,6 +9,7 @@ import socket
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -21,10 +22,17 @@ import h2.settings
 import numpy as np
 import pytest
 import trio
+import trio.testing
 from hyperframe.frame import GoAwayFrame
 
 from trio_infer.errors import InvalidInput, StatusCode
-from trio_infer.transport.grpc_server import Call, GrpcServer, ProtocolLimits
+from trio_infer.transport.grpc_server import (
+    Call,
+    Connection,
+    GrpcServer,
+    ProtocolLimits,
+    _InboundQueue,
+)
 
 MiB = 1024 * 1024
 LARGE_METADATA = "v" * 20_000
@@ -82,11 +90,14 @@ def make_handler(harness_ref: list[Harness]) -> Callable[[Call], Any]:
                 await call.send_message([view[a:b] for a, b in itertools.pairwise(cuts)])
             elif method in ("EchoEach", "EchoEachAlone"):
                 # Every request message echoed as it comes, as a stream's answers are sent:
-                # with ``alone``, each is written at once rather than by the writer.
+                # with ``alone``, each is written at once rather than by the writer, and the
+                # call is idle while it waits for the next (the reader reads it at once).
                 alone = method == "EchoEachAlone"
                 while data is not None:
                     await call.send_message(data, alone=alone)
+                    call.idle = alone
                     data = await call.receive_message()
+                    call.idle = False
             elif method == "Invalid":
                 raise InvalidInput("input 'x' is wrong")
             elif method == "Crash":
@@ -210,6 +221,33 @@ async def test_stream_messages_written_at_once_arrive_as_those_the_writer_sends(
     alone = await trio.to_thread.run_sync(stream, "EchoEachAlone")
     by_writer = await trio.to_thread.run_sync(stream, "EchoEach")
     assert alone == by_writer == messages
+
+
+async def test_the_reader_yields_before_a_read_unless_every_call_is_idle_and_waiting() -> None:
+    waiting = _InboundQueue()
+    ready = _InboundQueue()
+    ready.put(0)
+
+    def at_work(*calls: tuple[bool, _InboundQueue]) -> bool:
+        states = {
+            stream_id: SimpleNamespace(call=SimpleNamespace(idle=idle, _inbound=inbound))
+            for stream_id, (idle, inbound) in enumerate(calls)
+        }
+        return Connection._calls_at_work(SimpleNamespace(_calls=states))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiting.get)
+        await trio.testing.wait_all_tasks_blocked()
+        assert waiting.waiting
+        assert not ready.waiting
+        assert not at_work()
+        assert not at_work((True, waiting))
+        assert not at_work((True, waiting), (True, waiting))
+        # Not idle (a stream with messages in flight), or not waiting (its handler runs).
+        assert at_work((False, waiting))
+        assert at_work((True, ready))
+        assert at_work((True, waiting), (False, waiting))
+        waiting.put(1)
 
 
 async def test_25_concurrent_256k_calls_keep_the_connection(harness: Harness) -> None:

@@ -329,7 +329,10 @@ class GrpcService:
         refused: InferError | None = None
         async with trio.open_nursery() as messages:
             sending.scope = messages.cancel_scope
+            # Idle while no message is in flight (the last one to end says so again).
+            call.idle = True
             while (length := await call.receive_message_length()) is not None:
+                call.idle = False
                 # Without a pass of the scheduler when a slot is free (Semaphore.acquire always
                 # yields): messages that came together are admitted together.
                 try:
@@ -427,6 +430,8 @@ class GrpcService:
                     await turn.leave()
         finally:
             slots.release()
+            if slots.value == _STREAM_IN_FLIGHT:
+                call.idle = True
 
     async def _turn_answer(
         self,

@@ -158,6 +158,11 @@ class _InboundQueue:
             await trio.lowlevel.wait_task_rescheduled(abort)
         return self.get_nowait()
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the reader is waiting in :meth:`get` for the next item."""
+        return self._reader is not None
+
     def _wake(self) -> None:
         if self._reader is not None:
             trio.lowlevel.reschedule(self._reader)
@@ -217,6 +222,11 @@ class Call:
         self._on_sent: Callable[[], None] | None = None
         #: The client reset the stream (or the connection is gone): it wants no answer.
         self._reset = False
+        self.idle = False
+        """Set by a handler while nothing of its call is under way but the wait for the next
+        request message (a stream with no message in flight): the connection's reader does
+        not hold that message back for a pass of the scheduler, which the call has no use
+        for (see :meth:`Connection._calls_at_work`)."""
 
     async def receive_message_length(self) -> int | None:
         """Wait for the prefix of the next request message and return the message's length,
@@ -814,15 +824,29 @@ class Connection:
             # The last read emptied the socket: a read now would fail (an exception and a
             # system call, on every request's path), so wait for more first.
             await trio.lowlevel.wait_readable(sock)
-        if not drained or self._calls:
-            # Reading in a loop must let other tasks run; and while calls are in flight, a
-            # pass of the scheduler lets them run and more requests gather, to be read and
-            # answered together.
+        if not drained or self._calls_at_work():
+            # Reading in a loop must let other tasks run (after a wait, they have); and while
+            # calls are at work, a pass of the scheduler lets them run and more requests
+            # gather, to be read and answered together.
             await trio.lowlevel.checkpoint()
         # Read on the descriptor (Trio keeps it non-blocking) rather than with Trio's recv,
         # which always yields after reading: on an idle connection that would put a pass of
         # the scheduler between the wait that said data was there and the read.
         return os.read(sock.fileno(), _READ_SIZE)
+
+    def _calls_at_work(self) -> bool:
+        """Whether a call in flight may have work to run: all but those whose handler says the
+        call is :attr:`Call.idle` and waits for its next request message. The pass of the
+        scheduler before a read is spent for those only: an idle call has nothing to run, and
+        the pass would only hold its next message back. A stream with messages in flight is
+        at work (its answers and the requests that gather meanwhile go out and come in
+        together)."""
+        # A loop, not any() over a generator: on the path of every read.
+        for state in self._calls.values():
+            call = state.call
+            if not call.idle or not call._inbound.waiting:
+                return True
+        return False
 
     async def _wait_after_end_of_input(self) -> None:
         """The client sent its last byte: answer the calls in flight and write what is queued,
