@@ -9,12 +9,10 @@ bytes are is this module's.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -327,6 +325,7 @@ class GrpcService:
         # A stream's metadata is its first header block's: the same for all its messages.
         headers = _model_headers(call)
         refused: InferError | None = None
+        infer_route = self._routes[_V2 + "ModelInfer"]
         async with trio.open_nursery() as messages:
             sending.scope = messages.cancel_scope
             # Idle while no message is in flight (the last one to end says so again).
@@ -339,7 +338,8 @@ class GrpcService:
                     slots.acquire_nowait()
                 except trio.WouldBlock:
                     await slots.acquire()
-                # The message's reservation passes to its task, which leaves ``held``.
+                # The message's reservation passes to its task, which gives its bytes back
+                # through ``release_later`` (``held`` is left only if it never gets there).
                 held = self.core.reserve(length, call.deadline, call.connection_id)
                 reservation = None
                 try:
@@ -361,7 +361,7 @@ class GrpcService:
                 # turns in that order (the tasks started next run in any order).
                 request: Any
                 try:
-                    request = _parsed(self._routes[_V2 + "ModelInfer"], data)
+                    request = _parsed(infer_route, data)
                 except InferError as error:
                     request = error
                 except Exception:
@@ -372,7 +372,6 @@ class GrpcService:
                 messages.start_soon(
                     self._stream_message,
                     call,
-                    held,
                     reservation,
                     request,
                     headers,
@@ -389,7 +388,6 @@ class GrpcService:
     async def _stream_message(
         self,
         call: Call,
-        held: AbstractAsyncContextManager[Reservation],
         reservation: Reservation,
         request: Any,
         headers: Mapping[str, str],
@@ -397,8 +395,8 @@ class GrpcService:
         sending: _StreamSender,
         slots: trio.Semaphore,
     ) -> None:
-        """One message of a stream, from its admission (``held``, entered, which holds
-        ``reservation``, is the task's to leave) to its answer. ``request`` is the parsed
+        """One message of a stream, from its admission (``reservation``, whose bytes are the
+        task's to give back) to its answer. ``request`` is the parsed
         request, or the InferError its parse failed with; ``headers``: the stream's metadata as
         models see it; ``turn`` orders it among its sequence's."""
         try:
@@ -420,12 +418,16 @@ class GrpcService:
                     # The stream's only message in flight has no other answer to leave with:
                     # written at once when its connection has no other call.
                     alone = slots.value == _STREAM_IN_FLIGHT - 1
-                    with contextlib.suppress(InferError):  # the stream ends with it
+                    # Not contextlib.suppress: its object and two calls, on every message.
+                    try:  # noqa: SIM105
                         await sending.send(answer.buffers, alone=alone)
+                    except InferError:
+                        pass  # the stream ends with it
             finally:
-                # Sent or not, the answer's buffers may be queued: held until written.
+                # Sent or not, the answer's buffers may be queued: held until written. The
+                # bytes leave the reservation's block with the release, which is all that
+                # leaving the block would do (so it is not left: a coroutine per message).
                 call.release_when_written(reservation.release_later())
-                await held.__aexit__(None, None, None)
                 if turn is not None:
                     await turn.leave()
         finally:
@@ -909,7 +911,10 @@ class _StreamSender:
 
     def __init__(self, call: Call) -> None:
         self._call = call
-        self._lock = trio.Lock()
+        #: A send is under way: later ones wait in ``_waiting``, first come, first served,
+        #: and each is handed the turn by the one before (it stays set until none waits).
+        self._busy = False
+        self._waiting = trio.lowlevel.ParkingLot()
         self._first = True
         self._trailers_size = 0
         self.trailers: dict[str, str] = {}
@@ -952,12 +957,13 @@ class _StreamSender:
         """
         if self.failure is not None:
             raise self.failure
-        # Without a pass of the scheduler when nothing else is sending (Lock.acquire always
-        # yields): answers finished together leave together.
-        try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._lock.acquire()
+        # Without a pass of the scheduler when nothing else is sending: answers finished
+        # together leave together. Not a trio.Lock, whose owner bookkeeping (its parking-lot
+        # breaker) is work on every message: only this class takes these turns.
+        if self._busy:
+            await self._waiting.park()  # unparked with the turn; a cancelled wait has none
+        else:
+            self._busy = True
         try:
             if self.failure is not None:
                 raise self.failure
@@ -968,7 +974,10 @@ class _StreamSender:
                 self.scope.cancel()
             raise
         finally:
-            self._lock.release()
+            if self._waiting:
+                self._waiting.unpark()
+            else:
+                self._busy = False
 
 
 def _parsed(route: _Route, data: bytes | bytearray) -> Any:
