@@ -1010,7 +1010,7 @@ class Connection:
                 headers_sent=call._headers_sent,
                 request_id=call.request_id,
             )
-        if len(self._calls) > 1 or self._writing or self._plain is None or not self._write_now():
+        if not self.write_alone():
             self.flush()
 
     def write_alone(self) -> bool:
