@@ -1064,7 +1064,9 @@ class _Lane:
         self._process = trio.CancelScope()
         self._connecting = trio.CancelScope()
         self._talking = trio.CancelScope()
-        self._reading = trio.CancelScope()
+        # The worker connection while the receiver waits for the start of a report with
+        # nothing read: then every report the worker sent has been taken (None otherwise).
+        self._awaiting_report: socket.socket | None = None
         self._killed = False
         self._moved_on = False
         self._leaving = False
@@ -1136,9 +1138,14 @@ class _Lane:
             self._stop_by = min(self._stop_by, trio.current_time() + STOP_GRACE)
             self.wake()
         elif call is self.outstanding[0]:
-            # It runs, or it is done and its report is not read yet: the receiver reads what
-            # the worker has sent, then kills it if this call is still the one it runs.
-            self._reading.cancel()
+            # It runs, or it is done and its report is not read yet. While the receiver waits
+            # for a report with none begun and the connection holds nothing, the worker still
+            # runs it: killed now. Otherwise the receiver is reading, or is woken by what the
+            # worker sent: it reads that, then kills the worker if this call is still the one
+            # it runs (_stop_abandoned, before it next waits).
+            waiting = self._awaiting_report
+            if waiting is not None and not _holds_data(waiting):
+                self._stop_abandoned()
         else:
             self._cancels.append(call.id)
             self.wake()
@@ -1488,8 +1495,14 @@ class _Lane:
                             # Every report the worker has sent is read, so the first
                             # outstanding call is the one it runs: if abandoned, it is killed.
                             self._stop_abandoned()
-                            with trio.CancelScope() as self._reading:
+                            # Not in a cancel scope that abandon cancels (entering and leaving
+                            # one is about 48k instructions, on every call): abandon kills the
+                            # worker itself while this waits.
+                            self._awaiting_report = connection
+                            try:
                                 await trio.lowlevel.wait_readable(connection)
+                            finally:
+                                self._awaiting_report = None
                             continue
                         except ConnectionResetError:
                             return
@@ -1508,8 +1521,7 @@ class _Lane:
                     try:
                         received = staging.read(connection, view)
                     except BlockingIOError:
-                        with trio.CancelScope() as self._reading:
-                            await trio.lowlevel.wait_readable(connection)
+                        await trio.lowlevel.wait_readable(connection)
                         continue
                     except ConnectionResetError:
                         return
@@ -1752,6 +1764,18 @@ def _listening(address: str) -> Iterator[socket.socket]:
 # The connection is a plain non-blocking socket driven with trio.lowlevel's waits, not a
 # trio.SocketStream: Trio's socket methods end a read or write that did not block with a
 # scheduler pass, and a call makes several; here a task waits only when there is nothing to do.
+
+
+def _holds_data(connection: socket.socket) -> bool:
+    """Whether a read of the worker connection would not block: bytes wait, or its end (or
+    an error, which the receiver meets when it reads)."""
+    try:
+        connection.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 async def _send_frame(connection: socket.socket, frame: list[wire.Buffer]) -> None:
