@@ -270,6 +270,7 @@ class CrashingPool:
         priority: int = DEFAULT_PRIORITY,
         *,
         timing: Timing | None = None,
+        deadline: float | None = None,
     ) -> dict[str, np.ndarray]:
         self.calls += 1
         if self.calls == 1:
@@ -446,6 +447,7 @@ class GatedPool:
         priority: int = DEFAULT_PRIORITY,
         *,
         timing: Timing | None = None,
+        deadline: float | None = None,
     ) -> dict[str, np.ndarray]:
         self.holding += 1
         self.calls.append((len(inputs["x"]), priority))

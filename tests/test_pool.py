@@ -332,6 +332,36 @@ async def test_example_models_compute_exact_results(
     np.testing.assert_array_equal(out["x"], a)
 
 
+@pytest.mark.parametrize("left", [0.05, 30.0])
+async def test_a_deadline_given_to_predict_decides_as_the_callers_scopes_would(
+    pool: WorkerPool, examples: dict[str, ModelSettings], left: float
+) -> None:
+    # The core gives the pool its call's deadline rather than have it walk up the cancel
+    # scopes for it: a call is refused, or run, the same either way.
+    sleep, nap = examples["sleep"], Parameters({"delay_ms": 200})
+    await pool.predict(sleep, {}, nap)  # the model's recent call time: 200 ms
+
+    async def outcome(given: bool) -> str:
+        deadline = trio.current_time() + left
+        try:
+            if given:
+                await pool.predict(sleep, {}, nap, deadline=deadline)
+                return "ran"
+            with trio.move_on_at(deadline) as scope:
+                await pool.predict(sleep, {}, nap)
+            return "cancelled" if scope.cancelled_caught else "ran"
+        except InferError as error:
+            # The milliseconds left differ from one call to the next.
+            return f"{error.code.name}: {error.message.split(' and ')[0]}"
+
+    from_scopes = await outcome(given=False)
+    assert from_scopes == await outcome(given=True)
+    if left < 0.2:
+        assert from_scopes.startswith("DEADLINE_EXCEEDED: deadline exceeded: model 'sleep'")
+    else:
+        assert from_scopes == "ran"
+
+
 async def test_sleep_rejects_a_bad_delay_with_its_own_status(
     pool: WorkerPool, examples: dict[str, ModelSettings]
 ) -> None:

@@ -420,7 +420,7 @@ class InferenceCore:
         if batcher is None or sequence is not None:
             # A sequence's requests run one at a time on its worker: never in a batch.
             outputs = await self.pool.predict(
-                settings, inputs, parameters, priority, sequence, timing
+                settings, inputs, parameters, priority, sequence, timing, limit
             )
             # Triton's counts: a request of a model that does not batch is one inference,
             # one of a model that does is as many as its rows.

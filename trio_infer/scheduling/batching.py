@@ -96,6 +96,7 @@ class Predictor(Protocol):
         priority: int = DEFAULT_PRIORITY,
         *,
         timing: Timing | None = None,
+        deadline: float | None = None,
     ) -> ModelOutputs:
         """Run one model call; see :meth:`trio_infer.workers.pool.WorkerPool.predict`."""
         ...
@@ -556,8 +557,9 @@ class ModelBatcher:
         Args:
             inputs: The request's input tensors.
             parameters: The request's parameters.
-            deadline: When the caller stops waiting (Trio clock): its batch is dispatched in
-                time for it.
+            deadline: When the caller stops waiting (Trio clock), the effective deadline of its
+                cancel scopes: its batch is dispatched in time for it, and the pool is given it
+                for a request that goes alone.
             priority: The request's level: a batch of a higher level runs first, and requests
                 of different levels never share one.
             timing: Filled when the request's batch succeeds, with the batch's start and
@@ -578,12 +580,12 @@ class ModelBatcher:
             timing = Timing()
         rows = batch_rows(inputs)
         if rows is None:
-            return await self._alone(inputs, parameters, priority, timing, 1)
+            return await self._alone(inputs, parameters, priority, timing, 1, deadline)
         if rows >= self.settings.max_batch_size:
             # It would run alone, as a full batch: it goes to the pool as one, without the
             # queue, the planning and two task switches, which cost more than the call saves.
             self._counts.alone += 1
-            return await self._alone(inputs, parameters, priority, timing, rows)
+            return await self._alone(inputs, parameters, priority, timing, rows, deadline)
         if (
             self._one_at_a_time
             and not self._in_pool
@@ -595,7 +597,7 @@ class ModelBatcher:
             # alone at once, so it goes from this task, without the batcher's two turns (a
             # pass of the scheduler each, on the call's path).
             return await self._as_batch_of_one(
-                self._alone(inputs, parameters, priority, timing, rows), rows
+                self._alone(inputs, parameters, priority, timing, rows, deadline), rows
             )
         # Requests overlap: they go through the batchers, which let those that arrive together
         # (a wave of a closed loop, read in one pass) form one batch rather than one going alone.
@@ -619,10 +621,12 @@ class ModelBatcher:
         priority: int,
         timing: Timing,
         rows: int,
+        deadline: float,
     ) -> ModelOutputs:
-        """Run a request as an execution of its own, of ``rows`` rows."""
+        """Run a request as an execution of its own, of ``rows`` rows, from its own task
+        (``deadline``: its caller's, as :meth:`predict` was given it)."""
         outputs = await self._pool.predict(
-            self.settings, inputs, parameters, priority, timing=timing
+            self.settings, inputs, parameters, priority, timing=timing, deadline=deadline
         )
         self._recorder.executed(rows, timing.compute)
         return outputs

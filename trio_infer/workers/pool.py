@@ -499,6 +499,7 @@ class WorkerPool:
         priority: int = DEFAULT_PRIORITY,
         sequence: SequenceFlags | None = None,
         timing: Timing | None = None,
+        deadline: float | None = None,
     ) -> ModelOutputs:
         """Run one model call in a worker, waiting for a free worker first.
 
@@ -529,6 +530,9 @@ class WorkerPool:
             sequence: The sequence the call belongs to, if any.
             timing: Filled when the call succeeds: when the worker started it, and the
                 seconds it spent in the model's code.
+            deadline: The effective deadline of the caller's cancel scopes (Trio clock), when
+                the caller knows it; None: read from the scopes (a walk up every enclosing
+                scope, about 35k instructions at a gRPC call's depth).
 
         Returns:
             The model's outputs by name, or its ``Response`` (outputs with metadata).
@@ -541,7 +545,7 @@ class WorkerPool:
                 the call's sequence was lost with its worker.
             InvalidInput: The call's sequence is not live and the call does not start it.
         """
-        call = self._model_call(settings, child.predict, inputs, parameters)
+        call = self._model_call(settings, child.predict, inputs, parameters, deadline)
         call.timing = timing
         home = self._home(call, settings, sequence, priority)
         outputs: ModelOutputs = await self._submit(call, home)
@@ -674,16 +678,28 @@ class WorkerPool:
         function: Callable[..., Any],
         inputs: dict[str, np.ndarray],
         parameters: Parameters,
+        deadline: float | None = None,
     ) -> _Call:
         pickled = self._pickled(settings)
         if pickled in self._retired:
             raise Unavailable(f"model {settings.name!r} was unloaded")
         return self._call(
-            f"running model {settings.name!r}", settings.name, function, pickled, inputs, parameters
+            f"running model {settings.name!r}",
+            settings.name,
+            function,
+            pickled,
+            inputs,
+            parameters,
+            deadline=deadline,
         )
 
     def _call(
-        self, what: str, model: str | None, function: Callable[..., Any], *args: object
+        self,
+        what: str,
+        model: str | None,
+        function: Callable[..., Any],
+        *args: object,
+        deadline: float | None = None,
     ) -> _Call:
         # function is one of child.JOBS: the worker is sent its name.
         return _Call(
@@ -691,7 +707,7 @@ class WorkerPool:
             what=what,
             model=model,
             message=(function.__name__, args),
-            deadline=trio.current_effective_deadline(),
+            deadline=trio.current_effective_deadline() if deadline is None else deadline,
         )
 
     async def _submit(self, call: _Call, home: deque[_Call]) -> Any:
