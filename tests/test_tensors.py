@@ -1041,6 +1041,25 @@ def test_encoded_response_is_protobufs_serialisation_of_the_real_message(
     check_encoded(outputs, raw=raw)
 
 
+@settings(database=None, max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_raw_output_view_holds_the_bytes_of_the_arrays_little_endian_c_order_copy(
+    data: st.DataObject,
+) -> None:
+    # A little-endian C-order array is viewed as it is, any other copied: both give these bytes.
+    datatype = data.draw(st.sampled_from([name for name in DATATYPES if name != "BYTES"]))
+    big_endian = data.draw(st.booleans())
+    array = data.draw(
+        hnp.arrays(DATATYPES[datatype].newbyteorder(">" if big_endian else "<"), _shapes)
+    )
+    if array.ndim and data.draw(st.booleans()):
+        array = array[::-1]
+    view = codec._raw_view(array, datatype)
+    copied = np.ascontiguousarray(array, codec._LITTLE[datatype]).reshape(-1).view(np.uint8)
+    assert (view.format, view.ndim) == ("B", 1)
+    assert bytes(view) == copied.tobytes()
+
+
 @pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
 def test_encoded_response_of_outputs_larger_than_an_encoding_step(raw: bool) -> None:
     # Several varint and framing steps, values of every varint size and sign, BYTES elements

@@ -870,10 +870,10 @@ def encode_response(
     writer = _Writer(response.SerializeToString())
     raw_contents: list[memoryview] = []
     for (name, array), datatype in zip(arrays, datatypes, strict=True):
-        where = f"output '{name}'"
         meta = _output_metadata(name, datatype, array.shape)
         if raw:
             if datatype == "BYTES":
+                where = f"output '{name}'"
                 elements, lengths, _ = _bytes_lengths(where, array, _RESPONSE_OUT)
                 _check_raw_lengths(where, lengths, _RESPONSE_OUT)
                 raw_contents.append(_frame_elements(elements, lengths, raw=True).data)
@@ -882,7 +882,7 @@ def encode_response(
             writer.small(_OUTPUT_KEY + _varint(len(meta)) + meta)
             continue
         if datatype == "BYTES":
-            elements, lengths, _ = _bytes_lengths(where, array, _RESPONSE_OUT)
+            elements, lengths, _ = _bytes_lengths(f"output '{name}'", array, _RESPONSE_OUT)
             # bytes_contents is not packed: its records are the contents message itself.
             blobs = [_frame_elements(elements, lengths, raw=False)]
             field_header = b""
@@ -1002,9 +1002,13 @@ def _is_little_c_order(array: np.ndarray, little: np.dtype[Any]) -> bool:
 
 
 def _raw_view(array: np.ndarray, datatype: str) -> memoryview:
-    # A no-op for a little-endian C-order array; a copy in that order for any other.
-    little = np.ascontiguousarray(array, _LITTLE[datatype])
-    return little.reshape(-1).view(np.uint8).data
+    little = _LITTLE[datatype]
+    if array.size and array.flags.c_contiguous and array.dtype == little:
+        # Its own memory as bytes, as below without numpy's three calls (memoryview refuses
+        # to cast a view with a zero in its shape: an empty array goes below).
+        return array.data.cast("B")
+    # A copy in little-endian C order for any other array.
+    return np.ascontiguousarray(array, little).reshape(-1).view(np.uint8).data
 
 
 def _bool_copy_needed(array: np.ndarray) -> bool:
