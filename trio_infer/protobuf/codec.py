@@ -290,20 +290,27 @@ def prepare_inputs(request: Any) -> WireInputs:
     # Repeated fields are read as slices (lists): a protobuf repeated field has no iterator,
     # and Python's fallback indexes it until an IndexError, formatted at the end of every loop.
     tensors = request.inputs[:]
-    raw = len(request.raw_input_contents) > 0
+    raw_contents = request.raw_input_contents
+    raw = len(raw_contents) > 0
     if raw:
-        _check_not_mixed(
-            tensors,
-            (any(len(occurrence) for occurrence in tensor.contents[:]) for tensor in tensors),
-            request.model_name,
-            _REQUEST_IN,
-        )
+        # Loops rather than generators, on every raw request's path; the refusal is
+        # _check_not_mixed's, which finds the first tensor that holds data again.
+        for tensor in tensors:
+            for occurrence in tensor.contents[:]:
+                if occurrence:
+                    _check_not_mixed(
+                        tensors,
+                        (any(len(held) for held in each.contents[:]) for each in tensors),
+                        request.model_name,
+                        _REQUEST_IN,
+                    )
+        # Every input's contents are empty messages: nothing to keep.
+        return WireInputs(tensors, raw_contents, [None] * len(tensors), 0)
     contents: list[_Contents | None] = []
     held = 0
     for tensor in tensors:
         records = tensor.contents
-        # Raw, every input's contents are empty messages (checked above): nothing to keep.
-        if raw or not len(records):
+        if not len(records):
             contents.append(None)
             continue
         where = f"input '{tensor.name}'"
@@ -351,7 +358,7 @@ def prepare_inputs(request: Any) -> WireInputs:
             if (bytes_elements if name == "bytes_contents" else sum(counts.get(name, ())))
         ]
         contents.append(_WireContents(blobs, counts, bytes_elements, fields))
-    return WireInputs(tensors, request.raw_input_contents, contents, held)
+    return WireInputs(tensors, raw_contents, contents, held)
 
 
 def _check_not_mixed(
