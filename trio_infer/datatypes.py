@@ -163,7 +163,7 @@ def shape_problem(shape: tuple[int, ...], itemsize: int, kind: str = "request") 
     """
     if len(shape) > MAX_RANK:
         return f"shape has {len(shape)} dimensions; at most {MAX_RANK} are supported"
-    if min(shape, default=0) < 0:
+    if shape and min(shape) < 0:  # min without default=: no keyword parsed
         return f"shape {shape_text(shape)} has a negative dimension; {kind} shapes must be concrete"
     # numpy refuses shapes whose nonzero dimensions overflow its index type even when another
     # dimension is 0, so that product is bounded too.

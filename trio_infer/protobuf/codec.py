@@ -636,7 +636,8 @@ def _decode_raw(
             f"{where}: shape {shape_text(shape)} has {count} elements but "
             f"{side.raw_field}[{index}] holds {held}"
         )
-    array = np.frombuffer(buffer, dtype=dtype)
+    # dtype positional: numpy parses keyword arguments apart, at a cost on every input.
+    array = np.frombuffer(buffer, dtype)
     if datatype == "BOOL":
         # Any other byte would give a bool array whose values compare unequal to True.
         octets = array.view(np.uint8)
