@@ -28,23 +28,27 @@ _T = TypeVar("_T")
 
 
 class Reply(Generic[_T]):
-    """A result or an error, filled at most once (later fills are ignored)."""
+    """A result or an error, filled at most once (later fills are ignored).
+
+    Its one reader parks on Trio's low-level primitives rather than on a ``trio.Event``: no
+    event made per call, and ``filled`` a plain attribute read on every call's path.
+    """
+
+    __slots__ = ("_error", "_result", "_waiter", "filled")
 
     def __init__(self) -> None:
-        self._filled = trio.Event()
+        self.filled = False
+        """Whether a result or an error has been set."""
         self._result: _T | None = None
         self._error: InferError | None = None
-
-    @property
-    def filled(self) -> bool:
-        """Whether a result or an error has been set."""
-        return self._filled.is_set()
+        # The reader's task while it waits unfilled: woken, once, by the fill.
+        self._waiter: trio.lowlevel.Task | None = None
 
     def set_result(self, result: _T) -> None:
         """Fill the slot with a result, unless it is filled already."""
         if not self.filled:
             self._result = result
-            self._filled.set()
+            self._fill()
 
     def set_error(self, error: InferError) -> None:
         """Fill the slot with an error, unless it is filled already."""
@@ -52,11 +56,30 @@ class Reply(Generic[_T]):
             # The reader raises its own instance: one error raised in several tasks would
             # gather all their tracebacks.
             self._error = type(error)(error.message, error.code)
-            self._filled.set()
+            self._fill()
+
+    def _fill(self) -> None:
+        self.filled = True
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            trio.lowlevel.reschedule(waiter)
 
     async def wait(self) -> _T:
-        """Wait until the slot is filled; return the result or raise the error."""
-        await self._filled.wait()
+        """Wait until the slot is filled; return the result or raise the error. A checkpoint
+        (cancellation and a scheduler pass) whether or not it is filled already, as
+        ``trio.Event.wait`` is."""
+        if self.filled:
+            await trio.lowlevel.checkpoint()
+        else:
+            assert self._waiter is None, "a reply has one reader"
+            self._waiter = trio.lowlevel.current_task()
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                # Cancelled while unfilled: the fill must not wake the task again.
+                self._waiter = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
         if self._error is not None:
             raise self._error
         return cast(_T, self._result)
