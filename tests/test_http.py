@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import textwrap
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from trio_infer.frontends.http_service import http_status
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs
 from trio_infer.server import RunningServer
+from trio_infer.transport import http_server
 from trio_infer.transport.http_server import HttpConnection, HttpLimits, HttpRequest, response_head
 from trio_infer.transport.listening import CallCounter
 
@@ -736,8 +738,15 @@ async def _read_answers(client: trio.socket.SocketType, count: int) -> list[byte
 async def _serve_one_connection(
     handler: Callable[[HttpRequest], Awaitable[None]],
     client_side: Callable[[trio.socket.SocketType], Awaitable[None]],
+    tcp: bool = False,
 ) -> None:
-    ours, theirs = socket.socketpair()
+    if tcp:
+        # A loopback TCP connection (a reset needs TCP), rather than a pair of Unix sockets.
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            theirs = socket.create_connection(listener.getsockname())
+            ours, _ = listener.accept()
+    else:
+        ours, theirs = socket.socketpair()
     connection = HttpConnection(
         trio.SocketStream(trio.socket.from_stdlib_socket(ours)),
         handler,
@@ -750,8 +759,22 @@ async def _serve_one_connection(
             await client_side(trio.socket.from_stdlib_socket(theirs))
 
 
+@pytest.fixture(params=["end watch", "watcher task"])
+def watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with each way a connection watches its client's end: the end watch (epoll's
+    EPOLLRDHUP, Linux), and the watcher task of the platforms without it."""
+    if request.param == "end watch":
+        if http_server._END_EVENTS is None:
+            pytest.skip("no EPOLLRDHUP on this platform")
+    else:
+        monkeypatch.setattr(http_server, "_END_EVENTS", None)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("before", [[], ["POST"], ["POST", "GET"], ["GET", "POST", "POST"]])
-def test_a_client_that_closes_during_any_keep_alive_post_cancels_it(before: list[str]) -> None:
+def test_a_client_that_closes_during_any_keep_alive_post_cancels_it(
+    before: list[str], watch: str
+) -> None:
     # One disconnect watcher serves the connection's requests in turn: it is parked between
     # them (and through GETs, which read no body) and watches each request whose body is read.
     log: list[str] = []
@@ -784,7 +807,7 @@ def test_a_client_that_closes_during_any_keep_alive_post_cancels_it(before: list
     assert log == ["cancelled"]
 
 
-def test_a_request_pipelined_while_a_post_runs_neither_cancels_it_nor_is_lost() -> None:
+def test_a_request_pipelined_while_a_post_runs_neither_cancels_it_nor_is_lost(watch: str) -> None:
     # The watcher sees the socket readable with the next request: not an end, so the running
     # request goes on, and the next is read once it is answered.
     log: list[str] = []
@@ -899,7 +922,7 @@ def test_connections_sharing_a_server_timer_each_end_their_waits_at_their_deadli
     assert b"HTTP/1.1 408 " in ended[2][1]
 
 
-def test_a_client_that_pipelines_then_closes_while_a_post_runs_cancels_it() -> None:
+def test_a_client_that_pipelines_then_closes_while_a_post_runs_cancels_it(watch: str) -> None:
     # The watcher saw the socket readable with the next request: its client closing its
     # socket afterwards (a TLS client's close_notify is such bytes too) must still cancel the
     # running request, not leave its worker call running for nobody.
@@ -922,3 +945,75 @@ def test_a_client_that_pipelines_then_closes_while_a_post_runs_cancels_it() -> N
 
     trio.run(_serve_one_connection, handler, client_side)
     assert log == ["cancelled"]
+
+
+@pytest.mark.parametrize("end", ["close", "half close", "reset"])
+def test_a_client_that_ended_before_its_body_was_read_cancels_the_request(
+    end: str, watch: str
+) -> None:
+    # The end came before the handler read the body (which had arrived with the head): the
+    # watch starts on a socket that has ended already, and must still see it.
+    log: list[str] = []
+    started = trio.Event()
+    ended = trio.Event()
+
+    async def handler(request: HttpRequest) -> None:
+        started.set()
+        await ended.wait()
+        await request.receive_body()
+        try:
+            await trio.sleep_forever()
+        finally:
+            log.append("cancelled")
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        await client.send(_post_head("/wait", b"hi"))
+        await started.wait()
+        if end == "half close":
+            client.shutdown(socket.SHUT_WR)
+            ended.set()
+            assert await client.recv(1000) == b""  # nothing answered: the request was cancelled
+            assert log == ["cancelled"]
+        elif end == "reset":
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
+        ended.set()
+
+    trio.run(_serve_one_connection, handler, client_side, end == "reset")
+    assert log == ["cancelled"]
+
+
+def test_requests_that_end_unwatched_leave_nothing_in_the_end_watch(watch: str) -> None:
+    # A request is watched from its body's end to its handler's return, then no longer: a
+    # thousand POSTs on one connection leave no registration behind, nor cancel anything.
+    connections: list[HttpConnection] = []
+    log: list[str] = []
+
+    async def handler(request: HttpRequest) -> None:
+        await request.receive_body()
+        log.append(request.path)
+        await request.respond(200)
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        for _ in range(1000):
+            await client.send(_post_head("/x", b"hi"))
+            [answer] = await _read_answers(client, 1)
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        [connection] = connections
+        ends = connection._ends
+        assert (ends is None) == (watch == "watcher task")
+        if ends is not None:
+            assert ends._watched == {}
+        assert connection._watched is None
+        client.close()
+
+    original = HttpConnection.__init__
+
+    def remember(self: HttpConnection, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        connections.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HttpConnection, "__init__", remember)
+        trio.run(_serve_one_connection, handler, client_side)
+    assert log == ["/x"] * 1000
