@@ -521,7 +521,7 @@ class HttpRequest:
         """The target's query string, without the ``?`` (empty when none)."""
         self._headers: list[tuple[str, str]] | None = None
         self._coding = message.content_encoding
-        coded = is_coded(self._coding) and message.content_length != 0
+        coded = self._coding is not None and is_coded(self._coding) and message.content_length != 0
         self.content_length: int | None = None if coded else message.content_length
         """The body's size as announced; ``None`` when it is known only once it has arrived:
         chunked, or compressed (the size is what it decodes to)."""
@@ -782,6 +782,10 @@ class HttpConnection:
         #: The connection's scope: cancelled while it waits for a request's head, by a drain
         #: or by the timer past the wait's deadline (see run).
         self._waiting = trio.CancelScope()
+        #: Whether ``_waiting`` was cancelled: only this class cancels it (:meth:`_cancel_wait`),
+        #: and the flag costs less to read than the scope's ``cancel_called``, which reads the
+        #: clock.
+        self._wait_cancelled = False
         #: When the wait for a request's head ends (Trio clock; inf while none is waited for):
         #: the timer cancels the wait past it (:meth:`_time_out`).
         self._wait_deadline = math.inf
@@ -886,7 +890,7 @@ class HttpConnection:
         self._timed_until = math.inf
         deadline = self._wait_deadline
         if deadline <= now:
-            self._waiting.cancel()
+            self._cancel_wait()
         elif deadline != math.inf:
             self._wait_until(deadline)
 
@@ -906,7 +910,7 @@ class HttpConnection:
                             break
                         if message is None:
                             break
-                        if scope.cancel_called:
+                        if self._wait_cancelled:
                             # Cancelled (a drain, the deadline) in the pass its head arrived
                             # in: a scope stays cancelled, so the request is served outside it.
                             late = message
@@ -925,7 +929,7 @@ class HttpConnection:
                     break
                 if late is None:
                     break
-                self._waiting = trio.CancelScope()
+                self._new_wait()
                 if not await self._serve_in_scope_of_its_own(late):
                     should_linger = not self.at_end
                     break
@@ -970,7 +974,17 @@ class HttpConnection:
                 # Counted in flight from now, so that a shutdown gives it its grace period.
                 self._arriving = True
                 self._requests_in_flight.increment()
-            self._waiting.cancel()
+            self._cancel_wait()
+
+    def _cancel_wait(self) -> None:
+        self._wait_cancelled = True
+        self._waiting.cancel()
+
+    def _new_wait(self) -> trio.CancelScope:
+        """A new scope for the connection's waits, its predecessor having been cancelled."""
+        self._waiting = trio.CancelScope()
+        self._wait_cancelled = False
+        return self._waiting
 
     def _arrived(self) -> None:
         """The request a drain found arriving has been answered (or never came)."""
@@ -1141,8 +1155,7 @@ class HttpConnection:
         self.closing = True  # its answer is the connection's last
         if not self._next_arriving():
             return None
-        self._waiting = trio.CancelScope()
-        with self._waiting:
+        with self._new_wait():
             return await self._next_request(last=True)
         return None  # cancelled again (a drain, the deadline): nothing more is waited for
 
@@ -1191,12 +1204,19 @@ class HttpConnection:
         try:
             request._scope = scope
             request._running = True
+            failure: HttpError | None = None
             try:
-                failure = await self._run_handler(request)
+                await self._handler(request)
+            except HttpError as error:
+                failure = error
+            except Exception:
+                logger.exception("unexpected error in %s %s", request.method, request.path)
+                failure = HttpError(500, "internal server error")
             finally:
                 request._running = False
                 # The disconnect watch (if its body was read) ends with the handler.
-                self._unwatch()
+                if self._watched is not None or self._watch_scope is not None:
+                    self._unwatch()
                 if request._cancelled:
                     # Cancelled whether it raised Cancelled or not: the scope stays so.
                     self._unfinished = request
@@ -1255,17 +1275,6 @@ class HttpConnection:
                 )
             )
 
-    async def _run_handler(self, request: HttpRequest) -> HttpError | None:
-        """Run the handler; the error it ended with, if any (500 for a bug)."""
-        try:
-            await self._handler(request)
-        except HttpError as error:
-            return error
-        except Exception:
-            logger.exception("unexpected error in %s %s", request.method, request.path)
-            return HttpError(500, "internal server error")
-        return None
-
     async def _answer_error(
         self, status: int, message: str, request: HttpRequest | None = None
     ) -> None:
@@ -1298,7 +1307,8 @@ class HttpConnection:
         server drains, the connection is past its age, the client asked, the request asked to
         switch protocols, or its body was not read whole (what is left of it cannot be told
         from the next request: what has arrived of it is dropped)."""
-        self.retire_if_due()
+        if self._retire_at != math.inf:
+            self.retire_if_due()
         message = request._message
         if not message.complete:
             with contextlib.suppress(HttpError):
