@@ -18,6 +18,8 @@ import pytest
 import trio
 import trio.lowlevel
 import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.support import GrpcioClient, eventually, start_server
 from trio_infer.errors import StatusCode
@@ -1017,3 +1019,64 @@ def test_requests_that_end_unwatched_leave_nothing_in_the_end_watch(watch: str) 
         patch.setattr(HttpConnection, "__init__", remember)
         trio.run(_serve_one_connection, handler, client_side)
     assert log == ["/x"] * 1000
+
+
+_FIELD_TEXT = st.text(
+    alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=8
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    method=st.sampled_from(["GET", "HEAD"]),
+    status=st.sampled_from([200, 400, 404, 599]),
+    headers=st.lists(st.tuples(_FIELD_TEXT, _FIELD_TEXT), max_size=3),
+    parts=st.lists(
+        st.tuples(st.binary(max_size=70_000), st.sampled_from(["B", "i", "d"])), max_size=4
+    ),
+)
+def test_a_response_is_written_as_its_general_form_says_whole_or_in_pieces(
+    method: str, status: int, headers: list[tuple[str, str]], parts: list[tuple[bytes, str]]
+) -> None:
+    # respond() skips the header lines when there are none, and send() the count of what is
+    # left when one write took everything: the bytes are those response_head() frames, with
+    # bodies of any item size, whether the socket takes them at once or in pieces (its buffer
+    # is small, the larger bodies wait for the client to read).
+    body = [
+        memoryview(data[: len(data) - len(data) % np.dtype(code).itemsize]).cast(code)
+        for data, code in parts
+    ]
+    payload = b"".join(view.tobytes() for view in body)
+
+    async def handler(request: HttpRequest) -> None:
+        await request.respond(status, headers, body)
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        await client.send(
+            b"%s /x HTTP/1.1\r\nHost: a\r\nX-Request-Id: r1\r\n\r\n" % method.encode()
+        )
+        fields = [(name.encode(), value.encode()) for name, value in headers]
+        fields += [(b"content-length", b"%d" % len(payload)), (b"x-request-id", b"r1")]
+        expected = response_head(status, fields) + (payload if method == "GET" else b"")
+        received = b""
+        while len(received) < len(expected):
+            data = await client.recv(65536)
+            assert data, received
+            received += data
+        assert received == expected
+        client.close()
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        connection = HttpConnection(
+            trio.SocketStream(trio.socket.from_stdlib_socket(ours)),
+            handler,
+            HttpLimits(),
+            CallCounter(),
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(connection.run)
+            await client_side(trio.socket.from_stdlib_socket(theirs))
+
+    trio.run(main)

@@ -66,7 +66,7 @@ from typing import NoReturn
 import httptools
 import trio
 
-from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
+from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent
 from trio_infer.transport.access_log import (
     ACCESS_LOGGER,
     REQUEST_ID_HEADER,
@@ -682,11 +682,18 @@ class HttpRequest:
         """
         assert not self._response_started, "one response per request"
         connection = self._connection
-        views = [memoryview(part).cast("B") for part in body]
-        size = sum([view.nbytes for view in views])
-        fields = header_lines(
-            [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
-        )
+        if body:
+            views = [memoryview(part).cast("B") for part in body]
+            size = sum([view.nbytes for view in views])
+        else:
+            views = []
+            size = 0
+        if headers:
+            fields = header_lines(
+                [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+            )
+        else:
+            fields = b""
         # The fields added here need no check for line breaks: the request id is printable
         # ASCII (request_id), the rest are the server's own.
         close = _CLOSE_LINE if connection.closes_after(self) else b""
@@ -696,9 +703,11 @@ class HttpRequest:
         self.status = status
         self.bytes_out = size
         parts: list[Buffer] = [head]
-        if not connection.head_only:
+        total = len(head)
+        if not connection.head_only and size:
             parts += [view for view in views if view]
-        self._response_sent = await connection.send(parts, self)
+            total += size
+        self._response_sent = await connection.send(parts, self, total)
 
     def _cancel_as_gone(self) -> None:
         self._client_gone = True
@@ -1355,16 +1364,22 @@ class HttpConnection:
             self._more_likely = len(data) == _READ_SIZE
             return data
 
-    async def send(self, data: Sequence[Buffer], request: HttpRequest | None) -> bool:
+    async def send(
+        self, data: Sequence[Buffer], request: HttpRequest | None, size: int = -1
+    ) -> bool:
         """Write ``data`` in order; whether it was. A client that takes none of it for the
         send timeout, or whose socket broke, is gone: ``request`` (if any) is cancelled, and
-        the connection ends after it."""
+        the connection ends after it. ``size``, when the caller knows it, is the bytes of
+        ``data``: a write that took them all then needs no count of what is left."""
         limit = self.limits.send_timeout
         try:
             if self._plain is not None:
                 # What the socket takes at once needs no timeout: one vectored write first.
-                with contextlib.suppress(BlockingIOError):
-                    data = write_some(self._fd, data)
+                try:
+                    sent = os.writev(self._fd, data[:MAX_BUFFERS])
+                except BlockingIOError:
+                    sent = 0
+                data = [] if sent == size else unsent(data, sent)
             while data:
                 with trio.move_on_after(limit):
                     if self._plain is not None:
