@@ -1080,3 +1080,60 @@ def test_a_response_is_written_as_its_general_form_says_whole_or_in_pieces(
             await client_side(trio.socket.from_stdlib_socket(theirs))
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_routes_looked_up_whole_answer_as_the_split_path_does(ready: bool) -> None:
+    # The paths without parameters (/v2, /v2/health/live, /v2/health/ready) are looked up
+    # before the path is split: every method on them, with a body or none, and their near
+    # misses, are answered as the split path's routing answers them.
+    from types import SimpleNamespace
+
+    from trio_infer.core.service import SERVER_NAME, SERVER_VERSION, ServerMetadata
+    from trio_infer.frontends.http_service import HttpService
+
+    core = SimpleNamespace(
+        server_live=lambda: True,
+        server_ready=lambda: ready,
+        server_metadata=lambda: ServerMetadata(SERVER_NAME, SERVER_VERSION, ("a", "b")),
+    )
+    paths = ["/v2", "/v2/", "/v2/health/live", "/v2/health/ready", "/v2/health/live/"]
+    paths += ["/v2//health/live", "/v2/health/%6Cive", "/v2/health/ready?x=1", "/V2"]
+    requests = [
+        b"%s %s HTTP/1.1\r\nHost: a\r\nX-Request-Id: r\r\n%s\r\n%s"
+        % (method, path.encode(), *extra)
+        for path in paths
+        for method in (b"GET", b"POST", b"HEAD", b"PUT")
+        for extra in ((b"", b""), (b"Content-Length: 2\r\n", b"{}"))
+    ]
+
+    def answers(service: HttpService) -> list[bytes]:
+        received: list[bytes] = []
+
+        def client_side(data: bytes) -> Callable[[trio.socket.SocketType], Awaitable[None]]:
+            async def run(client: trio.socket.SocketType) -> None:
+                # The whole answer: the server closes after it (the client ends its side).
+                await client.send(data)
+                client.shutdown(socket.SHUT_WR)
+                answer = b""
+                while chunk := await client.recv(65536):
+                    answer += chunk
+                received.append(answer)
+                client.close()
+
+            return run
+
+        async def main() -> None:
+            for data in requests:
+                await _serve_one_connection(service.handle, client_side(data))
+
+        trio.run(main)
+        return received
+
+    fast = HttpService(core)  # type: ignore[arg-type]
+    general = HttpService(core)  # type: ignore[arg-type]
+    general._fixed = {}
+    fast_answers = answers(fast)
+    assert fast_answers == answers(general)
+    statuses = {answer.split(b" ")[1] for answer in fast_answers}
+    assert statuses == ({b"200", b"404", b"405"} if ready else {b"200", b"400", b"404", b"405"})

@@ -151,6 +151,12 @@ class HttpService:
         self._models = models
         self._metrics = metrics
         self._control_header = control_header
+        #: The routes whose paths have no parameters, looked up before any split of the path.
+        self._fixed: dict[str, _Route] = {
+            "/v2": self._server_metadata,
+            "/v2/health/live": self._server_live,
+            "/v2/health/ready": self._server_ready,
+        }
         # One decode or encode in a thread at a time: each thread that wants the GIL is another
         # switch interval the event loop may wait for it.
         self._off_loop = trio.CapacityLimiter(1)
@@ -163,6 +169,10 @@ class HttpService:
             await _respond_error(request, http_status(error.code), error.message)
 
     async def _route(self, request: HttpRequest) -> None:
+        fixed = self._fixed.get(request.path)
+        if fixed is not None:
+            await self._get(request, fixed, "", "")
+            return
         if request.path == "/metrics" and self._metrics is not None:
             await serve_metrics(request, self._metrics)
             return
