@@ -533,7 +533,7 @@ class HttpRequest:
         the response's ``x-request-id`` and logged."""
         self.subject = ""
         """What the request is for, as the handler names it (a model), for the access log."""
-        self.started = trio.current_time()
+        self.started = connection.now()
         """When the request's head arrived (the Trio clock)."""
         self.status = 0
         """The status of the response sent (0: none yet)."""
@@ -818,6 +818,9 @@ class HttpConnection:
         ``content-length`` that of the body a GET would get, and no body (RFC 9110 9.3.2)."""
         #: When the connection reaches its maximum age (Trio clock; inf: never).
         self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
+        #: The run's clock, read directly: trio.current_time() reaches it through two more
+        #: calls, and a run keeps one clock.
+        self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
         #: A request whose scope was cancelled while its handler ran: finished (answered 503
         #: if it can be) outside that scope, which was the connection's, once it has exited.
         self._unfinished: HttpRequest | None = None
@@ -1003,7 +1006,7 @@ class HttpConnection:
 
     def retire_if_due(self) -> None:
         """Past its maximum age, make the response about to be sent the connection's last."""
-        if self._retire_at != math.inf and trio.current_time() >= self._retire_at:
+        if self._retire_at != math.inf and self.now() >= self._retire_at:
             self.closing = True
 
     def cancel_request(self, message: str) -> None:
@@ -1121,7 +1124,7 @@ class HttpConnection:
             return None
         limits = self.limits
         timeout = limits.idle_timeout if self._served else limits.handshake_timeout
-        self._wait_until(trio.current_time() + timeout)
+        self._wait_until(self.now() + timeout)
         self._idle = True
         messages = self._parse.messages
         self.head_only = False
@@ -1146,7 +1149,7 @@ class HttpConnection:
                     # one read, and never get here).
                     hurried = True
                     self._wait_until(
-                        min(self._wait_deadline, trio.current_time() + limits.handshake_timeout)
+                        min(self._wait_deadline, self.now() + limits.handshake_timeout)
                     )
                 if not await self.fill():
                     return None  # the client closed, in the middle of a head or not
@@ -1277,7 +1280,7 @@ class HttpConnection:
                     f"{request.method} {request.path}",
                     request.subject,
                     str(request.status) if request.status else "client gone",
-                    trio.current_time() - request.started,
+                    self.now() - request.started,
                     request.bytes_in,
                     request.bytes_out,
                     request.request_id,
