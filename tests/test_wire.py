@@ -318,3 +318,38 @@ def test_a_non_blocking_reader_loses_no_byte_whatever_arrives_when(
         assert position >= len(data)
         for received, sent in zip(got, messages, strict=True):
             _assert_same(received, sent)
+
+
+def test_a_message_names_no_module_to_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The rebuild functions are in the pickler's memo from the start: pickling a function by
+    # name would import its module at every message.
+    message = (3, "predict", (b"settings", {"x": np.ones((1, 4), np.float32)}, Parameters()))
+    imported: list[str] = []
+    real_import = __import__
+
+    def counting_import(name: str, *args: object, **kwargs: object) -> object:
+        imported.append(name)
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("builtins.__import__", counting_import)
+    frame = wire.pack(message)
+    monkeypatch.undo()
+    assert imported == []
+    got = _read(frame, [])
+    assert isinstance(got, tuple)
+    assert got[2][0] == b"settings"
+    np.testing.assert_array_equal(got[2][1]["x"], message[2][1]["x"])
+    assert type(got[2][2]) is Parameters
+
+
+def test_an_object_held_twice_arrives_twice_and_one_that_holds_itself_does_not_pickle() -> None:
+    array = np.arange(4, dtype=np.float32)
+    got = _read(wire.pack({"a": array, "b": array}), [])
+    assert isinstance(got, dict)
+    for value in got.values():
+        np.testing.assert_array_equal(value, array)
+    looped: list[object] = []
+    looped.append(looped)
+    with pytest.raises(ValueError, match="cyclic"):
+        wire.pack(["x", looped])
+    assert _read(wire.pack(("after", array)), [])[0] == "after"  # type: ignore[index]

@@ -113,6 +113,14 @@ def _reduce_parameters(parameters: Parameters) -> tuple[Any, ...]:
 copyreg.add_extension(__name__, _array.__name__, 0xF1)
 copyreg.add_extension(__name__, _parameters.__name__, 0xF2)
 
+#: What every message's pickle starts with: the two functions by their codes, each memoized
+#: (as 0 and 1) and taken off the stack again. The pickler's memo holds them at those indexes
+#: from the start, so a message refers to them as ``BINGET 0`` and ``BINGET 1``: pickling a
+#: function otherwise imports its module (to check that the name finds it) before it looks up
+#: its code, at every message. A second ``PROTO`` follows, the pickler's own.
+_PREFIX = b"\x80\x05\x82\xf1\x94\x82\xf2\x9400"
+_MEMO = {id(_array): (0, _array), id(_parameters): (1, _parameters)}
+
 
 class _Pickler(pickle.Pickler):
     # Exact types only: a subclass of ndarray pickles as numpy (or it) says.
@@ -127,9 +135,16 @@ class _Packer:
     its output buffer cost more than pickling a small message."""
 
     def __init__(self) -> None:
-        self._out = io.BytesIO()
+        self._out = io.BytesIO(_PREFIX)
+        self._out.seek(len(_PREFIX))
         self._buffers: list[memoryview] = []
         self._pickler = _Pickler(self._out, protocol=5, buffer_callback=self._out_of_band)
+        self._pickler.memo = _MEMO
+        # No memo of the message's own objects (it is only ever _MEMO): no memo entry to make
+        # and clear per object, nor a MEMOIZE for the receiver to do. An object that the
+        # message holds twice is pickled twice; a message that holds itself fails to pickle
+        # (ValueError), as it must not be sent.
+        self._pickler.fast = True
         # Held while packing: a second thread, or a message pickled while another is (an
         # object's __reduce__ calling pack), packs with a pickler of its own.
         self.busy = threading.Lock()
@@ -147,10 +162,9 @@ class _Packer:
             self._pickler.dump(message)
             data = self._out.getvalue()
         finally:
-            # Nothing of this message is kept: not its objects (the memo), nor its bytes,
-            # whether it pickled or not.
-            self._pickler.clear_memo()
-            self._out.seek(0)
+            # Nothing of this message is kept (the memo holds none of its objects): not its
+            # bytes, whether it pickled or not.
+            self._out.seek(len(_PREFIX))
             self._out.truncate()
             self._buffers = []
         if not buffers:
