@@ -353,3 +353,17 @@ def test_an_object_held_twice_arrives_twice_and_one_that_holds_itself_does_not_p
     with pytest.raises(ValueError, match="cyclic"):
         wire.pack(["x", looped])
     assert _read(wire.pack(("after", array)), [])[0] == "after"  # type: ignore[index]
+
+
+def test_a_connection_closed_with_bytes_unread_is_waiting_and_ends_the_receiver() -> None:
+    # The peer closed with bytes of ours unread: the receiver's read fails at once (as the
+    # worker's serve expects), so waiting says a receive would not block.
+    sender, receiving = socket.socketpair()
+    with receiving:
+        receiver = wire.Receiver(receiving)
+        receiving.sendall(b"never read")
+        assert not receiver.waiting()
+        sender.close()
+        assert receiver.waiting()
+        with pytest.raises((EOFError, ConnectionResetError)):
+            receiver.receive()
