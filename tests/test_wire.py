@@ -367,3 +367,22 @@ def test_a_connection_closed_with_bytes_unread_is_waiting_and_ends_the_receiver(
         assert receiver.waiting()
         with pytest.raises((EOFError, ConnectionResetError)):
             receiver.receive()
+
+
+@pytest.mark.parametrize("char", "?bBhHiIlLqQefdgFDG")
+@pytest.mark.parametrize("elements", [0, 3, 20_000])  # in the pickle, and out of band
+@pytest.mark.parametrize("writeable", [True, False])
+def test_every_plain_dtype_arrives_as_numpys_own_pickle_makes_it(
+    char: str, elements: int, writeable: bool
+) -> None:
+    array = np.arange(elements).astype(char).reshape(-1, 1)
+    array.flags.writeable = writeable
+    got = _read(wire.pack([array]), [])[0]  # type: ignore[index]
+    expected = pickle.loads(pickle.dumps(array, protocol=5))
+    assert type(got) is np.ndarray
+    assert got.dtype == expected.dtype
+    assert got.dtype.char == expected.dtype.char
+    assert got.shape == expected.shape
+    assert got.flags.writeable == expected.flags.writeable
+    assert got.flags.c_contiguous
+    np.testing.assert_array_equal(got, expected)
