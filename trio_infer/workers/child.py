@@ -561,37 +561,49 @@ def _failed(exc: BaseException) -> ModelFailed:
 
 
 def _checked(settings: ModelSettings, outputs: object) -> ModelOutputs:
-    where = f"model {settings.name!r}"
     if isinstance(outputs, Response):
+        where = _where(settings)
         return Response(
-            _checked_outputs(where, outputs.outputs),
+            _checked_outputs(settings, outputs.outputs),
             _checked_metadata(where, "header", outputs.headers),
             _checked_metadata(where, "trailer", outputs.trailers),
         )
-    return _checked_outputs(where, outputs)
+    return _checked_outputs(settings, outputs)
 
 
-def _checked_outputs(where: str, outputs: object) -> dict[str, np.ndarray]:
+def _where(settings: ModelSettings) -> str:
+    """The start of a message on a model's outputs: made only for a failure, it is no work of
+    a call that succeeds."""
+    return f"model {settings.name!r}"
+
+
+#: The class of numpy's object dtype (numpy 1.25 gave each dtype its class): asking a dtype's
+#: class is cheaper than comparing the dtype to ``object``, at every output of every call.
+_OBJECT_DTYPE = type(np.dtype(object))
+
+
+def _checked_outputs(settings: ModelSettings, outputs: object) -> dict[str, np.ndarray]:
     if not isinstance(outputs, dict):
         raise ModelFailed(
-            f"{where}: predict() returned {type(outputs).__name__}, "
+            f"{_where(settings)}: predict() returned {type(outputs).__name__}, "
             "expected dict[str, numpy.ndarray] or trio_infer.Response"
         )
     for name, value in outputs.items():
         if not isinstance(name, str):
-            raise ModelFailed(f"{where}: output name {name!r} is not a string")
+            raise ModelFailed(f"{_where(settings)}: output name {name!r} is not a string")
         if not isinstance(value, np.ndarray):
             raise ModelFailed(
-                f"{where}: output {name!r} is {type(value).__name__}, expected numpy.ndarray"
+                f"{_where(settings)}: output {name!r} is {type(value).__name__}, expected "
+                "numpy.ndarray"
             )
-        if value.dtype == np.object_:
+        if type(value.dtype) is _OBJECT_DTYPE:
             # An element of a model-defined class would fail to unpickle in the server process,
             # which kills the worker; BYTES outputs hold bytes (or str, encoded as UTF-8).
             for element in value.flat:
                 if not isinstance(element, bytes | str):
                     raise ModelFailed(
-                        f"{where}: output {name!r} holds a {type(element).__name__}; object "
-                        "arrays (BYTES) must hold bytes or str"
+                        f"{_where(settings)}: output {name!r} holds a {type(element).__name__}; "
+                        "object arrays (BYTES) must hold bytes or str"
                     )
     return outputs
 
