@@ -386,3 +386,38 @@ def test_every_plain_dtype_arrives_as_numpys_own_pickle_makes_it(
     assert got.flags.writeable == expected.flags.writeable
     assert got.flags.c_contiguous
     np.testing.assert_array_equal(got, expected)
+
+
+def test_a_pickle_of_many_frames_is_whole_and_the_next_message_starts_clean() -> None:
+    # Past 64 KiB the pickler writes its output in several pieces, all of them in the frame.
+    elements = np.array([bytes([i % 251]) * 1000 for i in range(700)], dtype=object)
+    strided = np.arange(40_000, dtype=np.float64)[::2]  # in the pickle: not contiguous
+    message = {"bytes": elements, "strided": strided, "small": np.ones(3, np.int8)}
+    got = _read(wire.pack(message), [])
+    assert isinstance(got, dict)
+    assert got["bytes"].dtype == object
+    assert list(got["bytes"]) == list(elements)
+    np.testing.assert_array_equal(got["strided"], strided)
+    np.testing.assert_array_equal(got["small"], message["small"])
+    after = ("after", np.arange(3, dtype=np.float32))
+    kept = wire.pack(after)
+    assert [bytes(b) for b in kept] == [bytes(b) for b in wire._Packer().pack(after)]
+
+
+def test_messages_packed_by_threads_at_once_are_each_whole() -> None:
+    def packs(seed: int, out: list[object]) -> None:
+        for i in range(200):
+            array = np.full((i % 7, 3), seed, np.float32)
+            out.append((_read(wire.pack((seed, i, array)), []), array))
+
+    results: list[list[object]] = [[] for _ in range(4)]
+    threads = [threading.Thread(target=packs, args=(seed, results[seed])) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed, out in enumerate(results):
+        assert len(out) == 200
+        for i, (got, array) in enumerate(out):  # type: ignore[misc]
+            assert got[:2] == (seed, i)
+            np.testing.assert_array_equal(got[2], array)

@@ -27,12 +27,10 @@ than ``ITEMS_AHEAD`` items of a call are ever on their way or waiting to be read
 from __future__ import annotations
 
 import copyreg
-import io
 import pickle
 import select
 import socket
 import struct
-import threading
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -134,13 +132,21 @@ class _Pickler(pickle.Pickler):
     }
 
 
+class _Chunks:
+    """Where a pickler writes: the bytes objects it makes, kept as they are (one for a
+    message smaller than a pickle frame, 64 KiB), not copied into a file and out again."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.write = self.chunks.append
+
+
 class _Packer:
     """A pickler and its output kept from message to message: making a pickler, its memo and
     its output buffer cost more than pickling a small message."""
 
     def __init__(self) -> None:
-        self._out = io.BytesIO(_PREFIX)
-        self._out.seek(len(_PREFIX))
+        self._out = _Chunks()
         self._buffers: list[memoryview] = []
         self._pickler = _Pickler(self._out, protocol=5, buffer_callback=self._out_of_band)
         self._pickler.memo = _MEMO
@@ -149,9 +155,6 @@ class _Packer:
         # message holds twice is pickled twice; a message that holds itself fails to pickle
         # (ValueError), as it must not be sent.
         self._pickler.fast = True
-        # Held while packing: a second thread, or a message pickled while another is (an
-        # object's __reduce__ calling pack), packs with a pickler of its own.
-        self.busy = threading.Lock()
 
     def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
         view = buffer.raw()
@@ -162,22 +165,27 @@ class _Packer:
 
     def pack(self, message: object) -> list[Buffer]:
         buffers = self._buffers = []
+        chunks = self._out.chunks
         try:
             self._pickler.dump(message)
-            data = self._out.getvalue()
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         finally:
             # Nothing of this message is kept (the memo holds none of its objects): not its
             # bytes, whether it pickled or not.
-            self._out.seek(len(_PREFIX))
-            self._out.truncate()
+            chunks.clear()
             self._buffers = []
+        # The pickle is _PREFIX then data: the prefix goes with the header.
+        size = len(_PREFIX) + len(data)
         if not buffers:
-            return [_HEADER.pack(0, len(data)), data]
+            return [_HEADER.pack(0, size) + _PREFIX, data]
         lengths = struct.pack(f"!{len(buffers)}Q", *(view.nbytes for view in buffers))
-        return [_HEADER.pack(len(buffers), len(data)) + lengths, data, *buffers]
+        return [_HEADER.pack(len(buffers), size) + lengths + _PREFIX, data, *buffers]
 
 
-_packer = _Packer()
+#: Packers free to use: one is kept, taken while it packs. A second thread, or a message
+#: pickled while another is (an object's __reduce__ calling pack), finds none and packs with
+#: a packer of its own, which is not kept. list.pop and list.append are atomic.
+_packers = [_Packer()]
 
 
 def pack(message: object) -> list[Buffer]:
@@ -186,12 +194,14 @@ def pack(message: object) -> list[Buffer]:
     Raises:
         Exception: Whatever pickling the message raises (an object that does not pickle).
     """
-    if not _packer.busy.acquire(blocking=False):
+    try:
+        packer = _packers.pop()
+    except IndexError:
         return _Packer().pack(message)
     try:
-        return _packer.pack(message)
+        return packer.pack(message)
     finally:
-        _packer.busy.release()
+        _packers.append(packer)
 
 
 def send_some(sock: socket.socket, frame: Sequence[Buffer]) -> list[Buffer]:
