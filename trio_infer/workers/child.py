@@ -97,6 +97,10 @@ _RESERVED_METADATA = frozenset(
 # of the folder, or a load's config) are another entry: calls of the old settings still in
 # flight keep using theirs until the server unloads it.
 _models: dict[bytes, Model] = {}
+# The settings and model of the last call that found its model, while that model is in
+# _models: a call's settings are a new bytes object, whose hash (a look-up in _models) costs
+# more than comparing it with the last call's, which are most calls' settings.
+_last: tuple[bytes, Model] | None = None
 # The revision of the folder each model folder's modules were imported from.
 _imported: dict[Path, str] = {}
 # Settings unloaded since, most recent last: a late call of one fails rather than loading the
@@ -411,11 +415,17 @@ def _called(
         InferError: The model raised one (its class and status are kept).
         ModelFailed: Loading or calling the model failed otherwise.
     """
-    model = _models.get(settings)
-    if model is None:
-        if settings in _retired:
-            raise errors.Unavailable(f"model {_retired[settings]!r} was unloaded")
-        model = _cached_model(pickle.loads(settings), settings)
+    global _last
+    if _last is not None and _last[0] == settings:
+        model = _last[1]
+    else:
+        cached = _models.get(settings)
+        if cached is None:
+            if settings in _retired:
+                raise errors.Unavailable(f"model {_retired[settings]!r} was unloaded")
+            cached = _cached_model(pickle.loads(settings), settings)
+        model = cached
+        _last = settings, model
     error: InferError
     try:
         return model, model.predict(inputs, parameters)
@@ -446,9 +456,12 @@ def unload(settings: bytes) -> bool:
     Args:
         settings: The model's settings, pickled (:func:`pickled_settings`).
     """
+    global _last
     model = _models.pop(settings, None)
     if model is None:
         return False
+    if _last is not None and _last[1] is model:
+        _last = None
     _retired[settings] = model.settings.name
     if len(_retired) > _MAX_RETIRED:
         del _retired[next(iter(_retired))]
