@@ -248,6 +248,9 @@ class Staging:
 
     def __init__(self) -> None:
         self._buffer = bytearray(_STAGING_BYTES)
+        # Never resized, so a view of it may live as long as it: a message is unpickled from
+        # a slice of this view, not from a view made (and released) for each.
+        self._view = memoryview(self._buffer)
         self._start = self._end = 0
 
     @property
@@ -262,7 +265,7 @@ class Staging:
         Raises:
             OSError: The connection is broken.
         """
-        assert not self.held, "staged bytes would be read over"
+        assert self._start >= self._end, "staged bytes would be read over"
         self._start, self._end = 0, sock.recv_into(self._buffer)
         return self.held
 
@@ -283,14 +286,13 @@ class Staging:
         if count or end > self._end:
             return False, None
         self._start = end
-        with memoryview(self._buffer)[start + _HEADER.size : end] as data:
-            return True, pickle.loads(data)
+        return True, pickle.loads(self._view[start + _HEADER.size : end])
 
     def _fill(self, view: memoryview) -> memoryview:
         """Copy what is staged into ``view``; return the part of it still to fill."""
         count = min(self._end - self._start, view.nbytes)
         if count:
-            view[:count] = self._buffer[self._start : self._start + count]
+            view[:count] = self._view[self._start : self._start + count]
             self._start += count
         return view[count:]
 
