@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import pickle
 import select
@@ -421,3 +422,35 @@ def test_messages_packed_by_threads_at_once_are_each_whole() -> None:
         for i, (got, array) in enumerate(out):  # type: ignore[misc]
             assert got[:2] == (seed, i)
             np.testing.assert_array_equal(got[2], array)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "small",
+        {"x": np.ones((300, 40), np.float64), "y": np.ones((2, 2), np.int16)},
+        [np.zeros((64, 256), np.complex64), np.zeros((3, 8192), ">f4")],
+        np.array([b"a" * 70_000, b"b"], object),
+    ],
+    ids=["small", "out-of-band", "numpy's-reduce", "in-band-large"],
+)
+def test_each_part_of_a_frame_has_its_size_as_its_len(message: object) -> None:
+    # send_some counts a frame sent whole by the len of its parts.
+    frame = wire.pack(message)
+    for part in frame:
+        assert len(part) == memoryview(part).nbytes  # type: ignore[arg-type]
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        sender.setblocking(False)
+        received = bytearray()
+        left: list[wire.Buffer] = frame
+        while left:
+            with contextlib.suppress(BlockingIOError):
+                left = wire.send_some(sender, left)
+            for part in left:
+                assert len(part) == memoryview(part).nbytes  # type: ignore[arg-type]
+            received += receiver.recv(1 << 16)
+        total = sum(memoryview(part).nbytes for part in frame)
+        while len(received) < total:
+            received += receiver.recv(1 << 16)
+    assert bytes(received) == b"".join(bytes(part) for part in frame)

@@ -27,6 +27,7 @@ than ``ITEMS_AHEAD`` items of a call are ever on their way or waiting to be read
 from __future__ import annotations
 
 import copyreg
+import os
 import pickle
 import select
 import socket
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from trio_infer.buffers import Buffer, write_some
+from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent, write_some
 from trio_infer.model import Parameters, ParameterValue
 
 __all__ = ["ITEMS_AHEAD", "Buffer", "Receiver", "Staging", "pack", "reader", "send", "send_some"]
@@ -211,7 +212,14 @@ def send_some(sock: socket.socket, frame: Sequence[Buffer]) -> list[Buffer]:
         BlockingIOError: The socket is non-blocking and its buffer is full.
         OSError: The connection is broken.
     """
-    return write_some(sock.fileno(), frame)
+    if len(frame) > MAX_BUFFERS:
+        return write_some(sock.fileno(), frame)
+    sent = os.writev(sock.fileno(), frame)
+    # Every part of a frame (pack's, or what unsent leaves of one) is bytes or a 1-D view of
+    # bytes, whose len is its size: a frame sent whole is known without a view of each part.
+    if sent == sum(map(len, frame)):
+        return []
+    return unsent(frame, sent)
 
 
 def reader() -> Generator[memoryview, None, object]:
