@@ -165,9 +165,15 @@ def serve(address: str) -> None:
                 if finished is None and not skipped and not inbox:
                     # Nothing to run or report: wait for a message, and take what came with it.
                     # What comes later is read when the call it brought has ended.
-                    _take(receiver.receive(), inbox, skipped)
-                    while receiver.held:
-                        _take(receiver.receive(), inbox, skipped)
+                    message = receiver.receive()
+                    while True:
+                        if type(message) is tuple:  # a call, as _take takes it
+                            inbox.append(message)
+                        else:
+                            _take(message, inbox, skipped)
+                        if not receiver.held:
+                            break
+                        message = receiver.receive()
                 else:
                     # A call ended: what came meanwhile is read before its report goes and the
                     # next call starts, even with no call in the inbox. A call sent behind the

@@ -344,7 +344,8 @@ class Receiver:
             EOFError: The peer closed the connection.
         """
         staging = self._staging
-        if not staging.held and not staging.fill(self._sock):
+        # Staging.held, without a property's call: a worker asks two or three times a call.
+        if staging._start >= staging._end and not staging.fill(self._sock):
             raise EOFError
         whole, message = staging.take_message()
         if whole:
@@ -365,10 +366,12 @@ class Receiver:
     def held(self) -> bool:
         """Whether bytes of a message that :meth:`receive` has not returned were read already
         (a message came with the last one): known without a system call."""
-        return self._staging.held
+        staging = self._staging
+        return staging._start < staging._end
 
     def waiting(self) -> bool:
         """Whether :meth:`receive` would not block (a message, or the end of the connection)."""
         # The end of the connection or an error is an event too (POLLHUP, POLLERR), as it
         # makes the socket readable for select.
-        return self._staging.held or bool(self._poll.poll(0))
+        staging = self._staging
+        return staging._start < staging._end or bool(self._poll.poll(0))
