@@ -661,3 +661,23 @@ def test_the_frames_every_call_brings_leave_what_h2s_dispatch_leaves() -> None:
                 events = str(exc)
             outcomes.append((events, _state(server)))
         assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("form", ["priority", "padded", "continuation"])
+def test_a_message_in_the_read_of_a_header_block_h2_dispatches_is_received(form: str) -> None:
+    # A header block h2 handles (with priority, padding or a CONTINUATION) makes h2's
+    # RequestReceived, which opens the call only once the read's frames are all taken: a DATA
+    # frame in the same read must still reach the call, not be dropped as a stray one's.
+    client, server = _connected()
+    block = client.encoder.encode(GRPC_REQUEST)
+    if form == "priority":
+        headers = _frame(0x1, 0x4 | 0x20, 1, (0).to_bytes(4, "big") + bytes([15]) + block)
+    elif form == "padded":
+        headers = _frame(0x1, 0x4 | 0x8, 1, b"\x02" + block + b"\x00\x00")
+    else:
+        headers = _frame(0x1, 0x0, 1, block[:3]) + _frame(0x9, 0x4, 1, block[3:])
+    message = b"\x00\x00\x00\x00\x02hi"
+    events = server.receive_data(headers + _frame(0x0, 0x1, 1, message))
+    kinds = [type(event).__name__ for event in events]
+    assert kinds == ["RequestReceived", "MessageAnnounced", "MessageReceived", "RequestEnded"]
+    assert events[2] == MessageReceived(1, b"hi")

@@ -1330,7 +1330,12 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
 
     def _data_frame(self, frame: _DataRecord) -> list[Event] | None:
         """h2's handler of a DATA frame and :meth:`_data_received` in one, for a request's DATA
-        on its open stream; None for any other."""
+        on its open stream; None for any other, and for every DATA after a frame of the same
+        read that went through h2's dispatch: that frame's events (a RequestReceived that
+        opens the call this DATA is for) are handled only once the read's frames are taken, and
+        this DATA's must come after them, as h2's DataReceived."""
+        if self.h2_connection.dispatched:
+            return None
         ended = self.h2_connection._take_request_data(frame)
         if ended is None:
             return None
