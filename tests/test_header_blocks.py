@@ -11,6 +11,8 @@ import h2.events
 import hpack
 from hpack import HeaderTuple, NeverIndexedHeaderTuple
 from hpack.hpack import encode_integer
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hyperframe.frame import HeadersFrame, SettingsFrame
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -164,6 +166,22 @@ def test_blocks_small_on_the_wire_but_large_decoded_are_not_remembered() -> None
     ]
     retained = _bytes_kept_by_a_connection_after(wire)
     assert retained < MiB // 2, f"{retained / MiB:.2f} MiB kept by one idle connection"
+
+
+def test_blocks_small_decoded_but_large_on_the_wire_are_not_remembered() -> None:
+    # Huffman coding gives a rare byte a code of up to 30 bits: a value of 3,500 such bytes is
+    # some 13 KB on the wire. 64 distinct blocks, each under the decoded bound, would pin
+    # about 850 KB of keys.
+    wire = [_PREFACE]
+    coded = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(b"\x0a" * 3_500)
+    value = bytes(encode_integer(len(coded), 7))
+    value = bytes((value[0] | 0x80,)) + value[1:] + coded  # the H bit: Huffman-coded
+    wire += [
+        _headers_frame(2 * i + 1, b"\x00" + bytes(encode_integer(4, 7)) + b"x-%02d" % i + value)
+        for i in range(64)
+    ]
+    retained = _bytes_kept_by_a_connection_after(wire)
+    assert retained < MiB // 4, f"{retained / MiB:.2f} MiB kept by one idle connection"
 
 
 def test_a_never_indexed_field_stays_never_indexed() -> None:

@@ -894,8 +894,9 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             checked = self._checked(headers, _REQUEST_HEADERS)
         except (h2.exceptions.ProtocolError, UnicodeDecodeError, IndexError):
             return [self._stream_error(stream_id)]  # as _receive_headers_frame fails it
-        if decoder.header_table.version == version and decoded_size(checked) <= (
-            MAX_REMEMBERED_BYTES
+        if (
+            decoder.header_table.version == version
+            and max(len(frame.data), decoded_size(checked)) <= MAX_REMEMBERED_BYTES
         ):
             if len(self._opened_blocks) >= _MAX_CHECKED_HEADER_LISTS:
                 self._opened_blocks.clear()

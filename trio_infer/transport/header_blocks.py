@@ -32,8 +32,9 @@ __all__ = [
 #: Distinct blocks remembered per connection; a client sending a different deadline on every
 #: call makes every request block distinct, and those must not grow the cache without bound.
 _MAX_BLOCKS = 64
-#: Blocks larger than this, decoded, are not remembered, so a connection's caches hold at most
-#: about a MiB (gRPC request blocks are a few hundred bytes; the limit on a list is 16 KiB).
+#: Blocks larger than this, coded or decoded, are not remembered, so a connection's caches hold
+#: at most about a MiB (gRPC request blocks are a few hundred bytes; the limit on a list is
+#: 16 KiB, and Huffman coding can make a block's bytes longer than its fields).
 MAX_REMEMBERED_BYTES = 4096
 
 
@@ -118,7 +119,7 @@ class CachingDecoder(hpack.Decoder):  # type: ignore[misc]
         if headers is None:
             version = self.header_table.version
             headers = super().decode(data, raw)
-            self._memo.put(key, version, headers, decoded_size(headers))
+            self._memo.put(key, version, headers, max(len(data), decoded_size(headers)))
         # h2 keeps what it is given; a copy keeps the remembered block safe from it.
         return list(headers)
 
@@ -155,5 +156,5 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
         if block is None:
             version = self.header_table.version
             block = super().encode(fields, huffman)
-            self._memo.put(key, version, block, decoded_size(fields))
+            self._memo.put(key, version, block, max(len(block), decoded_size(fields)))
         return block
