@@ -766,6 +766,24 @@ async def _serve_one_connection(
 _WATCHES = (["end watch"] if http_server._END_EVENTS is not None else []) + ["watcher task"]
 
 
+def _serve_one_remembered_connection(
+    handler: Callable[[HttpRequest], Awaitable[None]],
+    client_side: Callable[[trio.socket.SocketType], Awaitable[None]],
+    connections: list[HttpConnection],
+) -> None:
+    """:func:`_serve_one_connection` in a run of its own, its HttpConnection appended to
+    ``connections`` once made (for the client side to reach)."""
+    original = HttpConnection.__init__
+
+    def remember(self: HttpConnection, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        connections.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HttpConnection, "__init__", remember)
+        trio.run(_serve_one_connection, handler, client_side)
+
+
 @pytest.fixture(params=_WATCHES)
 def watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test with each way a connection watches its client's end on this platform."""
@@ -862,15 +880,7 @@ def test_a_request_cancelled_by_the_server_is_answered_503_outside_its_scope(met
         assert received.endswith(b'\r\n\r\n{"error": "shut down"}')
         client.close()
 
-    original = HttpConnection.__init__
-
-    def remember(self: HttpConnection, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        connections.append(self)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(HttpConnection, "__init__", remember)
-        trio.run(_serve_one_connection, handler, client_side)
+    _serve_one_remembered_connection(handler, client_side, connections)
 
 
 def test_connections_sharing_a_server_timer_each_end_their_waits_at_their_deadlines() -> None:
@@ -1010,15 +1020,7 @@ def test_requests_that_end_unwatched_leave_nothing_in_the_end_watch(watch: str) 
         assert connection._watched is None
         client.close()
 
-    original = HttpConnection.__init__
-
-    def remember(self: HttpConnection, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        connections.append(self)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(HttpConnection, "__init__", remember)
-        trio.run(_serve_one_connection, handler, client_side)
+    _serve_one_remembered_connection(handler, client_side, connections)
     assert log == ["/x"] * 1000
 
 

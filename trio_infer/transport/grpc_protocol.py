@@ -490,6 +490,17 @@ class _WindowUpdateRecord:
     window_increment: int
 
 
+def _with_end(received: Any, stream_id: int, ended: bool) -> list[Any]:
+    """h2's event for a request's frame, followed by the stream's StreamEnded (kept with it as
+    h2 keeps it) if the frame ended the stream."""
+    if not ended:
+        return [received]
+    end = h2.events.StreamEnded()
+    end.stream_id = stream_id
+    received.stream_ended = end
+    return [received, end]
+
+
 class _OpenedBlock:
     """A request header block, by its bytes, that opened a stream and left the connection's
     HPACK table as it was: what decoding and checking it gave, valid while the table and the
@@ -876,15 +887,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         if known is not None and known.version == version and known.limits == limits:
             # The block would decode to the same headers, pass the same checks and leave the
             # table as it is: the stream is opened as _request_opened opens it, without them.
-            _connection_input(self, _RECV_HEADERS)
-            stream = self._new_request_stream(stream_id)
-            states = stream.state_machine
-            states.state = _OPEN
-            states.client = False
-            states.headers_received = True
-            ended = "END_STREAM" in frame.flags
-            if ended:
-                states.state = _HALF_CLOSED_REMOTE
+            stream, ended = self._open_stream(frame)
             stream._expected_content_length = known.content_length
             self.opened_block = known
             return known.headers, ended
@@ -916,12 +919,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         received = h2.events.RequestReceived()
         received.stream_id = frame.stream_id
         received.headers = headers
-        if not ended:
-            return [received]
-        end = h2.events.StreamEnded()
-        end.stream_id = frame.stream_id
-        received.stream_ended = end
-        return [received, end]
+        return _with_end(received, frame.stream_id, ended)
 
     def _receive_headers_frame(self, frame: Any) -> Any:
         events = self._new_request(frame)
@@ -966,6 +964,13 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             h2.exceptions.ProtocolError: what h2 raises for this block.
         """
         headers = _decode_headers(self.decoder, frame.data)
+        stream, ended = self._open_stream(frame)
+        stream._initialize_content_length(headers)
+        return headers, ended
+
+    def _open_stream(self, frame: Any) -> tuple[Any, bool]:
+        """The stream a request's HEADERS opens, its state machine moved by hand (to OPEN, or
+        HALF_CLOSED_REMOTE with END_STREAM), and whether the block ended it."""
         _connection_input(self, _RECV_HEADERS)
         stream = self._new_request_stream(frame.stream_id)
         states = stream.state_machine
@@ -975,8 +980,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         ended = "END_STREAM" in frame.flags
         if ended:
             states.state = _HALF_CLOSED_REMOTE
-        stream._initialize_content_length(headers)
-        return headers, ended
+        return stream, ended
 
     def _new_request_stream(self, stream_id: int) -> Any:
         """h2's ``_begin_new_stream`` for a stream the client opens, its id odd and above every
@@ -1050,12 +1054,7 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         received.stream_id = frame.stream_id
         received.data = frame.data
         received.flow_controlled_length = frame.flow_controlled_length
-        if not ended:
-            return [received]
-        end = h2.events.StreamEnded()
-        end.stream_id = frame.stream_id
-        received.stream_ended = end
-        return [received, end]
+        return _with_end(received, frame.stream_id, ended)
 
     def _take_request_data(self, frame: Any) -> bool | None:
         """A request's DATA on its open stream, taken: whether it ended the stream. None for
