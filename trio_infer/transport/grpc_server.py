@@ -370,7 +370,8 @@ class Call:
         self._message_half_sent = True
         max_unsent = protocol.limits.max_unsent_bytes
         while pending:
-            # unsent_room(), without its calls.
+            # Room left before max_unsent_bytes (negative past it): a call queues no more
+            # response data than this. unsent_bytes() written out: this runs for every chunk.
             room = max_unsent - connection._taken - protocol.pending_bytes()
             window = min(protocol.send_window(self._stream_id), room)
             if window <= 0:
@@ -544,17 +545,6 @@ class Connection:
     def unsent_bytes(self) -> int:
         """Bytes queued for the client and not yet written to the socket."""
         return self._taken + self.protocol.pending_bytes()
-
-    def unsent_room(self) -> int:
-        """Bytes that may be queued for the client before ``max_unsent_bytes`` is reached
-        (negative past it): a call queues no more response data than this, and waits for the
-        socket to take some when there is none."""
-        return self.protocol.limits.max_unsent_bytes - self.unsent_bytes()
-
-    def backlogged(self) -> bool:
-        """Whether more is queued for the client than ``max_unsent_bytes``: its requests are
-        not read until the socket takes some."""
-        return self.unsent_room() < 0
 
     async def wait_written(self) -> None:
         """Wait until the writer has written something to the socket."""
@@ -752,7 +742,8 @@ class Connection:
         max_unsent = protocol.limits.max_unsent_bytes
         handshaken = False
         while True:
-            # backlogged(), without its calls: this runs for every read.
+            # More queued for the client than max_unsent_bytes? (unsent_bytes() written out:
+            # this runs for every read.)
             if self._taken + protocol.pending_bytes() > max_unsent:
                 # The client is not reading what it asked for: handle no more of its requests
                 # (or PINGs to answer) until it does. The writer's send timeout ends the wait.
