@@ -15,6 +15,14 @@ time and dumps them (``callgrind_control -d``): the dump's total Ir over the cal
 row's instructions per call. The table goes to stdout and, with ``results.jsonl`` and the
 servers' logs, to ``bench/results/<timestamp>-instructions/``.
 
+With ``--in-flight K``, the calls go out in bursts of K, and the next burst only when every
+answer of the one before is in (unary gRPC calls as K futures on the one channel, stream
+messages as K messages before the first answer is read, REST calls on K keep-alive
+connections, each request written before the first answer is read). Under callgrind the
+server is about a hundred times slower than its client, so one read of the server finds the
+whole burst: the count is that of a server with K calls in flight, and it repeats from run
+to run as the one-at-a-time count does (where a real load's batches depend on timing).
+
 With ``--worker``, valgrind follows the server's children too (``--trace-children=yes``: the
 fork server, and the worker it forks): the worker process is zeroed and dumped with the
 front-end, and each row has both counts.
@@ -180,11 +188,13 @@ class Counter:
 
 @dataclass(frozen=True)
 class Probe:
-    """One scenario's call (a whole request, built once) and the check of its first answer
-    (``ok``, or what is wrong)."""
+    """One scenario's call (a whole request, built once), the same call ``k`` times at once
+    (``burst(k)`` returns the ``k`` answers), and the check of an answer (``ok``, or what is
+    wrong)."""
 
     call: Callable[[], object]
     check: Callable[[object], str]
+    burst: Callable[[int], list[object]]
 
 
 class Client:
@@ -195,7 +205,9 @@ class Client:
         self.channel = grpc.insecure_channel(server.target, options=client.CHANNEL_OPTIONS)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.http_port = server.http_port
-        self.http: http.client.HTTPConnection | None = None
+        #: Keep-alive connections, opened as bursts need them; the first is the one-at-a-time
+        #: calls'.
+        self.http: list[http.client.HTTPConnection] = []
         #: The open ModelStreamInfer streams' requests (None ends one), by scenario.
         self._streams: list[queue.SimpleQueue[pb.ModelInferRequest | None]] = []
 
@@ -204,21 +216,48 @@ class Client:
         for sending in self._streams:
             sending.put(None)
         self.channel.close()
-        if self.http is not None:
-            self.http.close()
+        for connection in self.http:
+            connection.close()
+
+    def _connections(self, count: int) -> list[http.client.HTTPConnection]:
+        """The first ``count`` keep-alive connections, opened as needed."""
+        if self.http_port is None:
+            raise RuntimeError("this build serves no REST")
+        while len(self.http) < count:
+            opened = http.client.HTTPConnection("127.0.0.1", self.http_port, CALL_TIMEOUT)
+            self.http.append(opened)
+        return self.http[:count]
 
     def rest(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> object:
-        """One REST call on the keep-alive connection.
+        """One REST call on the first keep-alive connection.
 
         Raises:
             HttpStatusError: It was not answered 200.
         """
-        if self.http is None:
-            if self.http_port is None:
-                raise RuntimeError("this build serves no REST")
-            self.http = http.client.HTTPConnection("127.0.0.1", self.http_port, CALL_TIMEOUT)
-        self.http.request(method, path, body=body or None, headers=headers)
-        answer = self.http.getresponse()
+        return self.rest_burst(1, method, path, body, headers)[0]
+
+    def rest_burst(
+        self, count: int, method: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> list[object]:
+        """The same REST call on ``count`` keep-alive connections: every request is written
+        before the first answer is read.
+
+        Raises:
+            HttpStatusError: One was not answered 200.
+        """
+        connections = self._connections(count)
+        for connection in connections:
+            connection.request(method, path, body=body or None, headers=headers)
+        return [self._answer(connection) for connection in connections]
+
+    @staticmethod
+    def _answer(connection: http.client.HTTPConnection) -> object:
+        """The answer to the request written on ``connection``.
+
+        Raises:
+            HttpStatusError: It was not 200.
+        """
+        answer = connection.getresponse()
         data = answer.read()
         if answer.status != 200:
             raise client.HttpStatusError(answer.status, data)
@@ -253,14 +292,25 @@ class Client:
             live = isinstance(response, pb.ServerLiveResponse) and response.live
             return "ok" if live else f"not live: {response!r}"
 
-        return Probe(lambda: self.stub.ServerLive(request, timeout=CALL_TIMEOUT), check)
+        return self._unary(self.stub.ServerLive, request, check)
+
+    @staticmethod
+    def _unary(
+        method: grpc.UnaryUnaryMultiCallable, request: object, check: Callable[[object], str]
+    ) -> Probe:
+        """A unary call; a burst is ``k`` futures on the channel, then their answers."""
+
+        def burst(count: int) -> list[object]:
+            futures = [method.future(request, timeout=CALL_TIMEOUT) for _ in range(count)]
+            return [future.result() for future in futures]
+
+        return Probe(lambda: method(request, timeout=CALL_TIMEOUT), check, burst)
 
     def _dense(self, rows: int) -> Probe:
         x = client.dense_input(rows)
         request = client.infer_request("dense", x, raw=True)
-        return Probe(
-            lambda: self.stub.ModelInfer(request, timeout=CALL_TIMEOUT),
-            lambda response: client.check_dense(response, x),
+        return self._unary(
+            self.stub.ModelInfer, request, lambda response: client.check_dense(response, x)
         )
 
     def _stream(
@@ -273,9 +323,10 @@ class Client:
         self._streams.append(sending)
         answers = self.stub.ModelStreamInfer(iter(sending.get, None))
 
-        def call() -> object:
-            sending.put(request)
-            return next(answers)
+        def burst(count: int) -> list[object]:
+            for _ in range(count):
+                sending.put(request)
+            return [next(answers) for _ in range(count)]
 
         def check(response: object) -> str:
             assert isinstance(response, pb.ModelStreamInferResponse)
@@ -283,28 +334,27 @@ class Client:
                 return f"error_message: {response.error_message}"
             return check_answer(response.infer_response)
 
-        return Probe(call, check)
+        return Probe(lambda: burst(1)[0], check, burst)
 
     def _rest_live(self) -> Probe:
         return Probe(
             lambda: self.rest("GET", "/v2/health/live", b"", {}),
             lambda response: "ok",  # self.rest raised unless it was 200
+            lambda count: self.rest_burst(count, "GET", "/v2/health/live", b"", {}),
         )
 
     def _rest_dense(self, rows: int) -> Probe:
         x = client.dense_input(rows)
         body, headers = client.rest_infer_body(x, binary=False)
 
-        def call() -> object:
-            response = self.rest("POST", "/v2/models/dense/infer", body, headers)
-            assert isinstance(response, client.HttpResponse)
-            return response
+        def burst(count: int) -> list[object]:
+            return self.rest_burst(count, "POST", "/v2/models/dense/infer", body, headers)
 
         def check(response: object) -> str:
             assert isinstance(response, client.HttpResponse)
             return client.check_dense(client.RestInferResponse.parse(response), x)
 
-        return Probe(call, check)
+        return Probe(lambda: burst(1)[0], check, burst)
 
 
 # ------------------------------------------------------------------------------------------
@@ -337,17 +387,27 @@ class Row:
 
 
 def measure_scenario(
-    probe: Probe, counter: Counter, calls: int, warmup: int, workers: Sequence[Counter] = ()
+    probe: Probe,
+    counter: Counter,
+    calls: int,
+    warmup: int,
+    workers: Sequence[Counter] = (),
+    in_flight: int = 1,
 ) -> tuple[int, int, str]:
-    """Warm up (the first answer checked), zero, make ``calls`` calls, dump: the total Ir of
-    the calls in the front-end, in ``workers`` (0 without any), and the check."""
-    check = probe.check(probe.call())
-    for _ in range(warmup - 1):
-        probe.call()
+    """Warm up (the first burst's answers checked), zero, make ``calls`` calls (a multiple of
+    ``in_flight``) in bursts of ``in_flight``, dump: the total Ir of the calls in the
+    front-end, in ``workers`` (0 without any), and the check."""
+    make: Callable[[], object] = probe.call
+    if in_flight > 1:
+        make = lambda: probe.burst(in_flight)  # noqa: E731
+    checks = [probe.check(answer) for answer in probe.burst(in_flight)]
+    check = next((found for found in checks if found != "ok"), "ok")
+    for _ in range(max(warmup // in_flight, 1)):
+        make()
     for each in [counter, *workers]:
         each.zero()
-    for _ in range(calls):
-        probe.call()
+    for _ in range(calls // in_flight):
+        make()
     return counter.dump(), sum(worker.dump() for worker in workers), check
 
 
@@ -360,7 +420,13 @@ class Build:
 
 
 def measure_build(
-    build: Build, chosen: Sequence[str], calls: int, warmup: int, run_dir: Path, worker: bool
+    build: Build,
+    chosen: Sequence[str],
+    calls: int,
+    warmup: int,
+    run_dir: Path,
+    worker: bool,
+    in_flight: int = 1,
 ) -> list[Row]:
     """Start one server of ``build`` under callgrind (its workers too with ``worker``),
     measure every scenario on it, stop it and remove its callgrind files."""
@@ -385,7 +451,7 @@ def measure_build(
             try:
                 for scenario in chosen:
                     total, in_workers, check = measure_scenario(
-                        connection.probe(scenario), counter, calls, warmup, workers
+                        connection.probe(scenario), counter, calls, warmup, workers, in_flight
                     )
                     row = Row(build.kind.name, scenario, calls, total, check)
                     if worker:
@@ -511,6 +577,13 @@ def _parser() -> argparse.ArgumentParser:
         "--scenarios", default="all", help=f"names or prefixes of {', '.join(SCENARIOS)}"
     )
     parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        metavar="K",
+        help="calls in bursts of K, each burst answered before the next (default 1)",
+    )
+    parser.add_argument(
         "--worker",
         action="store_true",
         help="also count the worker process (valgrind follows the server's children)",
@@ -544,7 +617,9 @@ def _run(args: argparse.Namespace, chosen: list[str], run_dir: Path) -> int:
     measured = builds(args.baseline)
     rows: list[Row] = []
     for build in measured:
-        rows += measure_build(build, chosen, args.calls, args.warmup, run_dir, args.worker)
+        rows += measure_build(
+            build, chosen, args.calls, args.warmup, run_dir, args.worker, args.in_flight
+        )
     names = [build.kind.name for build in measured]
     text = table(rows, names)
     meta = {
@@ -555,6 +630,7 @@ def _run(args: argparse.Namespace, chosen: list[str], run_dir: Path) -> int:
         "scenarios": chosen,
         "calls": args.calls,
         "warmup": args.warmup,
+        "in_flight": args.in_flight,
         "worker": args.worker,
         "python": platform.python_version(),
         "seconds": round(time.monotonic() - began, 1),
@@ -579,8 +655,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         log(str(error))
         return 2
-    if args.calls < 1 or args.warmup < 1:
-        log("--calls and --warmup must be at least 1")
+    if args.calls < 1 or args.warmup < 1 or args.in_flight < 1:
+        log("--calls, --warmup and --in-flight must be at least 1")
+        return 2
+    if args.calls % args.in_flight:
+        log(f"--calls ({args.calls}) must be a multiple of --in-flight ({args.in_flight})")
         return 2
     run_dir = servers.RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-instructions"
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -59,8 +59,11 @@ def test_the_command_refuses_a_bad_set_with_exit_2_before_starting_any_server() 
     ("arguments", "message"),
     [
         (["--scenarios", "nope"], "unknown scenario 'nope'; known: live, dense-n1"),
-        (["--calls", "0"], "--calls and --warmup must be at least 1"),
-        (["--warmup", "-1"], "--calls and --warmup must be at least 1"),
+        (["--calls", "0"], "--calls, --warmup and --in-flight must be at least 1"),
+        (["--warmup", "-1"], "--calls, --warmup and --in-flight must be at least 1"),
+        (["--in-flight", "0"], "--calls, --warmup and --in-flight must be at least 1"),
+        (["--in-flight", "x"], "argument --in-flight: invalid int value: 'x'"),
+        (["--calls", "30", "--in-flight", "25"], "--calls (30) must be a multiple of --in-flight"),
     ],
 )
 def test_the_instruction_count_refuses_bad_options_with_exit_2(
