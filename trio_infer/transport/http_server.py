@@ -1016,10 +1016,44 @@ class HttpConnection:
             self._request._cancel(message)
 
     async def fill(self) -> bool:
-        """Receive more from the client into the buffer; False at the end of its input."""
-        data = await self.receive()
+        """Receive more from the client into the buffer; False at the end of its input (or a
+        broken socket), after which :attr:`at_end` is set.
+
+        Plaintext is read on the descriptor (Trio keeps it non-blocking). Trio's ``recv``
+        tries a read first, which on a keep-alive connection fails (the client sends its next
+        request only once answered), and yields again after reading; here a read is tried at
+        once only after one that filled the read size (more is likely waiting), with a
+        checkpoint. The read is this coroutine's own, not a call to another: a keep-alive
+        connection waits here once a request, and each coroutine between its loop and the
+        wait is passed through twice a wait.
+        """
+        if self.at_end:
+            await trio.lowlevel.checkpoint()
+            return False
+        plain = self._plain
+        try:
+            if plain is None:
+                data = await self._stream.receive_some(_READ_SIZE)
+            else:
+                if self._more_likely:
+                    await trio.lowlevel.checkpoint()
+                else:
+                    await trio.lowlevel.wait_readable(plain)
+                while True:
+                    try:
+                        data = os.read(self._fd, _READ_SIZE)
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_readable(plain)  # woken without data after all
+                        continue
+                    self._more_likely = len(data) == _READ_SIZE
+                    break
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            data = b""
+        if not data:
+            self.at_end = True
+            return False
         self._buffer += data
-        return bool(data)
+        return True
 
     def parse_body(self, message: _Message) -> bool:
         """Parse what is buffered of ``message``'s body; False if nothing was.
@@ -1331,41 +1365,6 @@ class HttpConnection:
             self.closing or not message.keep_alive or message.upgrade or not message.complete
         )
         return request._closes
-
-    async def receive(self) -> bytes | bytearray:
-        """The next bytes from the client; ``b""`` at the end of its input (or a broken
-        socket), after which :attr:`at_end` is set."""
-        if self.at_end:
-            await trio.lowlevel.checkpoint()
-            return b""
-        try:
-            if self._plain is None:
-                data = await self._stream.receive_some(_READ_SIZE)
-            else:
-                data = await self._read_plain(self._plain)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            data = b""
-        if not data:
-            self.at_end = True
-        return data
-
-    async def _read_plain(self, sock: trio.socket.SocketType) -> bytes:
-        """Read on the descriptor (Trio keeps it non-blocking). Trio's ``recv`` tries a read
-        first, which on a keep-alive connection fails (the client sends its next request only
-        once answered), and yields again after reading; here a read is tried at once only
-        after one that filled the read size (more is likely waiting), with a checkpoint."""
-        if self._more_likely:
-            await trio.lowlevel.checkpoint()
-        else:
-            await trio.lowlevel.wait_readable(sock)
-        while True:
-            try:
-                data = os.read(self._fd, _READ_SIZE)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)  # woken without data after all
-                continue
-            self._more_likely = len(data) == _READ_SIZE
-            return data
 
     async def send(
         self, data: Sequence[Buffer], request: HttpRequest | None, size: int = -1
