@@ -566,6 +566,53 @@ DECOUPLED = textwrap.dedent(
 )
 
 
+HEADERS_MODEL = textwrap.dedent(
+    """
+    import json
+
+    import numpy as np
+
+    from trio_infer.model import Model
+
+    class Headers(Model):
+        def predict(self, inputs, parameters):
+            seen = json.dumps(parameters.headers, sort_keys=True).encode()
+            return {"headers": np.array([seen], dtype=object)}
+    """
+)
+
+
+async def test_a_request_s_headers_reach_its_model_but_http_s_own(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    folder = tmp_path / "repository" / "headers"
+    folder.mkdir(parents=True)
+    (folder / "model-settings.json").write_text(
+        json.dumps({"implementation": "headers_model.Headers"})
+    )
+    (folder / "headers_model.py").write_text(HEADERS_MODEL)
+    server = await start_server(nursery, tmp_path / "repository")
+    body = json.dumps({"inputs": [_json_input("x", np.zeros(1, np.float32), "FP32")]})
+    async with _client(server) as client:
+        response = await client.post(
+            "/v2/models/headers/infer",
+            content=body,
+            # Names as the client spells them, values as latin-1 bytes; HTTP's own headers
+            # (and the binary extension's, and the request id) are left out.
+            headers={
+                "X-User": "bob",
+                "x-city": "Z\xfcrich".encode("latin-1"),
+                "User-Agent": "test",
+                "Content-Type": "application/json",
+                "X-Request-Id": "r1",
+                "Inference-Header-Content-Length": str(len(body)),
+            },
+        )
+    assert response.status_code == 200, response.text
+    [output] = response.json()["outputs"]
+    assert json.loads(output["data"][0]) == {"x-city": "Z\xfcrich", "x-user": "bob"}
+
+
 async def test_a_decoupled_model_is_501_as_in_triton(nursery: trio.Nursery, tmp_path: Path) -> None:
     folder = tmp_path / "repository" / "twice"
     folder.mkdir(parents=True)

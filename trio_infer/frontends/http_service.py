@@ -108,6 +108,10 @@ _PROTOCOL_HEADERS = frozenset(
         REQUEST_ID_HEADER,
     }
 )
+#: The same names as the transport gives them (HttpRequest.fields): most requests carry only
+#: these, and are looked at without a header decoded.
+_PROTOCOL_FIELDS = frozenset(name.encode("latin-1") for name in _PROTOCOL_HEADERS)
+_HEADER_LENGTH_FIELD = _HEADER_LENGTH.encode("latin-1")
 #: The most digits an Inference-Header-Content-Length may have (2**63 has 19).
 _MAX_HEADER_LENGTH_DIGITS = 19
 #: The largest body of a request that carries no tensors (every route but infer): none is
@@ -443,7 +447,11 @@ def _check_get(request: HttpRequest) -> None:
 
 def _metadata(request: HttpRequest) -> dict[str, str]:
     """The request's metadata, as its model sees it: its headers but HTTP's own."""
-    return {name: value for name, value in request.headers if name not in _PROTOCOL_HEADERS}
+    return {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in request.fields
+        if name not in _PROTOCOL_FIELDS
+    }
 
 
 def _header_length(request: HttpRequest) -> int | None:
@@ -453,7 +461,11 @@ def _header_length(request: HttpRequest) -> int | None:
     Raises:
         HttpError: it is not a size within the body (400).
     """
-    value = request.header(_HEADER_LENGTH)
+    value = None
+    for name, field in request.fields:
+        if name == _HEADER_LENGTH_FIELD:
+            value = field.decode("latin-1")
+            break
     if value is None:
         return None
     # ASCII digits only ("\u00b2".isdigit() is true, and int() refuses it), and few enough for

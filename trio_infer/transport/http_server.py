@@ -572,6 +572,12 @@ class HttpRequest:
             ]
         return headers
 
+    @property
+    def fields(self) -> Sequence[tuple[bytes, bytes]]:
+        """The request headers in order as received, names lower-case: :attr:`headers`
+        undecoded, for a handler that keeps or looks for a few of them."""
+        return self._message.headers
+
     def header(self, name: str) -> str | None:
         """The value of the first header called ``name`` (lower-case), or None."""
         for key, value in self.headers:
