@@ -1274,6 +1274,9 @@ class HttpConnection:
                     self._unfinished = request
             if request._cancelled:
                 return False
+            if failure is None and request._response_sent and not request._client_gone:
+                # Answered whole: what _finish_request decides without a coroutine of its own.
+                return not request._closes
             return await self._finish_request(request, failure)
         finally:
             if self._unfinished is not request:
