@@ -1069,6 +1069,34 @@ def test_a_client_that_ended_before_its_body_was_read_cancels_the_request(
     assert log == ["cancelled"]
 
 
+def test_a_response_to_a_client_that_reset_its_connection_cancels_the_request() -> None:
+    # The response's first write fails on the reset socket: send() finds out why, the
+    # request is cancelled as its client's, and the connection ends.
+    log: list[str] = []
+    started = trio.Event()
+    reset = trio.Event()
+
+    async def handler(request: HttpRequest) -> None:
+        started.set()
+        await reset.wait()
+        try:
+            await request.respond(200, [], [b"x" * 100])
+        except trio.Cancelled:
+            log.append("cancelled")
+            raise
+        log.append("answered")
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        await client.send(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        await started.wait()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
+        reset.set()
+
+    trio.run(_serve_one_connection, handler, client_side, True)
+    assert log == ["cancelled"]
+
+
 def test_requests_that_end_unwatched_leave_nothing_in_the_end_watch(watch: str) -> None:
     # A request is watched from its body's end to its handler's return, then no longer: a
     # thousand POSTs on one connection leave no registration behind, nor cancel anything.

@@ -713,7 +713,13 @@ class HttpRequest:
         if not connection.head_only and size:
             parts += [view for view in views if view]
             total += size
-        self._response_sent = await connection.send(parts, self, total)
+        # Most responses leave in one write, which needs no coroutine of send's: it is
+        # awaited only for what the socket did not take at once.
+        sent = connection.write_now(parts)
+        if sent == total:
+            self._response_sent = True
+        else:
+            self._response_sent = await connection.send(unsent(parts, sent), self, total - sent)
 
     def _cancel_as_gone(self) -> None:
         self._client_gone = True
@@ -1375,6 +1381,17 @@ class HttpConnection:
         )
         return request._closes
 
+    def write_now(self, data: Sequence[Buffer]) -> int:
+        """Bytes of ``data`` one vectored write gives the socket at once, which needs no
+        timeout: 0 over TLS, or when the socket takes none now or fails (the writes of
+        :meth:`send`, which try at once, then wait for it or find out why)."""
+        if self._plain is None:
+            return 0
+        try:
+            return os.writev(self._fd, data[:MAX_BUFFERS])
+        except OSError:
+            return 0
+
     async def send(
         self, data: Sequence[Buffer], request: HttpRequest | None, size: int = -1
     ) -> bool:
@@ -1382,15 +1399,12 @@ class HttpConnection:
         send timeout, or whose socket broke, is gone: ``request`` (if any) is cancelled, and
         the connection ends after it. ``size``, when the caller knows it, is the bytes of
         ``data``: a write that took them all then needs no count of what is left."""
+        sent = self.write_now(data)
+        if sent == size:
+            return True
+        data = unsent(data, sent)
         limit = self.limits.send_timeout
         try:
-            if self._plain is not None:
-                # What the socket takes at once needs no timeout: one vectored write first.
-                try:
-                    sent = os.writev(self._fd, data[:MAX_BUFFERS])
-                except BlockingIOError:
-                    sent = 0
-                data = [] if sent == size else unsent(data, sent)
             while data:
                 with trio.move_on_after(limit):
                     if self._plain is not None:
