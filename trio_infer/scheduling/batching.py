@@ -155,15 +155,29 @@ def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hasha
         (``shape[1:]``), and the parameters with their types (``True``, ``1`` and ``1.0`` are
         equal in Python but a model may tell them apart).
     """
+    # Every request of a batching model that overlaps others comes here, most with one input
+    # and no parameters: names are unique, so sorting the items never compares two arrays or
+    # two mappings; tuples are made from lists (cheaper than from generators) and an empty
+    # mapping's part is () without a sort.
     tensors = tuple(
-        (name, inputs[name].dtype.str, inputs[name].shape[1:]) for name in sorted(inputs)
+        [(name, array.dtype.str, array.shape[1:]) for name, array in sorted(inputs.items())]
     )
-    per_tensor = tuple((name, _typed(values)) for name, values in sorted(parameters.inputs.items()))
-    return tensors, _typed(parameters), per_tensor, tuple(sorted(parameters.headers.items()))
+    per_tensor = tuple(
+        [(name, _typed(values)) for name, values in sorted(parameters.inputs.items())]
+    )
+    headers = parameters.headers
+    return (
+        tensors,
+        _typed(parameters),
+        per_tensor,
+        tuple(sorted(headers.items())) if headers else (),
+    )
 
 
 def _typed(values: Mapping[str, ParameterValue]) -> tuple[tuple[str, str, ParameterValue], ...]:
-    return tuple(sorted((name, type(value).__name__, value) for name, value in values.items()))
+    if not values:
+        return ()
+    return tuple(sorted([(name, type(value).__name__, value) for name, value in values.items()]))
 
 
 class Pending(Protocol):
