@@ -988,15 +988,20 @@ def old_way(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> bytes:
     return b"".join(serialize_response(response, encode_outputs(response, outputs, raw=raw)))
 
 
-def new_way(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> list[Any]:
+def new_way(
+    outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool, datatypes: list[str] | None = None
+) -> list[Any]:
     response = ModelInferResponse(model_name="m", model_version="3", id="call")
     response.parameters["p"].int64_param = 7
-    return encode_response(response, outputs, raw=raw)
+    return encode_response(response, outputs, raw=raw, datatypes=datatypes)
 
 
 def check_encoded(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> None:
     sent = b"".join(new_way(outputs, raw=raw))
     assert sent == old_way(outputs, raw=raw)
+    # As the server encodes: with the datatypes its costing found (FP16's raw forcing included).
+    datatypes = encoding_cost(outputs, raw=raw).datatypes
+    assert b"".join(new_way(outputs, raw=raw, datatypes=datatypes)) == sent
     decoded = decode_outputs(ModelInferResponse.FromString(sent))
     assert list(decoded) == [name for name, _ in outputs]
     for name, array in outputs:
@@ -1164,7 +1169,7 @@ def test_the_cost_of_outputs_counts_the_arrays_and_the_work() -> None:
     assert cost.elements == 1050
     # Raw, a little-endian C-order numeric output is sent as it is: no work, no bytes.
     raw = encoding_cost([("n", numeric)], raw=True)
-    assert raw == EncodingCost(raw.nbytes, numeric.nbytes, 0)
+    assert raw == EncodingCost(raw.nbytes, numeric.nbytes, 0, ["INT64"])
     assert raw.nbytes <= 8192  # its metadata
     # One FP16 output makes every output raw, as in encode_response.
     assert encoding_cost([("n", numeric), ("h", np.zeros(1, np.float16))], raw=False).elements == 0

@@ -643,16 +643,17 @@ class GrpcService:
             def encode_off_loop() -> list[Buffer]:
                 cost = encoding_cost(outputs, raw=raw)
                 trio.from_thread.run_sync(_reserve_answer, reservation, state, cost)
-                return encode_response(response, outputs, raw=raw)
+                return encode_response(response, outputs, raw=raw, datatypes=cost.datatypes)
 
             # Costing (a pass over the arrays) and encoding both run off the loop; only the
             # reservation's growth comes back to it.
             return await trio.to_thread.run_sync(
                 encode_off_loop, limiter=self._decoding, abandon_on_cancel=False
             )
-        _reserve_answer(reservation, state, encoding_cost(outputs, raw=raw))
+        cost = encoding_cost(outputs, raw=raw)
+        _reserve_answer(reservation, state, cost)
         # Raw outputs go to the socket from the arrays' memory, not through a serialised copy.
-        return encode_response(response, outputs, raw=raw)
+        return encode_response(response, outputs, raw=raw, datatypes=cost.datatypes)
 
     # -- the repository extension ---------------------------------------------------------------
 

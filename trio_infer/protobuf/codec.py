@@ -787,6 +787,9 @@ class EncodingCost:
     elements: int
     """Elements converted or copied (typed contents, BYTES, copied raw arrays): the encode's
     time."""
+    datatypes: list[str]
+    """Each output's datatype, in order: :func:`encode_response` takes them from here rather
+    than finding them again."""
 
 
 def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> EncodingCost:
@@ -845,7 +848,7 @@ def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> En
         elif count:
             nbytes += count * _widest_varint(array) + wire.varint_encode_scratch(count)
             nbytes += _JOINED_BYTES + _SEPARATE_BLOB  # one buffer of parts being joined
-    return EncodingCost(nbytes, held, elements)
+    return EncodingCost(nbytes, held, elements, datatypes)
 
 
 def encode_response(
@@ -853,6 +856,7 @@ def encode_response(
     outputs: Sequence[tuple[str, np.ndarray]],
     *,
     raw: bool,
+    datatypes: Sequence[str] | None = None,
 ) -> list[Buffer]:
     """``response`` with one output tensor per ``(name, array)`` appended, serialised.
 
@@ -868,13 +872,17 @@ def encode_response(
     join; a typed FP32 or FP64 output, like a raw one, is sent from its array's own memory when
     that is already little-endian C-order.
 
-    ``response`` should hold no outputs or raw contents; it is not changed.
+    ``response`` should hold no outputs or raw contents; it is not changed. ``datatypes``, when
+    given, are the outputs' as :func:`encoding_cost` found them (:attr:`EncodingCost.datatypes`).
 
     Raises:
         ModelFailed: If an array's dtype has no datatype, a BYTES output holds an element that
             is neither ``bytes`` nor ``str``, or a raw BYTES element exceeds 4 GiB.
     """
-    arrays, datatypes, raw = _tensors_to_encode(outputs, raw, _RESPONSE_OUT)
+    if datatypes is None:
+        arrays, datatypes, raw = _tensors_to_encode(outputs, raw, _RESPONSE_OUT)
+    else:
+        arrays, raw = outputs, _all_raw(raw, datatypes)
     writer = _Writer(response.SerializeToString())
     raw_contents: list[memoryview] = []
     for (name, array), datatype in zip(arrays, datatypes, strict=True):
@@ -1001,8 +1009,13 @@ def _tensors_to_encode(
             datatypes.append(datatype_of(array))
         except ModelFailed as error:
             raise side.error(f"{side.role} '{name}': {error.message}") from None
-    # FP16 has no typed field, and one message cannot mix raw and typed tensors.
-    return arrays, datatypes, raw or "FP16" in datatypes
+    return arrays, datatypes, _all_raw(raw, datatypes)
+
+
+def _all_raw(raw: bool, datatypes: Sequence[str]) -> bool:
+    """Whether tensors of ``datatypes`` are encoded raw, ``raw`` asked: FP16 has no typed
+    field, and one message cannot mix raw and typed tensors."""
+    return raw or "FP16" in datatypes
 
 
 def _is_little_c_order(array: np.ndarray, little: np.dtype[Any]) -> bool:
