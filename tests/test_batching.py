@@ -458,6 +458,38 @@ class GatedPool:
             self.holding -= 1
 
 
+async def test_a_request_waits_in_the_queue_from_when_it_reaches_the_batcher(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    # The first goes at once (a batch of one, from its own task), the second joins the queue
+    # behind it: each one's queue wait starts at its arrival, as the core does not set it.
+    settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.0)
+    pool = GatedPool()
+    batcher = ModelBatcher(settings, pool, batchers=1)
+    timings = [Timing(), Timing()]
+    arrivals: list[float] = []
+    served: list[Timing] = []
+
+    async def request(timing: Timing) -> None:
+        arrivals.append(trio.current_time())
+        await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf, timing=timing)
+        served.append(timing)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        for timing in timings:
+            nursery.start_soon(request, timing)
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(1.0)
+        assert (pool.holding, batcher.statistics().waiting) == (1, 1)
+        pool.release.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert served == timings
+        nursery.cancel_scope.cancel()
+    assert [timing.queued for timing in timings] == arrivals
+    assert arrivals[1] - arrivals[0] == 1.0
+
+
 async def test_only_a_full_batch_goes_to_the_pool_ahead_of_a_free_worker() -> None:
     settings = ModelSettings("m", "a.B", max_batch_size=4, max_batch_time=0.0)
     pool = GatedPool()

@@ -415,10 +415,11 @@ class InferenceCore:
         sequence: SequenceFlags | None,
         timing: RequestTiming,
     ) -> ModelOutputs:
-        timing.queued = trio.current_time()
         batcher = self.batching.get(settings.name)
         if batcher is None or sequence is not None:
-            # A sequence's requests run one at a time on its worker: never in a batch.
+            # A sequence's requests run one at a time on its worker: never in a batch. (A
+            # batcher sets the queue's start of the requests it takes.)
+            timing.queued = trio.current_time()
             outputs = await self.pool.predict(
                 settings, inputs, parameters, priority, sequence, timing, limit
             )

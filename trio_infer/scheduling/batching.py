@@ -576,8 +576,9 @@ class ModelBatcher:
                 for a request that goes alone.
             priority: The request's level: a batch of a higher level runs first, and requests
                 of different levels never share one.
-            timing: Filled when the request's batch succeeds, with the batch's start and
-                compute time (every member counts the whole batch's).
+            timing: Its ``queued`` set to when the request arrives here; filled when the
+                request's batch succeeds, with the batch's start and compute time (every
+                member counts the whole batch's).
 
         Returns:
             The request's rows of the batch's outputs (with the batch's metadata, when the
@@ -592,6 +593,8 @@ class ModelBatcher:
             raise type(self._stopped)(self._stopped.message, self._stopped.code)
         if timing is None:
             timing = Timing()
+        # One read of the clock: the request's arrival in the queue, and a batch of one's start.
+        arrived = timing.queued = trio.current_time()
         rows = batch_rows(inputs)
         if rows is None:
             return await self._alone(inputs, parameters, priority, timing, 1, deadline)
@@ -611,15 +614,13 @@ class ModelBatcher:
             # alone at once, so it goes from this task, without the batcher's two turns (a
             # pass of the scheduler each, on the call's path).
             return await self._as_batch_of_one(
-                self._alone(inputs, parameters, priority, timing, rows, deadline), rows
+                self._alone(inputs, parameters, priority, timing, rows, deadline), rows, arrived
             )
         # Requests overlap: they go through the batchers, which let those that arrive together
         # (a wave of a closed loop, read in one pass) form one batch rather than one going alone.
         self._one_at_a_time = False
         key = (priority, batch_key(inputs, parameters))
-        member = _Member(
-            inputs, parameters, priority, key, rows, trio.current_time(), deadline, timing=timing
-        )
+        member = _Member(inputs, parameters, priority, key, rows, arrived, deadline, timing=timing)
         self._waiting.append(member)
         self._notify()
         try:
@@ -645,13 +646,14 @@ class ModelBatcher:
         self._recorder.executed(rows, timing.compute)
         return outputs
 
-    async def _as_batch_of_one(self, alone: Awaitable[ModelOutputs], rows: int) -> ModelOutputs:
-        """Await ``alone`` (a request's :meth:`_alone`, from its own task) as the batcher runs a
-        batch of one: counted as one, its outputs' rows checked."""
+    async def _as_batch_of_one(
+        self, alone: Awaitable[ModelOutputs], rows: int, started: float
+    ) -> ModelOutputs:
+        """Await ``alone`` (a request's :meth:`_alone`, from its own task, ``started`` then) as
+        the batcher runs a batch of one: counted as one, its outputs' rows checked."""
         self._counts.add_batch_of_one(rows)
         self._in_pool += 1
         try:
-            started = trio.current_time()
             outputs = await alone
             self._learn_run_time(trio.current_time() - started)
             (part,) = self._split(outputs, [rows])

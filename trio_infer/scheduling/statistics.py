@@ -12,7 +12,7 @@ Who records what:
   :class:`RequestTiming` block (``with recorder.request(deadline) as timing``), which records
   the status it ended with and its duration, whichever way it ends (a cancel by its deadline is
   DEADLINE_EXCEEDED, any other CANCELLED). It sets ``timing.queued`` when it hands the request
-  to a batcher or the pool.
+  to the pool; a batcher sets it when the request reaches it.
 - The worker pool fills a call's :class:`Timing` when the worker reports it done: when the worker
   started it (as the server saw it) and the seconds the worker measured around the model's code.
 - A batcher hands its batch's timing to every member, so each member counts the batch's compute
@@ -133,8 +133,9 @@ class HistogramSnapshot:
 
 
 class Timing:
-    """When one request's worker call ran: set by the core (``queued``), filled by the pool or
-    a batcher (``started``, ``compute``) when the call succeeds, read by the core at the end.
+    """When one request's worker call ran: set by the core or a batcher (``queued``), filled by
+    the pool or a batcher (``started``, ``compute``) when the call succeeds, read by the core
+    at the end.
 
     Args:
         requests: The requests the call serves (a batch's members; 1 otherwise): what the
