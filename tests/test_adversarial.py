@@ -462,8 +462,8 @@ def _check_bounds(
         assert stream is not None, stream_id
         assert not stream.closed, stream_id
     # (2) Streams held: no more than the advertised SETTINGS_MAX_CONCURRENT_STREAMS, in the
-    # protocol and open in h2, and h2 keeps no closed stream beyond those it has not yet swept
-    # (it sweeps before opening one).
+    # protocol and open in h2, and h2 holds no more streams than that, closed ones included
+    # (it forgets the closed ones when they would take the limit's room for a new one).
     assert len(protocol._inbound) <= limits.max_concurrent_streams
     open_streams = [s for s in h2_connection.streams.values() if not s.closed]
     assert len(open_streams) <= limits.max_concurrent_streams

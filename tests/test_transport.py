@@ -619,6 +619,55 @@ async def test_streams_over_the_limit_are_refused_not_the_connection(
     assert answers[2] == {"reset": str(h2.errors.ErrorCodes.REFUSED_STREAM)}
 
 
+def _calls_after_one_ended(port: int, count: int) -> list[dict[str, str]]:
+    """On one connection, make one call and read all of its answer (its stream is then closed
+    at both ends), then send ``count`` more at once. Returns the headers and trailers each
+    stream got back (``reset`` when it was reset instead), by stream id."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    message = b"\x00\x00\x00\x00\x01x"
+    answers: dict[int, dict[str, str]] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        for streams in ([1], [3 + 2 * i for i in range(count)]):
+            for stream_id in streams:
+                answers[stream_id] = {}
+                connection.send_headers(stream_id, GOOD_HEADERS)
+                connection.send_data(stream_id, message, end_stream=True)
+            sock.sendall(connection.data_to_send())
+            ended: set[int] = set()
+            while len(ended) < len(streams):
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("the server closed the connection")
+                for event in connection.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        answers[event.stream_id].update(
+                            (name.decode(), value.decode()) for name, value in event.headers
+                        )
+                    if isinstance(event, h2.events.StreamReset):
+                        answers[event.stream_id]["reset"] = str(event.error_code)
+                    if isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                        ended.add(event.stream_id)
+                sock.sendall(connection.data_to_send())
+            # The client's h2 would not open more streams than the server's limit: it is told
+            # of a higher one, so that the server's refusal is what is tested.
+            connection.remote_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = count
+            connection.remote_settings.acknowledge()
+    return [answers[stream_id] for stream_id in sorted(answers)]
+
+
+async def test_a_stream_that_ended_does_not_count_against_the_limit(
+    nursery: trio.Nursery,
+) -> None:
+    # The ended stream is still among the two streams the server holds when the second call
+    # opens: the open ones are counted then, and only the third call is over the limit.
+    _, port = await serve_echo(nursery, ProtocolLimits(max_concurrent_streams=2))
+    answers = await trio.to_thread.run_sync(_calls_after_one_ended, port, 3)
+    assert [answer.get("grpc-status") for answer in answers[:3]] == ["0", "0", "0"]
+    assert answers[3] == {"reset": str(h2.errors.ErrorCodes.REFUSED_STREAM)}
+
+
 async def test_a_deadline_that_passes_while_sending_ends_the_call(harness: Harness) -> None:
     headers = [*GOOD_HEADERS, ("grpc-timeout", "300m")]
     # A 1 MiB answer to a client that reads only 64 KiB: the server waits for window until the

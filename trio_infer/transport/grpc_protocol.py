@@ -866,8 +866,12 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         if stream_id <= self.highest_inbound_stream_id:
             return None
         # Settings read by their codes, not h2's properties (which read the codes off the enum):
-        # ServerProtocol's local settings always name the stream limit.
-        if self.open_inbound_streams >= self.local_settings[_MAX_CONCURRENT_STREAMS]:
+        # ServerProtocol's local settings always name the stream limit. h2's count walks every
+        # stream it holds, the closed ones it has not yet forgotten included: it is needed only
+        # when they are as many as the limit, since the open inbound ones are among them. That
+        # walk forgets the closed ones, so the streams held stay within the limit.
+        limit = self.local_settings[_MAX_CONCURRENT_STREAMS]
+        if len(self.streams) >= limit and self.open_inbound_streams >= limit:
             # RFC 9113 §5.1.2: a stream over the limit is refused, not the whole connection
             # (h2 raises a connection error). Its header block is still decoded, because
             # HPACK state is shared by every stream of the connection.
