@@ -176,6 +176,29 @@ class Call:
     other status. Its deadline is already enforced by the cancel scope the handler runs in.
     """
 
+    __slots__ = (
+        "_announced",
+        "_connection",
+        "_headers_sent",
+        "_inbound",
+        "_message_half_sent",
+        "_on_sent",
+        "_reset",
+        "_stream_id",
+        "bytes_in",
+        "bytes_out",
+        "connection_id",
+        "deadline",
+        "idle",
+        "initial_metadata",
+        "metadata",
+        "method",
+        "request_id",
+        "started",
+        "subject",
+        "trailing_metadata",
+    )
+
     def __init__(
         self,
         connection: Connection,
@@ -440,7 +463,7 @@ def _size(buffers: Sequence[Buffer]) -> int:
     return size
 
 
-@dataclass
+@dataclass(slots=True)
 class _CallState:
     """The transport's private record of a call in flight."""
 
