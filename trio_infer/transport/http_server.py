@@ -1300,7 +1300,12 @@ class HttpConnection:
 
     async def _finish_request(self, request: HttpRequest, failure: HttpError | None) -> bool:
         """Make sure ``request``, whose handler has returned (with ``failure``), is answered;
-        whether the connection may carry another."""
+        whether the connection may carry another.
+
+        :meth:`_serve_request` decides the common case itself (no failure, the response sent
+        whole, the client still there: the connection carries another unless the response
+        said it closes); what this decides for that case must stay the same.
+        """
         if request._client_gone:
             return False
         if request._response_started:
