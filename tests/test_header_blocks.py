@@ -71,6 +71,28 @@ def test_the_caching_encoder_writes_what_hpack_writes(
         assert caching.encode(headers, huffman) == plain.encode(headers, huffman)
 
 
+@settings(max_examples=300, deadline=None)
+@given(picks=st.lists(st.integers(0, 5), min_size=1, max_size=60), resizes=_table_sizes)
+def test_the_same_tuples_coded_again_and_again_write_what_hpack_writes(
+    picks: list[int], resizes: list[int]
+) -> None:
+    # The same tuple objects, as a server's constant headers and trailers are, mixed with
+    # blocks that change the table and with resizes: a block found by its tuple's identity
+    # must be what hpack writes now.
+    pool = [
+        ((":status", "200"), ("content-type", "application/grpc")),
+        (("grpc-status", "0"),),
+        (("x-big", "v" * 3000),),
+        (("x-a", "1"), ("x-b", "2")),
+    ]
+    plain, caching = hpack.Encoder(), CachingEncoder()
+    for i, pick in enumerate(picks):
+        if resizes and i % 7 == 3:
+            plain.header_table_size = caching.header_table_size = resizes.pop()
+        headers = pool[pick] if pick < len(pool) else ((f"x-{i}", "v"),)
+        assert caching.encode(headers) == plain.encode(headers, huffman=False)
+
+
 def test_a_repeated_block_means_what_the_table_says_now() -> None:
     # The same one byte (dynamic entry 62) names a different header once the table changed.
     encoder, decoder = hpack.Encoder(), CachingDecoder()

@@ -1057,3 +1057,53 @@ async def test_an_answer_cut_off_by_its_deadline_holds_its_reservation_until_wri
         assert peak <= ProtocolLimits().max_unsent_bytes + 64 * 1024
         await trio.to_thread.run_sync(read_until_reserved_is_free, sock, server)
     assert server.statistics().admission.reserved_bytes == 0
+
+
+def calls_across_table_sizes(port: int, sizes: list[int], timeout: float = 10.0) -> list[dict]:
+    """On one connection, for each of ``sizes``: set the client's SETTINGS_HEADER_TABLE_SIZE to
+    it, wait for the server's ACK, then make three echo calls one after another; return each
+    call's response headers and trailers, as the client's HPACK decoder reads them."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    body = grpc_message(echo_request())
+    results: list[dict] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(timeout)
+
+        def until(done: type) -> dict[str, str]:
+            fields: dict[str, str] = {}
+            while True:
+                sock.sendall(client.data_to_send())
+                for event in client.receive_data(sock.recv(65536)):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        fields.update((n.decode(), v.decode()) for n, v in event.headers)
+                    if isinstance(event, done):
+                        return fields
+
+        for size in sizes:
+            client.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: size})
+            until(h2.events.SettingsAcknowledged)
+            for _ in range(3):
+                stream = client.get_next_available_stream_id()
+                client.send_headers(stream, REQUEST_HEADERS)
+                client.send_data(stream, body, end_stream=True)
+                results.append(until(h2.events.StreamEnded))
+    return results
+
+
+async def test_response_header_blocks_follow_the_clients_table_size_changes(
+    server: RunningServer,
+) -> None:
+    # The server remembers the coding of the headers and trailers it sends every call; each
+    # change of the client's table size (emptying the table, then allowing it again) must be
+    # announced at the start of the next block, and the blocks after it coded for the new
+    # table, or the client's decoder reads the wrong fields or fails.
+    results = await trio.to_thread.run_sync(
+        calls_across_table_sizes, server.port, [4096, 0, 4096, 64, 4096]
+    )
+    assert len(results) == 15
+    for fields in results:
+        assert fields[":status"] == "200", fields
+        assert fields["content-type"] == "application/grpc", fields
+        assert fields["grpc-status"] == "0", fields
+        assert fields["x-request-id"], fields

@@ -72,6 +72,7 @@ from trio_infer.transport.header_blocks import (
     CachingEncoder,
     decoded_size,
     never_indexed,
+    never_indexed_name,
 )
 from trio_infer.transport.quoting import shown
 
@@ -175,9 +176,20 @@ def grpc_message_value(message: str) -> str:
     return value
 
 
+#: The ``x-request-id`` field, coded as :func:`never_indexed` codes it, up to its value.
+_REQUEST_ID_FIELD = never_indexed_name(REQUEST_ID_HEADER)
+
+
 def _request_id(value: str) -> bytes:
-    """The ``x-request-id`` response field, coded; nothing for ``""``."""
-    return never_indexed(REQUEST_ID_HEADER, value) if value else b""
+    """The ``x-request-id`` response field, coded; nothing for ``""``. A request id is
+    printable ASCII (``access_log.request_id``): one byte a character. Below 127 of them (every
+    id the server makes, and most clients') its literal's length is one byte, and the field is
+    coded here, with no call per part as :func:`never_indexed` makes."""
+    if not value:
+        return b""
+    if len(value) < 0x7F:
+        return _REQUEST_ID_FIELD + bytes((len(value),)) + value.encode("ascii")
+    return never_indexed(REQUEST_ID_HEADER, value)
 
 
 def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:

@@ -27,6 +27,7 @@ __all__ = [
     "CachingEncoder",
     "decoded_size",
     "never_indexed",
+    "never_indexed_name",
 ]
 
 #: Distinct blocks remembered per connection; a client sending a different deadline on every
@@ -49,7 +50,14 @@ def never_indexed(name: str, value: str) -> bytes:
     6.2.3), neither Huffman-coded: to append to a remembered block a field that differs call to
     call (a request id) without coding the block again. It leaves both dynamic tables as they
     are, and says that no intermediary may index it either."""
-    return b"\x10" + _literal(name.encode("ascii")) + _literal(value.encode("ascii"))
+    return never_indexed_name(name) + _literal(value.encode("ascii"))
+
+
+def never_indexed_name(name: str) -> bytes:
+    """What :func:`never_indexed` codes a field with ``name`` as, up to its value's literal: to
+    code it once, and a value after it as a string literal (a byte of length, below 127, then
+    the value's bytes)."""
+    return b"\x10" + _literal(name.encode("ascii"))
 
 
 def _literal(raw: bytes) -> bytes:
@@ -136,8 +144,20 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
         super().__init__()
         self.header_table = _VersionedTable()
         self._memo = _Memo(self.header_table)
+        #: Remembered blocks of field tuples coded as the caller's own tuple object (the same
+        #: one every time, as a server's constant response headers and trailers are), by the
+        #: object's id: the tuple itself, its table version and its block. The entry holds the
+        #: tuple, so no other object can have its id while the entry is there.
+        self._same: dict[int, tuple[tuple[Any, ...], int, bytes]] = {}
 
     def encode(self, headers: Iterable[Any], huffman: bool = False) -> bytes:
+        table = self.header_table
+        if not huffman and not table.resized:
+            # The same tuple as a block remembered at this table version: the same block, found
+            # without hashing the fields or looking at them one by one.
+            same = self._same.get(id(headers))
+            if same is not None and same[0] is headers and same[1] == table.version:
+                return same[2]
         fields = tuple(headers)
         # A block after a resize starts with the size update, which must be sent once. A
         # field's class says whether it may be indexed, and tuples that compare equal may
@@ -157,4 +177,10 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
             version = self.header_table.version
             block = super().encode(fields, huffman)
             self._memo.put(key, version, block, max(len(block), decoded_size(fields)))
+            if self._memo.get(key) is None:  # not remembered (it changed the table, or is large)
+                return block
+        if fields is headers and not huffman:  # the caller's own tuple, remembered
+            if len(self._same) >= _MAX_BLOCKS:
+                self._same.clear()
+            self._same[id(fields)] = (fields, table.version, block)
         return block
