@@ -330,20 +330,36 @@ def _raw_h2_exchange(
             if goaway and not unsent:
                 sock.sendall(GoAwayFrame(0, last_stream_id=0).serialize())
                 goaway = False
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError("the server closed the connection")
-            for event in connection.receive_data(data):
-                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                    answers[event.stream_id].update(
-                        (name.decode(), value.decode()) for name, value in event.headers
-                    )
-                if isinstance(event, h2.events.StreamReset):
-                    answers[event.stream_id]["reset"] = str(event.error_code)
-                if isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
-                    ended.add(event.stream_id)
-            sock.sendall(connection.data_to_send())
+            _read_answers(sock, connection, answers, ended)
     return [answers[stream_id] for stream_id in sorted(answers)]
+
+
+def _read_answers(
+    sock: socket.socket,
+    connection: h2.connection.H2Connection,
+    answers: dict[int, dict[str, str]],
+    ended: set[int],
+) -> None:
+    """Read once from ``sock``: each stream's headers and trailers into ``answers`` (``reset``
+    when it was reset), the ids of the streams that ended into ``ended``; then send what the
+    client's h2 has to say back.
+
+    Raises:
+        ConnectionError: The server closed the connection.
+    """
+    data = sock.recv(65536)
+    if not data:
+        raise ConnectionError("the server closed the connection")
+    for event in connection.receive_data(data):
+        if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+            answers[event.stream_id].update(
+                (name.decode(), value.decode()) for name, value in event.headers
+            )
+        if isinstance(event, h2.events.StreamReset):
+            answers[event.stream_id]["reset"] = str(event.error_code)
+        if isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+            ended.add(event.stream_id)
+    sock.sendall(connection.data_to_send())
 
 
 GOOD_HEADERS = [
@@ -637,19 +653,7 @@ def _calls_after_one_ended(port: int, count: int) -> list[dict[str, str]]:
             sock.sendall(connection.data_to_send())
             ended: set[int] = set()
             while len(ended) < len(streams):
-                data = sock.recv(65536)
-                if not data:
-                    raise ConnectionError("the server closed the connection")
-                for event in connection.receive_data(data):
-                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                        answers[event.stream_id].update(
-                            (name.decode(), value.decode()) for name, value in event.headers
-                        )
-                    if isinstance(event, h2.events.StreamReset):
-                        answers[event.stream_id]["reset"] = str(event.error_code)
-                    if isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
-                        ended.add(event.stream_id)
-                sock.sendall(connection.data_to_send())
+                _read_answers(sock, connection, answers, ended)
             # The client's h2 would not open more streams than the server's limit: it is told
             # of a higher one, so that the server's refusal is what is tested.
             connection.remote_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = count
