@@ -684,6 +684,29 @@ async def test_binary_data_and_its_header_overrunning_the_body_are_400(
     await Bystander(server).call()
 
 
+@pytest.mark.parametrize("padding", [" ", "   ", "\t", " \t "])
+async def test_whitespace_after_a_header_s_value_is_not_part_of_it(
+    server: RunningServer, padding: str
+) -> None:
+    # RFC 9110 5.5: a field value does not include the whitespace around it (the parser drops
+    # what comes before the value, not what comes after it).
+    x = np.arange(4, dtype=np.float32)
+    text = json.dumps(BINARY_INPUT).encode()
+    request = infer(
+        text + x.tobytes(),
+        f"Inference-Header-Content-Length: {len(text)}{padding}",
+        f"X-Request-Id: r1{padding}",
+    )
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(request)
+        with trio.fail_after(10):
+            answer = await raw.final()
+    assert answer.status == 200, answer
+    assert answer.headers["x-request-id"] == "r1"
+    [output] = json.loads(answer.body)["outputs"]
+    assert output["data"] == x.tolist()
+
+
 async def test_a_60_mb_json_body_over_the_budget_parsed_is_429_before_it_is_parsed(
     nursery: trio.Nursery,
 ) -> None:

@@ -300,7 +300,9 @@ class _Parse:
             self._refuse(
                 431, f"the request has more than the maximum of {self._max_header_fields} headers"
             )
-        message.headers.append((name.lower(), value))
+        # RFC 9110 5.5: the whitespace around a field's value is not part of it; the parser
+        # drops what comes before the value only.
+        message.headers.append((name.lower(), value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
         message = self.messages[-1]
