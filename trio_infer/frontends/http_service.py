@@ -111,7 +111,6 @@ _PROTOCOL_HEADERS = frozenset(
 #: The same names as the transport gives them (HttpRequest.fields): most requests carry only
 #: these, and are looked at without a header decoded.
 _PROTOCOL_FIELDS = frozenset(name.encode("latin-1") for name in _PROTOCOL_HEADERS)
-_HEADER_LENGTH_FIELD = _HEADER_LENGTH.encode("latin-1")
 #: The most digits an Inference-Header-Content-Length may have (2**63 has 19).
 _MAX_HEADER_LENGTH_DIGITS = 19
 #: The largest body of a request that carries no tensors (every route but infer): none is
@@ -461,11 +460,7 @@ def _header_length(request: HttpRequest) -> int | None:
     Raises:
         HttpError: it is not a size within the body (400).
     """
-    value = None
-    for name, field in request.fields:
-        if name == _HEADER_LENGTH_FIELD:
-            value = field.decode("latin-1")
-            break
+    value = request.header(_HEADER_LENGTH)
     if value is None:
         return None
     # ASCII digits only ("\u00b2".isdigit() is true, and int() refuses it), and few enough for

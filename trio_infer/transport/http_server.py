@@ -581,10 +581,12 @@ class HttpRequest:
         return self._message.headers
 
     def header(self, name: str) -> str | None:
-        """The value of the first header called ``name`` (lower-case), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
+        """The value of the first header called ``name`` (lower-case), or None: looked for
+        among the fields as received, only its value decoded."""
+        wanted = name.encode("latin-1")
+        for key, value in self._message.headers:
+            if key == wanted:
+                return value.decode("latin-1")
         return None
 
     async def receive_body(
@@ -721,7 +723,7 @@ class HttpRequest:
         if sent == total:
             self._response_sent = True
         else:
-            self._response_sent = await connection.send(unsent(parts, sent), self, total - sent)
+            self._response_sent = await connection.send_rest(unsent(parts, sent), self)
 
     def _cancel_as_gone(self) -> None:
         self._client_gone = True
@@ -1391,7 +1393,7 @@ class HttpConnection:
     def write_now(self, data: Sequence[Buffer]) -> int:
         """Bytes of ``data`` one vectored write gives the socket at once, which needs no
         timeout: 0 over TLS, or when the socket takes none now or fails (the writes of
-        :meth:`send`, which try at once, then wait for it or find out why)."""
+        :meth:`send_rest` then wait for it, or find out why)."""
         if self._plain is None:
             return 0
         try:
@@ -1409,7 +1411,12 @@ class HttpConnection:
         sent = self.write_now(data)
         if sent == size:
             return True
-        data = unsent(data, sent)
+        return await self.send_rest(unsent(data, sent), request)
+
+    async def send_rest(self, data: Sequence[Buffer], request: HttpRequest | None) -> bool:
+        """:meth:`send` for what is left after :meth:`write_now` took what the socket would
+        at once: a write that finds the socket full waits for it, for the send timeout at
+        most."""
         limit = self.limits.send_timeout
         try:
             while data:
