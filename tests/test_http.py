@@ -174,8 +174,13 @@ async def test_unknown_models_paths_and_methods_are_404_and_405(
         response = await client.get("/v2/models/add_sub/infer")
         assert response.status_code == 405
         assert response.json() == {"error": "Method Not Allowed (this endpoint takes POST)"}
+        assert response.headers["allow"] == "POST"
         response = await client.post("/v2/health/ready")
         assert response.status_code == 405
+        assert response.headers["allow"] == "GET, HEAD"
+        # A load balancer's HEAD probe is answered as its GET would be, without the body.
+        response = await client.head("/v2/models/add_sub/ready")
+        assert (response.status_code, response.content) == (200, b"")
         # The server goes on serving the same client.
         assert (await client.get("/v2/health/live")).status_code == 200
 

@@ -1111,17 +1111,25 @@ async def test_head_options_and_methods_not_served_are_answered_and_the_connecti
     server: RunningServer,
 ) -> None:
     async with await Raw.open(server.http_port) as raw:
-        for method, path, status in [
-            ("HEAD", "/v2/health/live", 405),
-            ("HEAD", "/v2/models/add_sub", 405),
-            ("HEAD", "/nope", 404),
-            ("HEAD", "/metrics", 405),
-            ("OPTIONS", "/v2", 405),
-            ("OPTIONS", "*", 404),
-            ("DELETE", "/v2/models/add_sub", 405),
-            ("PATCH", "/v2/models/add_sub/infer", 405),
-            ("PUT", "/v2/repository/index", 405),
-            ("GET", "/v2/health/live", 200),
+        for method, path, status, allow in [
+            ("HEAD", "/v2/health/live", 200, None),
+            ("HEAD", "/v2/health/ready", 200, None),
+            ("HEAD", "/v2", 200, None),
+            ("HEAD", "/v2/models/add_sub", 200, None),
+            ("HEAD", "/v2/models/add_sub/ready", 200, None),
+            ("HEAD", "/v2/models/nope", 404, None),
+            ("HEAD", "/nope", 404, None),
+            ("HEAD", "/metrics", 200, None),
+            ("HEAD", "/v2/models/add_sub/infer", 405, "POST"),
+            ("HEAD", "/v2/repository/index", 405, "POST"),
+            ("OPTIONS", "/v2", 405, "GET, HEAD"),
+            ("OPTIONS", "*", 404, None),
+            ("POST", "/v2/health/live", 405, "GET, HEAD"),
+            ("DELETE", "/v2/models/add_sub", 405, "GET, HEAD"),
+            ("PATCH", "/v2/models/add_sub/infer", 405, "POST"),
+            ("PUT", "/v2/repository/index", 405, "POST"),
+            ("PUT", "/metrics", 405, "GET, HEAD"),
+            ("GET", "/v2/health/live", 200, None),
         ]:
             await raw.send(head(method, path))
             with trio.fail_after(5):
@@ -1130,7 +1138,20 @@ async def test_head_options_and_methods_not_served_are_answered_and_the_connecti
                 answer = await raw.final(to_head=method == "HEAD")
             assert answer.status == status, (method, path, answer)
             assert not answer.closes, (method, path)
-            if method != "HEAD":
+            # RFC 9110 15.5.6: a 405 names the methods the endpoint takes.
+            assert answer.headers.get("allow") == allow, (method, path, answer)
+            if method == "HEAD":
+                # The head a GET would get: the same status and length, no body.
+                await raw.send(head("GET", path))
+                with trio.fail_after(5):
+                    got = await raw.final()
+                assert answer.body == b""
+                assert got.status == (status if allow is None else 405)
+                # (An error's message names the method; the metrics change between scrapes.)
+                if status == 200 and path != "/metrics":
+                    assert answer.headers["content-length"] == str(len(got.body)), path
+                    assert answer.headers.get("content-type") == got.headers.get("content-type")
+            else:
                 assert answer.error() if status != 200 else answer.body == b""
         # A HEAD refused before any handler runs is answered the same way.
         await raw.send(head("HEAD", "/v2/models/echo/infer", "Content-Length: 1099511627776"))
@@ -1139,12 +1160,12 @@ async def test_head_options_and_methods_not_served_are_answered_and_the_connecti
             assert (answer.status, answer.closes) == (413, True)
             assert int(answer.headers["content-length"]) > 0
             await raw.ends()
-    assert started(server) == 10
+    assert started(server) == 28
     # A method no HTTP specification defines is not a request llhttp parses: 400, and closed.
     answer = await exchange(server, head("BREW", "/v2/models/add_sub/infer"))
     assert answer.status == 400
     assert answer.error().startswith("malformed request")
-    assert started(server) == 10
+    assert started(server) == 28
 
 
 # -- names ------------------------------------------------------------------------------------

@@ -113,6 +113,10 @@ _PROTOCOL_HEADERS = frozenset(
 _PROTOCOL_FIELDS = frozenset(name.encode("latin-1") for name in _PROTOCOL_HEADERS)
 #: The most digits an Inference-Header-Content-Length may have (2**63 has 19).
 _MAX_HEADER_LENGTH_DIGITS = 19
+
+#: The methods of a route that only reads, as an ``allow`` field lists them.
+_READ_METHODS = "GET, HEAD"
+_READS = frozenset(("GET", "HEAD"))
 #: The largest body of a request that carries no tensors (every route but infer): none is
 #: expected; a larger one is refused before it is read.
 _MAX_SMALL_BODY = 64 * 1024
@@ -432,14 +436,15 @@ def _model_route(rest: list[str]) -> tuple[str, str, str | None]:
 
 
 def _check_get(request: HttpRequest) -> None:
-    """Check a request for a route that takes no body: GET (or HEAD-less) only, a body
+    """Check a request for a route that takes no body: GET or HEAD (RFC 9110 9.1: a server
+    that serves GET serves HEAD; the transport answers it with the head alone), a body
     refused unread.
 
     Raises:
         HttpError: Another method (405), or a body that may be larger than a GET's (413).
     """
-    if request.method != "GET":
-        raise _not_allowed("GET")
+    if request.method not in _READS:
+        raise _not_allowed(_READ_METHODS)
     if request.content_length is None or request.content_length > _MAX_SMALL_BODY:
         raise HttpError(413, f"a GET request's body may be at most {_MAX_SMALL_BODY} bytes")
 
@@ -474,10 +479,10 @@ async def serve_metrics(request: HttpRequest, render: MetricsRenderer) -> None:
     """Answer ``GET /metrics`` with what ``render`` gives.
 
     Raises:
-        HttpError: Not a GET (405), or it has a body (413).
+        HttpError: Neither GET nor HEAD (405), or it has a body (413).
     """
-    if request.method != "GET":
-        raise _not_allowed("GET")
+    if request.method not in _READS:
+        raise _not_allowed(_READ_METHODS)
     if request.content_length != 0:
         raise HttpError(413, "GET /metrics takes no body")
     request.subject = "metrics"
@@ -540,5 +545,10 @@ def _not_found(request: HttpRequest) -> HttpError:
     return HttpError(404, f"no such endpoint: {request.method} {request.path[:200]}")
 
 
-def _not_allowed(method: str) -> HttpError:
-    return HttpError(405, f"Method Not Allowed (this endpoint takes {method})")
+def _not_allowed(methods: str) -> HttpError:
+    """405, with the ``allow`` field RFC 9110 15.5.6 requires of it."""
+    return HttpError(
+        405,
+        f"Method Not Allowed (this endpoint takes {methods})",
+        [(b"allow", methods.encode("ascii"))],
+    )

@@ -174,10 +174,14 @@ class HttpError(Exception):
         message: Why, for the client.
     """
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(
+        self, status: int, message: str, fields: Sequence[tuple[bytes, bytes]] = ()
+    ) -> None:
         super().__init__(status, message)
         self.status = status
         self.message = message
+        self.fields = fields
+        """Header fields its answer carries besides the error's own (a 405's ``allow``)."""
 
     def __str__(self) -> str:
         return self.message
@@ -1321,7 +1325,7 @@ class HttpConnection:
             logger.error("%s %s: the handler sent no response", request.method, request.path)
             failure = HttpError(500, "internal server error")
         if failure is not None:
-            await self._answer_error(failure.status, failure.message, request)
+            await self._answer_error(failure.status, failure.message, request, failure.fields)
             if request._client_gone:
                 return False
         return request._response_sent and not request._closes
@@ -1346,13 +1350,17 @@ class HttpConnection:
             )
 
     async def _answer_error(
-        self, status: int, message: str, request: HttpRequest | None = None
+        self,
+        status: int,
+        message: str,
+        request: HttpRequest | None = None,
+        extra: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
-        """Answer ``{"error": message}`` with ``status``, if a response can still be sent:
-        for ``request``, or (None) for a request no handler saw, after which the connection
-        closes."""
+        """Answer ``{"error": message}`` with ``status`` (and the header fields ``extra``), if
+        a response can still be sent: for ``request``, or (None) for a request no handler
+        saw, after which the connection closes."""
         body = error_body(message)
-        fields = [_JSON, (b"content-length", str(len(body)).encode())]
+        fields = [_JSON, (b"content-length", str(len(body)).encode()), *extra]
         if request is None:
             self.closing = True
             fields.append(_CLOSE)
