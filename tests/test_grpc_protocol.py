@@ -198,7 +198,9 @@ def test_an_answer_spends_both_windows_and_its_trailers_end_the_stream() -> None
     assert connection.streams[1].outbound_flow_control_window == stream_window - 100
     assert connection.outbound_flow_control_window == connection_window - 100
     server.end_response(1, StatusCode.OK, "", (), headers_sent=True)
-    assert connection.streams[1].closed_by == StreamClosedBy.SEND_END_STREAM  # not a reset
+    # Closed, and forgotten at once as h2 forgets a closed stream: how is remembered.
+    assert 1 not in connection.streams
+    assert connection._stream_closed_by(1) == StreamClosedBy.SEND_END_STREAM  # not a reset
     events = _exchange(client, server)
     assert [type(e) for e in events] == [
         h2.events.ResponseReceived,
@@ -207,6 +209,42 @@ def test_an_answer_spends_both_windows_and_its_trailers_end_the_stream() -> None
         h2.events.StreamEnded,
     ]
     assert events[1].data == b"x" * 100  # type: ignore[attr-defined]
+
+
+def _late_frame_outcome(late: bytes, *, held: bool) -> object:
+    """The events and the answer of a late frame on a call's stream, after the call's trailers
+    closed it; with ``held``, the closed stream put back where h2 keeps it until it next
+    counts the open streams."""
+    client, server = _connected()
+    client.send_headers(1, GRPC_REQUEST)
+    client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
+    _exchange(client, server)
+    connection = server.h2_connection
+    stream = connection.streams[1]
+    server.end_response(1, StatusCode.OK, "", (), headers_sent=False)
+    _exchange(client, server)
+    assert 1 not in connection.streams
+    if held:
+        connection.streams[1] = stream
+    events = server.receive_data(late)
+    return [type(event) for event in events], b"".join(map(bytes, server.data_to_send()))
+
+
+@pytest.mark.parametrize(
+    "late",
+    [
+        _frame(0x8, 0, 1, (1000).to_bytes(4, "big")),  # WINDOW_UPDATE
+        _frame(0x3, 0, 1, h2.errors.ErrorCodes.CANCEL.to_bytes(4, "big")),  # RST_STREAM
+        _frame(0x0, 0, 1, b"\x00" * 5),  # DATA: answered with RST_STREAM STREAM_CLOSED
+    ],
+    ids=["window", "reset", "data"],
+)
+def test_a_stream_its_trailers_closed_is_forgotten_and_late_frames_meet_what_they_met(
+    late: bytes,
+) -> None:
+    # RFC 9113 §5.1 lets these arrive after the stream closed; forgetting the stream at once
+    # (h2 forgets it at its next count of the open streams) must change nothing for them.
+    assert _late_frame_outcome(late, held=False) == _late_frame_outcome(late, held=True)
 
 
 def test_a_header_block_longer_than_a_frame_is_cut_into_continuation_frames(

@@ -1714,12 +1714,23 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                 trailers.extend(sanitize_headers(metadata))
         self._send_headers(stream_id, trailers, end_stream=True, extra=extra)
         self._inbound.pop(stream_id, None)
-        stream = self.h2_connection.streams.get(stream_id)
+        h2_connection = self.h2_connection
+        stream = h2_connection.streams.get(stream_id)
+        if stream is None:
+            return
+        states = stream.state_machine
         # h2's ``stream.closed``, without reading CLOSED off the enum.
-        if stream is not None and stream.state_machine.state is not _CLOSED:
+        if states.state is _CLOSED:
+            # The usual case, the client's END_STREAM already in: the trailers closed the
+            # stream. h2 forgets a closed stream only when it next counts the open ones, at the
+            # stream limit, with a walk over every stream it holds; forgotten now, as that walk
+            # forgets it (how it closed is kept for the late frames RFC 9113 §5.1 allows).
+            del h2_connection.streams[stream_id]
+            h2_connection._closed_streams[stream_id] = states.stream_closed_by
+        else:
             # The client is still sending (its END_STREAM has not come): tell it to stop, which
             # also frees the stream's slot under SETTINGS_MAX_CONCURRENT_STREAMS.
-            self.h2_connection.reset_stream(stream_id, ErrorCodes.NO_ERROR)
+            h2_connection.reset_stream(stream_id, ErrorCodes.NO_ERROR)
 
     def reset(self, stream_id: int) -> None:
         """Abandon a stream with RST_STREAM CANCEL, if it is still open."""
