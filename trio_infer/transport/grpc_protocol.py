@@ -644,47 +644,48 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             # more than it advertised by announcing it.
             if length > self.max_frame_size:
                 self._validate_frame_length(length)  # raises
-            if kind in (_HEADERS, _CONTINUATION) and (
-                self._headers_buffer or length > self.max_header_block
-            ):
-                self._check_header_block(length)
-            if not self._headers_buffer and (
-                (kind == _DATA and stream_id and not flags & _PADDED)
-                or (
-                    kind == _HEADERS
-                    and stream_id
-                    and flags & (_END_HEADERS | _PADDED | _PRIORITY) == _END_HEADERS
-                )
-                or (kind == _WINDOW_UPDATE and length == 4)
-            ):
-                if len(data) < length + 9:
-                    break
-                # Each record is made field by field here, as its __init__ makes it, without
-                # the Python call: three or four of them a call.
-                if kind == _WINDOW_UPDATE:
+            # The frames every call brings are taken by hand, by type, when nothing about them
+            # needs hyperframe (see the class). Each record is made field by field, as its
+            # __init__ makes it, without the Python call: three or four of them a call.
+            record: Any = None
+            if kind == _DATA:
+                if stream_id and not flags & _PADDED and not self._headers_buffer:
+                    record = _new_object(_DataRecord)
+                    record.flags = _FLAG_NAMES[flags & _END_STREAM]
+                    record.flow_controlled_length = length
+            elif kind == _WINDOW_UPDATE:
+                if length == 4 and not self._headers_buffer:
+                    if len(data) < 13:
+                        return None
                     update: _WindowUpdateRecord = _new_object(_WindowUpdateRecord)
                     update.stream_id = stream_id
                     update.window_increment = _UINT32.unpack_from(data, 9)[0]
                     del data[:13]
                     return update
+            elif kind in (_HEADERS, _CONTINUATION):
+                buffered = self._headers_buffer
+                if buffered or length > self.max_header_block:
+                    self._check_header_block(length)
+                if (
+                    kind == _HEADERS
+                    and stream_id
+                    and not buffered
+                    and flags & (_END_HEADERS | _PADDED | _PRIORITY) == _END_HEADERS
+                ):
+                    record = _new_object(_HeadersRecord)
+                    record.flags = _FLAG_NAMES[flags & (_END_STREAM | _END_HEADERS)]
+            if record is not None:  # a DATA or HEADERS record, once its body is in
+                end = 9 + length
+                if len(data) < end:
+                    return None
+                record.stream_id = stream_id
                 if length < _SLICE_COPY_BYTES:
-                    payload = bytes(data[9 : 9 + length])
+                    record.data = bytes(data[9:end])
                 else:
-                    with memoryview(data) as view, view[9 : 9 + length] as body:
-                        payload = bytes(body)
-                del data[: 9 + length]
-                if kind == _DATA:
-                    record: _DataRecord = _new_object(_DataRecord)
-                    record.stream_id = stream_id
-                    record.flags = _FLAG_NAMES[flags & _END_STREAM]
-                    record.data = payload
-                    record.flow_controlled_length = length
-                    return record
-                block: _HeadersRecord = _new_object(_HeadersRecord)
-                block.stream_id = stream_id
-                block.flags = _FLAG_NAMES[flags & (_END_STREAM | _END_HEADERS)]
-                block.data = payload
-                return block
+                    with memoryview(data) as view, view[9:end] as body:
+                        record.data = bytes(body)
+                del data[:end]
+                return record
             try:
                 frame, length = self._parse_frame_header(data)
             except InvalidFrameError as exc:
