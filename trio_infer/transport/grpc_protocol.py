@@ -740,6 +740,9 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     def __init__(self, config: h2.config.H2Configuration, pings: PingPolicy) -> None:
         super().__init__(config)
         self.pings = pings
+        #: Response headers or data were queued since the last PING: the send path marks it, and
+        #: the next PING tells :attr:`pings` (before it counts), rather than every frame sent.
+        self.answered = False
         #: The frames of the last read are not all handled yet (see :meth:`receive_data`).
         self.input_pending = False
         #: A frame of the last :meth:`receive_data` went through h2's dispatch.
@@ -1148,9 +1151,13 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         return super()._receive_rst_stream_frame(frame)
 
     def _receive_ping_frame(self, frame: Any) -> Any:
-        if "ACK" not in frame.flags and not self.pings.received(time.monotonic()):
-            self._goodbye_reason = _TOO_MANY_PINGS
-            raise _TooManyPings("the client sent PINGs too often (gRPC's too_many_pings)")
+        if "ACK" not in frame.flags:
+            if self.answered:
+                self.answered = False
+                self.pings.data_sent()
+            if not self.pings.received(time.monotonic()):
+                self._goodbye_reason = _TOO_MANY_PINGS
+                raise _TooManyPings("the client sent PINGs too often (gRPC's too_many_pings)")
         return super()._receive_ping_frame(frame)
 
     def _receive_settings_frame(self, frame: Any) -> Any:
@@ -1620,7 +1627,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         states = stream.state_machine
         if states.state is not _OPEN and states.state is not _HALF_CLOSED_REMOTE:
             _data_sent(states)
-        h2_connection.pings.data_sent()
+        h2_connection.answered = True
         stream.outbound_flow_control_window -= size
         h2_connection.outbound_flow_control_window -= size
         if size < BY_REFERENCE_BYTES:  # as queue_data_frame queues a small payload
@@ -1651,7 +1658,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             return
         if h2_connection.state_machine.state is not _SERVER_OPEN:
             _connection_input(h2_connection, _SEND_HEADERS)
-        h2_connection.pings.data_sent()
+        h2_connection.answered = True
         stream_states = stream.state_machine
         _headers_sent(stream_states, end_stream)
         flags = 0
