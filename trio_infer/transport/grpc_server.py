@@ -120,12 +120,14 @@ class _InboundQueue:
         """Queue ``item`` (the reader, if it waits, wakes); after :meth:`close`, dropped."""
         if not self._closed:
             self._items.append(item)
-            self._wake()
+            if self._reader is not None:  # most items come before their call's task runs
+                self._wake()
 
     def close(self) -> None:
         """No more items: the reader gets what is queued, then the end."""
         self._closed = True
-        self._wake()
+        if self._reader is not None:
+            self._wake()
 
     def get_nowait(self) -> _Inbound:
         """The next item.
@@ -164,9 +166,9 @@ class _InboundQueue:
         return self._reader is not None
 
     def _wake(self) -> None:
-        if self._reader is not None:
-            trio.lowlevel.reschedule(self._reader)
-            self._reader = None
+        assert self._reader is not None, "a reader waits"
+        trio.lowlevel.reschedule(self._reader)
+        self._reader = None
 
 
 class Call:
@@ -335,8 +337,12 @@ class Call:
         # at once, it costs no pass of the scheduler (a checkpoint is one). A call cancelled
         # before it ran must still stop here, before the handler admits or queues it.
         await trio.lowlevel.checkpoint_if_cancelled()
+        inbound = self._inbound
         try:
-            item = await self._inbound.get()
+            try:
+                item = inbound.get_nowait()  # no coroutine to wait in when it is there
+            except trio.WouldBlock:
+                item = await inbound.get()
         except trio.EndOfChannel:
             return None
         if isinstance(item, InferError):
