@@ -386,7 +386,10 @@ class _Handler:
             if isinstance(event, CallRejected | MessageRefused):
                 if event.stream_id not in self.read_resets:
                     self.answer(event.stream_id, event.status, event.message)
-            elif event.stream_id in self.calls and (
+            elif (
+                # A stream's events only (ConnectionTerminated has no stream).
+                isinstance(event, RequestEnded | MessageReceived) and event.stream_id in self.calls
+            ) and (
                 (isinstance(event, RequestEnded) and self.choice() != 2)
                 or (isinstance(event, MessageReceived) and self.choice() == 1)
             ):
