@@ -827,12 +827,6 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         self.state_machine.process_input(ConnectionInputs.SEND_GOAWAY)
         self._prepare_for_sending([frame])
 
-    def pending_bytes(self) -> int:
-        """Bytes queued to send and not yet taken."""
-        if not self.queued:  # the usual case: everything is in the buffer
-            return len(self._data_to_send)
-        return len(self._data_to_send) + sum(memoryview(part).nbytes for part in self.queued)
-
     def queue_data_frame(self, stream_id: int, payload: Buffer) -> None:
         """Queue a DATA frame (no flags) carrying ``payload``, after everything queued so far.
 
@@ -1509,7 +1503,10 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
 
     def pending_bytes(self) -> int:
         """Bytes queued to send that :meth:`data_to_send` has not handed out yet."""
-        pending: int = self.h2_connection.pending_bytes()
+        h2_connection = self.h2_connection
+        pending: int = len(h2_connection._data_to_send)
+        if h2_connection.queued:  # most of the time, everything is in the buffer
+            pending += sum(memoryview(part).nbytes for part in h2_connection.queued)
         return pending
 
     def take_read_pause(self) -> float:
