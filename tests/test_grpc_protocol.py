@@ -20,6 +20,7 @@ from tests.support import GRPC_REQUEST, client_and_server
 from trio_infer.errors import StatusCode
 from trio_infer.transport import grpc_protocol
 from trio_infer.transport.grpc_protocol import (
+    MessageAnnounced,
     MessageReceived,
     PingPolicy,
     ProtocolLimits,
@@ -183,6 +184,20 @@ def test_request_data_spends_the_windows_and_ends_the_stream_as_h2_does(
     got = _request_data_outcome(ours.h2_connection, lambda: ours.receive_data(wire))
     assert got == expected
     assert expected == "connection error" or expected[1:] == (10, 10)  # type: ignore[index]
+
+
+def test_request_data_past_its_streams_window_fails_the_connection_as_h2_fails_it() -> None:
+    client, server = _connected()
+    client.send_headers(1, GRPC_REQUEST)
+    server.receive_data(client.data_to_send())
+    window = grpc_protocol._STREAM_WINDOW
+    message = bytes(window - 5)
+    events = server.receive_data(
+        _frame(0x0, 0, 1, b"\x00" + len(message).to_bytes(4, "big") + message)
+    )
+    assert [type(event) for event in events] == [MessageAnnounced, MessageReceived]
+    with pytest.raises(ProtocolViolation, match="Flow control window shrunk below 0"):
+        server.receive_data(_frame(0x0, 0, 1, b"\x00"))
 
 
 def test_an_answer_spends_both_windows_and_its_trailers_end_the_stream() -> None:
