@@ -58,6 +58,13 @@ _DATATYPE_BY_KIND: dict[tuple[str, int], str] = {
     (dtype.kind, dtype.itemsize): name for name, dtype in DATATYPES.items() if name != "BYTES"
 }
 
+#: Every datatype by its dtype (native byte order), the dtypes most arrays have: found with one
+#: dict lookup. A dtype equal to one of these is of the same kind and size, so it holds the same
+#: datatype; any other (another byte order, strings, unsupported kinds) is found by its kind.
+_DATATYPE_BY_DTYPE: dict[np.dtype[np.generic], str] = {
+    dtype: name for name, dtype in DATATYPES.items()
+}
+
 #: numpy kinds that hold strings: bytes_, str_, and numpy 2's variable-width StringDType.
 _STRING_KINDS = frozenset("SUT")
 
@@ -79,6 +86,9 @@ def datatype_of(array: np.ndarray) -> str:
         ModelFailed: If no datatype holds the dtype, e.g. complex, datetime or structured.
     """
     dtype = array.dtype
+    datatype = _DATATYPE_BY_DTYPE.get(dtype)
+    if datatype is not None:
+        return datatype
     if dtype.kind == "O" or dtype.kind in _STRING_KINDS:
         return "BYTES"
     datatype = _DATATYPE_BY_KIND.get((dtype.kind, dtype.itemsize))
