@@ -636,18 +636,19 @@ def _decode_raw(
             f"{where}: shape {shape_text(shape)} has {count} elements but "
             f"{side.raw_field}[{index}] holds {held}"
         )
-    # dtype positional: numpy parses keyword arguments apart, at a cost on every input.
-    array = np.frombuffer(buffer, dtype)
     if datatype == "BOOL":
         # Any other byte would give a bool array whose values compare unequal to True.
-        octets = array.view(np.uint8)
+        octets = np.frombuffer(buffer, np.uint8)
         if octets.size and octets.max() > 1:
             position = int(np.argmax(octets > 1))
             raise side.error(
                 f"{where}: raw BOOL element {position} is byte {int(octets[position])}; "
                 "BOOL elements must be 0 or 1"
             )
-    return array.reshape(shape)
+    # The array of its shape over the buffer (exactly its size, checked above) in one call, not
+    # frombuffer's flat array and a reshaped view of it; read-only, as the buffer is bytes.
+    # Positional: numpy parses keyword arguments apart, at a cost on every input.
+    return np.ndarray(shape, dtype, buffer)
 
 
 def _decode_typed(
