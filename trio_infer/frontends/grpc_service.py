@@ -598,6 +598,7 @@ class GrpcService:
             )
         else:
             inputs = decode_inputs(prepared)
+        tensors = prepared.tensors
         del prepared
         # The arrays are views of their own copies of the raw buffers: the request's are not
         # needed any more, and a large request would otherwise be held twice.
@@ -608,9 +609,12 @@ class GrpcService:
             id=request.id,
             inputs=inputs,
             parameters=decode_parameters(request.parameters),
-            # Slices: a protobuf repeated field is iterated by indexing until an IndexError.
+            # The inputs' names are the arrays' keys, in the tensors' order (decode_inputs
+            # refuses a name that repeats), and the tensors a list already: no second slice of
+            # the repeated field, nor a second read of each name.
             input_parameters={
-                tensor.name: decode_parameters(tensor.parameters) for tensor in request.inputs[:]
+                name: decode_parameters(tensor.parameters)
+                for name, tensor in zip(inputs, tensors, strict=True)
             },
             outputs=[output.name for output in request.outputs[:]],
         ), _Decoded(raw=raw, nbytes=decoded.nbytes, message_size=message_size)
