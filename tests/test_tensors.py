@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -610,14 +610,15 @@ def test_encode_parameters_rejects(value: Any, fragment: str) -> None:
 # validate_inputs: a decoded request against the model's declared inputs
 
 
-SPECS = [TensorSpec("A", "FP32", (-1, 3)), TensorSpec("B", "BYTES", (1,))]
+# The declared inputs by name, as DeclaredTensors holds them.
+SPECS = {"A": TensorSpec("A", "FP32", (-1, 3)), "B": TensorSpec("B", "BYTES", (1,))}
 
 
 def decoded(*tensors: tuple[str, str, Sequence[int]]) -> dict[str, np.ndarray]:
     return {name: np.zeros(shape, DATATYPES[datatype]) for name, datatype, shape in tensors}
 
 
-def validation_error(inputs: dict[str, np.ndarray], specs: Sequence[TensorSpec] = SPECS) -> str:
+def validation_error(inputs: dict[str, np.ndarray], specs: Mapping[str, TensorSpec] = SPECS) -> str:
     with pytest.raises(InvalidInput) as caught:
         validate_inputs(inputs, specs, "m")
     return caught.value.message
@@ -628,7 +629,7 @@ def test_validate_accepts_matching_request_in_any_order() -> None:
 
 
 def test_validate_without_declared_inputs_accepts_anything() -> None:
-    validate_inputs(decoded(("anything", "UINT16", [0, 4])), [], "m")
+    validate_inputs(decoded(("anything", "UINT16", [0, 4])), {}, "m")
 
 
 def test_validate_missing_input() -> None:
@@ -651,7 +652,7 @@ def test_validate_wrong_datatype(sent: str, expected: str) -> None:
 
 
 def test_validate_tells_bool_from_uint8() -> None:
-    specs = [TensorSpec("A", "BOOL", (2,))]
+    specs = {"A": TensorSpec("A", "BOOL", (2,))}
     assert validation_error(decoded(("A", "UINT8", [2])), specs) == (
         "model 'm' input 'A': expected datatype BOOL, got UINT8"
     )

@@ -361,8 +361,8 @@ async def test_outputs_that_are_the_declared_ones_pass(client: GrpcioClient) -> 
 
 def test_undeclared_outputs_take_anything_and_minus_one_any_size() -> None:
     anything = {"whatever": np.zeros((2, 3), np.complex64)}
-    validate_outputs(anything, (), "m", batch=5)
-    declared = (TensorSpec("y", "FP32", (-1, 4, -1)),)
+    validate_outputs(anything, {}, "m", batch=5)
+    declared = {"y": TensorSpec("y", "FP32", (-1, 4, -1))}
     validate_outputs({"y": np.zeros((7, 4, 9), np.float32)}, declared, "m")
     validate_outputs({"y": np.zeros((2, 4, 0), np.float32)}, declared, "m", batch=2)
     with pytest.raises(

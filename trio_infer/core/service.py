@@ -28,7 +28,7 @@ from trio_infer.core.types import (
     ServerMetadata,
 )
 from trio_infer.core.validation import (
-    has_batch_dimension,
+    DeclaredTensors,
     select_outputs,
     validate_batch,
     validate_inputs,
@@ -120,6 +120,9 @@ class InferenceCore:
         self.draining = False
         """Set when the server shuts down (:meth:`start_draining`): readiness turns false so
         load balancers move on."""
+        # One entry per model name: settings served anew (a reload) replace it at their first
+        # request (see _served).
+        self._served: dict[str, _Served] = {}
 
     # -- health and metadata ------------------------------------------------------------------
 
@@ -271,15 +274,15 @@ class InferenceCore:
             InferError: With the status the status table gives its cause.
         """
         settings = self.registry.lookup(request.model_name, request.model_version)
-        recorder = self.recorder.model(settings.name, settings.version)
-        with recorder.request(context.deadline) as timing:
+        served = self._served_as(settings)
+        with served.recorder.request(context.deadline) as timing:
             if settings.decoupled:
                 raise Unimplemented(
                     f"model '{settings.name}' is decoupled (0..N responses per request): call it "
                     "on a stream (ModelStreamInfer); ModelInfer doesn't support models with "
                     "decoupled transaction policy"
                 )
-            batch = self._admit(settings, request, context)
+            batch = self._admit(served, request, context)
             with self.admission.model_slot(settings):
                 priority, parameters = _model_parameters(request, context)
                 outputs = await self._predict(
@@ -293,7 +296,7 @@ class InferenceCore:
                     sequence_of(request.parameters),
                     timing,
                 )
-            return _response(settings, request, outputs, batch)
+            return _response(served, request, outputs, batch)
 
     async def infer_each(
         self,
@@ -317,16 +320,16 @@ class InferenceCore:
         if not settings.decoupled:
             await respond(await self.infer(request, context))
             return
-        recorder = self.recorder.model(settings.name, settings.version)
-        with recorder.request(context.deadline) as timing:
-            batch = self._admit(settings, request, context)
+        served = self._served_as(settings)
+        with served.recorder.request(context.deadline) as timing:
+            batch = self._admit(served, request, context)
             # Cancellable: a generator may never end, and its model's unload must.
             with self.admission.model_slot(settings, cancellable=True):
                 priority, parameters = _model_parameters(request, context)
                 sequence = sequence_of(request.parameters)
 
                 async def each(outputs: ModelOutputs) -> None:
-                    await respond(_response(settings, request, outputs, batch))
+                    await respond(_response(served, request, outputs, batch))
 
                 limit = context.deadline
                 if settings.timeout is not None:
@@ -351,20 +354,29 @@ class InferenceCore:
                     StatusCode.DEADLINE_EXCEEDED,
                 )
 
+    def _served_as(self, settings: ModelSettings) -> _Served:
+        """What requests read of ``settings``, worked out at their first request."""
+        served = self._served.get(settings.name)
+        if served is None or served.settings is not settings:
+            served = self._served[settings.name] = _Served(settings, self.recorder)
+        return served
+
     def _admit(
-        self, settings: ModelSettings, request: InferenceRequest, context: RequestContext
+        self, served: _Served, request: InferenceRequest, context: RequestContext
     ) -> int | None:
         """Check that the model is ready and the request fits it and the budget; return its
         batch size when the model has a batch dimension (:func:`validate_batch`), else None."""
+        settings = served.settings
         # Draining is not checked here: a request accepted before shutdown is served to the end.
         if not self.registry.is_ready(settings.name):
             reason = self.registry.reason(settings.name)
             raise Unavailable(
                 f"model '{settings.name}' is not ready" + (f": {reason}" if reason else "")
             )
-        validate_inputs(request.inputs, settings.inputs, settings.name)
+        declared = served.declared
+        validate_inputs(request.inputs, declared.inputs, settings.name)
         batch = None
-        if has_batch_dimension(settings):
+        if declared.batched:
             batch = validate_batch(request.inputs, settings.name)
         reservation = context.reservation
         extra = (
@@ -433,33 +445,46 @@ class InferenceCore:
         return await batcher.predict(inputs, parameters, limit, priority, timing)
 
 
+class _Served:
+    """What every request reads of one model's settings besides the settings themselves,
+    worked out once: the recorder of its statistics, its version (a property of the settings)
+    and its declared tensors as the checks take them."""
+
+    __slots__ = ("declared", "recorder", "settings", "version")
+
+    def __init__(self, settings: ModelSettings, recorder: StatisticsRecorder) -> None:
+        self.settings = settings
+        self.version = settings.version
+        self.recorder = recorder.model(settings.name, self.version)
+        self.declared = DeclaredTensors(settings)
+
+
 def _response(
-    settings: ModelSettings, request: InferenceRequest, outputs: ModelOutputs, batch: int | None
+    served: _Served, request: InferenceRequest, outputs: ModelOutputs, batch: int | None
 ) -> InferenceResponse:
     """The answer to ``request`` from its model's outputs (and metadata), which must be the
     declared outputs (``ModelFailed`` otherwise); ``batch``: the request's batch size, as
     ``_admit`` returned it."""
-    if settings.outputs:
+    name = served.settings.name
+    declared = served.declared.outputs
+    if declared:
         validate_outputs(
-            outputs.outputs if isinstance(outputs, Response) else outputs,
-            settings.outputs,
-            settings.name,
-            batch,
+            outputs.outputs if isinstance(outputs, Response) else outputs, declared, name, batch
         )
     if isinstance(outputs, Response):
         return InferenceResponse(
-            model_name=settings.name,
-            model_version=settings.version,
+            model_name=name,
+            model_version=served.version,
             id=request.id,
-            outputs=select_outputs(outputs.outputs, request.outputs, settings.name),
+            outputs=select_outputs(outputs.outputs, request.outputs, name),
             headers=outputs.headers,
             trailers=outputs.trailers,
         )
     return InferenceResponse(
-        model_name=settings.name,
-        model_version=settings.version,
+        model_name=name,
+        model_version=served.version,
         id=request.id,
-        outputs=select_outputs(outputs, request.outputs, settings.name),
+        outputs=select_outputs(outputs, request.outputs, name),
     )
 
 

@@ -20,6 +20,7 @@ from trio_infer.errors import InvalidInput, ModelFailed
 from trio_infer.repository.settings import ModelSettings, TensorSpec
 
 __all__ = [
+    "DeclaredTensors",
     "has_batch_dimension",
     "select_outputs",
     "validate_batch",
@@ -32,8 +33,29 @@ def _quoted(names: Iterable[str]) -> str:
     return ", ".join(f"'{name}'" for name in names) or "none"
 
 
+class DeclaredTensors:
+    """A model's declared tensors as the checks take them: its inputs and its outputs by name
+    (in the declared order), and whether it has a batch dimension (:func:`has_batch_dimension`).
+    Every request is checked against them: made once per model settings, not per request.
+
+    Args:
+        settings: The model's settings.
+    """
+
+    __slots__ = ("batched", "inputs", "outputs")
+
+    def __init__(self, settings: ModelSettings) -> None:
+        self.inputs: Mapping[str, TensorSpec] = _by_name(settings.inputs)
+        self.outputs: Mapping[str, TensorSpec] = _by_name(settings.outputs)
+        self.batched = has_batch_dimension(settings)
+
+
+def _by_name(specs: Sequence[TensorSpec]) -> dict[str, TensorSpec]:
+    return {spec.name: spec for spec in specs}
+
+
 def validate_inputs(
-    inputs: Mapping[str, np.ndarray], declared: Sequence[TensorSpec], model_name: str
+    inputs: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec], model_name: str
 ) -> None:
     """Check a request's input names, datatypes and shapes against a model's declared inputs.
 
@@ -42,16 +64,16 @@ def validate_inputs(
 
     Args:
         inputs: The request's decoded inputs, by name.
-        declared: The model's declared inputs.
+        specs: The model's declared inputs by name, in the declared order
+            (:attr:`DeclaredTensors.inputs`).
         model_name: Named in error messages.
 
     Raises:
         InvalidInput: If the request sends an input the model does not declare, omits a
             declared one, or sends one with another datatype, rank or fixed dimension.
     """
-    if not declared:
+    if not specs:
         return
-    specs = {spec.name: spec for spec in declared}
     for name, array in inputs.items():
         spec = specs.get(name)
         if spec is None:
@@ -149,7 +171,7 @@ def validate_batch(inputs: Mapping[str, np.ndarray], model_name: str) -> int | N
 
 def validate_outputs(
     outputs: Mapping[str, np.ndarray],
-    declared: Sequence[TensorSpec],
+    specs: Mapping[str, TensorSpec],
     model_name: str,
     batch: int | None = None,
 ) -> None:
@@ -162,7 +184,8 @@ def validate_outputs(
 
     Args:
         outputs: What the model returned, by name.
-        declared: The model's declared outputs.
+        specs: The model's declared outputs by name, in the declared order
+            (:attr:`DeclaredTensors.outputs`).
         model_name: Named in error messages.
         batch: The request's batch size (:func:`validate_batch`) when the model has a batch
             dimension, else ``None``.
@@ -172,15 +195,14 @@ def validate_outputs(
             it declares, or returned one with another datatype, rank or dimension; the message
             names the model, the output and what was declared.
     """
-    if not declared:
+    if not specs:
         return
-    if len(outputs) != len(declared):
-        raise _names_differ(outputs, declared, model_name)
-    specs = {spec.name: spec for spec in declared}
+    if len(outputs) != len(specs):
+        raise _names_differ(outputs, specs, model_name)
     for name, array in outputs.items():
         spec = specs.get(name)
         if spec is None:
-            raise _names_differ(outputs, declared, model_name)
+            raise _names_differ(outputs, specs, model_name)
         try:
             datatype = datatype_of(array)
         except ModelFailed as error:
@@ -218,11 +240,11 @@ def _fits(shape: tuple[int, ...], want: tuple[int, ...], batch: int | None) -> b
 
 
 def _names_differ(
-    outputs: Mapping[str, np.ndarray], declared: Sequence[TensorSpec], model_name: str
+    outputs: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec], model_name: str
 ) -> ModelFailed:
     """The error for outputs whose names are not the declared ones: it names the first output
     returned but not declared, else the declared ones not returned."""
-    names = [spec.name for spec in declared]
+    names = list(specs)
     extra = [name for name in outputs if name not in names]
     if extra:
         return ModelFailed(
