@@ -157,19 +157,22 @@ def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hasha
     """
     # Every request of a batching model that overlaps others comes here, most with one input
     # and no parameters: names are unique, so sorting the items never compares two arrays or
-    # two mappings; tuples are made from lists (cheaper than from generators) and an empty
-    # mapping's part is () without a sort.
+    # two mappings; one input needs no sort; tuples are made from lists (cheaper than from
+    # generators) and an empty mapping's part is () without a sort or a comprehension.
     tensors = tuple(
-        [(name, array.dtype.str, array.shape[1:]) for name, array in sorted(inputs.items())]
+        [
+            (name, array.dtype.str, array.shape[1:])
+            for name, array in (inputs.items() if len(inputs) == 1 else sorted(inputs.items()))
+        ]
     )
-    per_tensor = tuple(
-        [(name, _typed(values)) for name, values in sorted(parameters.inputs.items())]
-    )
+    per_tensor = parameters.inputs
     headers = parameters.headers
     return (
         tensors,
         _typed(parameters),
-        per_tensor,
+        tuple([(name, _typed(values)) for name, values in sorted(per_tensor.items())])
+        if per_tensor
+        else (),
         tuple(sorted(headers.items())) if headers else (),
     )
 
