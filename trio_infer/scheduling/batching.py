@@ -540,7 +540,11 @@ class ModelBatcher:
         self._in_pool = 0
         # Invariant: arrival order; each member here has no batch and an unfilled reply.
         self._waiting: list[_Member] = []
+        # Set by a change (_notify) for the tasks waiting then, and replaced: never set while
+        # it is the current one. _watched says whether a task has waited on it since it was
+        # made: only then must a change set it (every request joining the queue is one).
         self._changed = trio.Event()
+        self._watched = False
         # One batcher plans at a time; the others run their batches meanwhile.
         self._planning = trio.Lock()
         self._stopped: InferError | None = None
@@ -784,6 +788,7 @@ class ModelBatcher:
             if plan.take:
                 return self._take(plan.take, now)
             changed = self._changed
+            self._watched = True
             with trio.move_on_at(plan.wake_at):
                 await changed.wait()
 
@@ -853,11 +858,14 @@ class ModelBatcher:
         """Wait until no request waits here or runs in a batch: a batcher replaced by another
         (a model reloaded or unloaded) is stopped only then."""
         while self._waiting or self._in_pool:
+            self._watched = True
             await self._changed.wait()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        if self._watched:
+            self._watched = False
+            self._changed.set()
+            self._changed = trio.Event()
 
     def _stop(self, error: InferError) -> None:
         if self._stopped is None:
