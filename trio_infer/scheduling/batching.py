@@ -789,6 +789,11 @@ class ModelBatcher:
                 return self._take(plan.take, now)
             changed = self._changed
             self._watched = True
+            if plan.wake_at == math.inf:
+                # Only a change can make a batch ready (always so with no max_batch_time and
+                # no deadlines): no cancel scope for a time that never comes.
+                await changed.wait()
+                continue
             with trio.move_on_at(plan.wake_at):
                 await changed.wait()
 
