@@ -840,11 +840,14 @@ class ModelBatcher:
             for member in members:
                 member.reply.set_error(_crashed(self.settings.name))
             raise
-        finally:
-            # Cancelled: by the last member leaving (nobody reads these) or by a shutdown.
+        except BaseException:
+            # Cancelled: by the last member leaving (nobody reads these) or by a shutdown. The
+            # other ways out have answered every member.
             stopped = Unavailable(f"model '{self.settings.name}': batching stopped")
             for member in members:
                 member.reply.set_error(stopped)
+            raise
+        finally:
             self._in_pool -= 1
             if len(members) == 1:
                 self._ended_alone()
