@@ -28,11 +28,52 @@ from tests.support import GrpcioClient, MiB, eventually, start_server
 from trio_infer.errors import Overloaded
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import encode_inputs
-from trio_infer.repository.settings import ModelSettings
-from trio_infer.scheduling.admission import Admission
+from trio_infer.repository.settings import ModelSettings, TensorSpec
+from trio_infer.scheduling.admission import Admission, OutputSize
 from trio_infer.server import RunningServer
 
 # -- the budget's rules -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("outputs", "inputs", "expected"),
+    [
+        # -1 first: the request's batch size, the first dimension of its first input.
+        ((TensorSpec("y", "FP32", (-1, 256)),), {"x": np.zeros((3, 2))}, 3 * 256 * 4),
+        # A fixed first dimension beside it; a scalar first input counts one row.
+        (
+            (TensorSpec("y", "FP16", (-1, 2, 3)), TensorSpec("n", "INT64", (4,))),
+            {"s": np.zeros(()), "x": np.zeros((5, 1))},
+            2 * 3 * 2 + 4 * 8,
+        ),
+        # No inputs: one row.
+        ((TensorSpec("y", "UINT8", (-1,)),), {}, 1),
+        # A request of no rows has none of the rows' bytes.
+        (
+            (TensorSpec("y", "INT32", (-1, 2)), TensorSpec("n", "INT8", (3,))),
+            {"x": np.zeros((0, 2))},
+            3,
+        ),
+        # Sizes that cannot be known: 0, whatever the other outputs.
+        (
+            (TensorSpec("y", "FP32", (-1, 2)), TensorSpec("b", "BYTES", (-1,))),
+            {"x": np.zeros((2, 2))},
+            0,
+        ),
+        ((TensorSpec("y", "FP32", (2, -1)),), {"x": np.zeros((2, 2))}, 0),
+        ((TensorSpec("y", "FP32", (-1, -1)),), {"x": np.zeros((2, 2))}, 0),
+        (
+            (TensorSpec("y", "FP32", (-1, 2)), TensorSpec("s", "FP64", ())),
+            {"x": np.zeros((2, 2))},
+            0,
+        ),
+        ((), {"x": np.zeros((2, 2))}, 0),
+    ],
+)
+def test_the_outputs_size_is_estimated_from_the_declared_outputs_and_the_batch_size(
+    outputs: tuple[TensorSpec, ...], inputs: dict[str, np.ndarray], expected: int
+) -> None:
+    assert OutputSize(outputs).estimate(inputs) == expected
 
 
 async def test_reservations_are_granted_first_come_first_served() -> None:

@@ -38,7 +38,7 @@ from trio_infer.errors import InferError, ModelNotFound, StatusCode, Unavailable
 from trio_infer.model import ModelOutputs, Parameters, Response
 from trio_infer.repository.registry import ModelRegistry
 from trio_infer.repository.settings import ModelSettings
-from trio_infer.scheduling.admission import Admission, Reservation, estimate_output_bytes
+from trio_infer.scheduling.admission import Admission, OutputSize, Reservation
 from trio_infer.scheduling.batching import Batching, batch_rows
 from trio_infer.scheduling.priority import take_priority
 from trio_infer.scheduling.sequences import SequenceFlags, sequence_of
@@ -380,8 +380,7 @@ class InferenceCore:
             batch = validate_batch(request.inputs, settings.name)
         reservation = context.reservation
         extra = (
-            estimate_output_bytes(request.inputs, settings.outputs)
-            - reservation.granted // RESERVED_PER_BYTE
+            served.output_size.estimate(request.inputs) - reservation.granted // RESERVED_PER_BYTE
         )
         if extra > 0:
             reservation.grow_nowait(extra, f"the outputs of model '{settings.name}'")
@@ -447,16 +446,17 @@ class InferenceCore:
 
 class _Served:
     """What every request reads of one model's settings besides the settings themselves,
-    worked out once: the recorder of its statistics, its version (a property of the settings)
-    and its declared tensors as the checks take them."""
+    worked out once: the recorder of its statistics, its version (a property of the settings),
+    its declared tensors as the checks take them and its outputs' estimated size."""
 
-    __slots__ = ("declared", "recorder", "settings", "version")
+    __slots__ = ("declared", "output_size", "recorder", "settings", "version")
 
     def __init__(self, settings: ModelSettings, recorder: StatisticsRecorder) -> None:
         self.settings = settings
         self.version = settings.version
         self.recorder = recorder.model(settings.name, self.version)
         self.declared = DeclaredTensors(settings)
+        self.output_size = OutputSize(settings.outputs)
 
 
 def _response(

@@ -58,7 +58,7 @@ from trio_infer.datatypes import DATATYPES
 from trio_infer.errors import Overloaded, Unavailable
 from trio_infer.repository.settings import ModelSettings, TensorSpec
 
-__all__ = ["Admission", "AdmissionStatistics", "Reservation", "estimate_output_bytes"]
+__all__ = ["Admission", "AdmissionStatistics", "OutputSize", "Reservation"]
 
 #: Probes in a row that must find room within ``target_wait`` to end shedding: under sustained
 #: overload one short probe can be luck, and ending shedding on it turned it off and on again.
@@ -498,37 +498,51 @@ class Admission:
         return Overloaded(message)
 
 
-def estimate_output_bytes(inputs: Mapping[str, np.ndarray], outputs: Sequence[TensorSpec]) -> int:
-    """Estimate the bytes of a request's outputs from the model's declared outputs.
+class OutputSize:
+    """The estimated bytes of a model's outputs, from its declared outputs, worked out once
+    for every request to the model: a request's estimate is its batch size times the bytes of
+    one row of the outputs whose first dimension is ``-1``, plus the bytes of the others.
 
     A ``-1`` in an output's first dimension is taken as the request's batch size (the first
-    dimension of its first input). Returns 0 when any declared output's size cannot be known
-    (no declared outputs, BYTES, or another free dimension): the caller then assumes an answer
-    as large as the request.
+    dimension of its first input; 1 when that has none, or there are no inputs). The estimate
+    is 0 when any declared output's size cannot be known (no declared outputs, BYTES, or
+    another free dimension): the caller then assumes an answer as large as the request.
+
+    Args:
+        outputs: The model's declared outputs.
     """
-    rows = 1
-    for first in inputs.values():
-        if first.ndim:
-            rows = first.shape[0]
-        break
-    total = 0
-    # Loops, not comprehensions: every request comes here, and a comprehension's frame costs
-    # more than a few dimensions' steps.
-    for spec in outputs:
-        shape = spec.shape
-        if spec.datatype == "BYTES" or not shape:
+
+    __slots__ = ("_fixed", "_per_row")
+
+    def __init__(self, outputs: Sequence[TensorSpec]) -> None:
+        # None: the size cannot be known.
+        self._per_row: int | None = 0
+        self._fixed = 0
+        for spec in outputs:
+            shape = spec.shape
+            if spec.datatype == "BYTES" or not shape or any(dim < 0 for dim in shape[1:]):
+                self._per_row = None
+                return
+            size = DATATYPES[spec.datatype].itemsize * math.prod(shape[1:])
+            if shape[0] == -1:
+                self._per_row += size
+            elif shape[0] < 0:
+                self._per_row = None
+                return
+            else:
+                self._fixed += shape[0] * size
+
+    def estimate(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """The estimated bytes of the outputs of a request of these ``inputs``."""
+        per_row = self._per_row
+        if per_row is None:
             return 0
-        elements = shape[0]
-        if elements == -1:
-            elements = rows
-        elif elements < 0:
-            return 0
-        for dim in shape[1:]:
-            if dim < 0:
-                return 0
-            elements *= dim
-        total += elements * DATATYPES[spec.datatype].itemsize
-    return total
+        rows = 1
+        for first in inputs.values():
+            if first.ndim:
+                rows = first.shape[0]
+            break
+        return rows * per_row + self._fixed
 
 
 class ModelSlot:
