@@ -262,6 +262,37 @@ def test_a_stream_its_trailers_closed_is_forgotten_and_late_frames_meet_what_the
     assert _late_frame_outcome(late, held=False) == _late_frame_outcome(late, held=True)
 
 
+@pytest.mark.parametrize("history", ["open", "trailers", "reset", "reset_forgotten", "unopened"])
+def test_a_continuation_with_no_header_block_open_is_a_protocol_error_whatever_its_stream(
+    history: str,
+) -> None:
+    # RFC 9113 §6.10. h2 handed it to its stream: a stream forgotten after a reset got a
+    # RST_STREAM only, one forgotten after END_STREAM (a call's trailers forget it at once)
+    # a GOAWAY of STREAM_CLOSED.
+    client, server = _connected()
+    stream_id = 1
+    if history != "unopened":
+        client.send_headers(1, GRPC_REQUEST)
+        if history == "trailers":
+            client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
+        _exchange(client, server)
+        if history == "trailers":
+            server.end_response(1, StatusCode.OK, "", (), headers_sent=False)
+        elif history.startswith("reset"):
+            server.reset(1)
+        _exchange(client, server)
+        if history == "reset_forgotten":
+            assert server.h2_connection.open_inbound_streams == 0  # the count forgets them
+            assert 1 not in server.h2_connection.streams
+    else:
+        stream_id = 7
+    with pytest.raises(ProtocolViolation):
+        server.receive_data(_frame(0x9, 0x4, stream_id, b""))
+    answer = b"".join(map(bytes, server.data_to_send()))
+    assert answer[3] == 0x7, answer  # a GOAWAY, nothing before it
+    assert int.from_bytes(answer[13:17], "big") == h2.errors.ErrorCodes.PROTOCOL_ERROR
+
+
 def test_a_header_block_longer_than_a_frame_is_cut_into_continuation_frames(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

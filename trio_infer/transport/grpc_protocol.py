@@ -1167,6 +1167,15 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                 raise _TooManyPings("the client sent PINGs too often (gRPC's too_many_pings)")
         return super()._receive_ping_frame(frame)
 
+    def _receive_naked_continuation(self, frame: Any) -> Any:
+        # RFC 9113 §6.10: a CONTINUATION that no open header block precedes is a connection
+        # error of type PROTOCOL_ERROR, whichever stream it names. h2 hands it to its stream,
+        # and the answer then hung on how far h2 had forgotten that stream: PROTOCOL_ERROR on
+        # one it still held; STREAM_CLOSED on one forgotten after END_STREAM (as a stream its
+        # trailers close is, at once); on one forgotten after a reset, a RST_STREAM only, the
+        # connection going on.
+        raise h2.exceptions.ProtocolError("a CONTINUATION frame with no header block open")
+
     def _receive_settings_frame(self, frame: Any) -> Any:
         if "ACK" not in frame.flags and not self._settings_frames.take(time.monotonic()):
             raise h2.exceptions.DenialOfServiceError("too many SETTINGS frames")
