@@ -517,6 +517,35 @@ class HttpRequest:
     a shutdown's grace period, cancels.
     """
 
+    # Slots: a request is made per call, and its two dozen attributes are set in a slot each
+    # rather than in a dict made for it.
+    __slots__ = (
+        "_body_read",
+        "_cancel_message",
+        "_cancelled",
+        "_client_gone",
+        "_closes",
+        "_coding",
+        "_connection",
+        "_headers",
+        "_message",
+        "_response_sent",
+        "_response_started",
+        "_running",
+        "_scope",
+        "bytes_in",
+        "bytes_out",
+        "connection_id",
+        "content_length",
+        "method",
+        "path",
+        "query",
+        "request_id",
+        "started",
+        "status",
+        "subject",
+    )
+
     def __init__(self, connection: HttpConnection, message: _Message) -> None:
         path, _, query = message.target.partition(b"?")
         self.method: str = message.method.decode("ascii")
