@@ -1079,20 +1079,22 @@ class HttpConnection:
         if self.at_end:
             await trio.lowlevel.checkpoint()
             return False
-        plain = self._plain
+        fd = self._fd
         try:
-            if plain is None:
+            if fd < 0:
                 data = await self._stream.receive_some(_READ_SIZE)
             else:
+                # Waited for by its descriptor too: given the socket, Trio asks it for its
+                # descriptor on every wait.
                 if self._more_likely:
                     await trio.lowlevel.checkpoint()
                 else:
-                    await trio.lowlevel.wait_readable(plain)
+                    await trio.lowlevel.wait_readable(fd)
                 while True:
                     try:
-                        data = os.read(self._fd, _READ_SIZE)
+                        data = os.read(fd, _READ_SIZE)
                     except BlockingIOError:
-                        await trio.lowlevel.wait_readable(plain)  # woken without data after all
+                        await trio.lowlevel.wait_readable(fd)  # woken without data after all
                         continue
                     self._more_likely = len(data) == _READ_SIZE
                     break
