@@ -1227,7 +1227,9 @@ class HttpConnection:
                     raise self._broken
                 if self._head_fed > limits.max_header_size:
                     raise HttpError(431, headers_too_large(limits.max_header_size))
-                if self._parse_head():
+                # (A keep-alive connection's buffer is empty when it starts to wait: nothing
+                # to parse, nor a call to find that out.)
+                if self._buffer and self._parse_head():
                     continue
                 if not hurried and self._head_begun():
                     # A head has begun and must wait for the rest of it (most come whole in
