@@ -548,7 +548,9 @@ class HttpRequest:
 
     def __init__(self, connection: HttpConnection, message: _Message) -> None:
         path, _, query = message.target.partition(b"?")
-        self.method: str = message.method.decode("ascii")
+        # The method is one of llhttp's names, ASCII: the default codec (UTF-8) decodes it the
+        # same, on CPython's fast path, where a codec named is looked up by its name.
+        self.method: str = message.method.decode()
         """The request method, upper-case as sent: ``GET``, ``POST``..."""
         self.path: str = path.decode("latin-1")
         """The target's path, still percent-encoded: ``/v2/models/add_sub/infer``."""
@@ -738,9 +740,10 @@ class HttpRequest:
         else:
             fields = b""
         # The fields added here need no check for line breaks: the request id is printable
-        # ASCII (request_id), the rest are the server's own.
+        # ASCII (request_id), so encoded the same by the default codec (as the method is
+        # decoded), and the rest are the server's own.
         close = _CLOSE_LINE if connection.closes_after(self) else b""
-        tail = _RESPONSE_TAIL % (size, self.request_id.encode("ascii"), close)
+        tail = _RESPONSE_TAIL % (size, self.request_id.encode(), close)
         head = status_line(status) + fields + tail
         self._response_started = True
         self.status = status
