@@ -28,7 +28,13 @@ from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs
 from trio_infer.server import RunningServer
 from trio_infer.transport import http_server
-from trio_infer.transport.http_server import HttpConnection, HttpLimits, HttpRequest, response_head
+from trio_infer.transport.http_server import (
+    HttpConnection,
+    HttpLimits,
+    HttpRequest,
+    error_body,
+    response_head,
+)
 from trio_infer.transport.listening import CallCounter
 
 MiB = 1024 * 1024
@@ -671,15 +677,15 @@ def test_every_status_code_has_an_http_status() -> None:
 
 
 def test_a_response_head_is_a_status_line_and_fields_and_refuses_line_breaks() -> None:
-    assert response_head(200, [(b"content-length", b"2")]) == (
+    assert response_head(200, [("content-length", "2")]) == (
         b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
     )
     assert response_head(599, []) == b"HTTP/1.1 599 \r\n\r\n"  # no reason phrase known
     for fields in (
-        [(b"x-a", b"b\r\nset-cookie: c")],
-        [(b"x-a", b"b\nc")],
-        [(b"x-a", b"b\rc")],
-        [(b"x\r\na", b"b")],
+        [("x-a", "b\r\nset-cookie: c")],
+        [("x-a", "b\nc")],
+        [("x-a", "b\rc")],
+        [("x\r\na", "b")],
     ):
         with pytest.raises(ValueError, match="line break"):
             response_head(200, fields)
@@ -1155,8 +1161,7 @@ def test_a_response_is_written_as_its_general_form_says_whole_or_in_pieces(
         await client.send(
             b"%s /x HTTP/1.1\r\nHost: a\r\nX-Request-Id: r1\r\n\r\n" % method.encode()
         )
-        fields = [(name.encode(), value.encode()) for name, value in headers]
-        fields += [(b"content-length", b"%d" % len(payload)), (b"x-request-id", b"r1")]
+        fields = [*headers, ("content-length", str(len(payload))), ("x-request-id", "r1")]
         expected = response_head(status, fields) + (payload if method == "GET" else b"")
         received = b""
         while len(received) < len(expected):
@@ -1180,6 +1185,41 @@ def test_a_response_is_written_as_its_general_form_says_whole_or_in_pieces(
             await client_side(trio.socket.from_stdlib_socket(theirs))
 
     trio.run(main)
+
+
+def test_response_fields_are_sent_latin_1_and_one_it_cannot_encode_is_a_500() -> None:
+    # One byte per character of a field (as HTTP's fields are octets); a character Latin-1
+    # has not fails the response before any of it is sent, and the request is answered 500.
+    async def handler(request: HttpRequest) -> None:
+        value = "Z\xfcrich" if request.path == "/latin" else "\u20ac"
+        await request.respond(200, [("x-city", value)])
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        await client.send(
+            b"GET /latin HTTP/1.1\r\nHost: a\r\nX-Request-Id: r1\r\n\r\n"
+            b"GET /euro HTTP/1.1\r\nHost: a\r\nX-Request-Id: r2\r\n\r\n"
+        )
+        body = error_body("internal server error")
+        expected = response_head(
+            200, [("x-city", "Z\xfcrich"), ("content-length", "0"), ("x-request-id", "r1")]
+        ) + response_head(
+            500,
+            [
+                ("content-type", "application/json"),
+                ("content-length", str(len(body))),
+                ("x-request-id", "r2"),
+            ],
+        )
+        assert b"x-city: Z\xfcrich\r\n" in expected
+        received = b""
+        while len(received) < len(expected) + len(body):
+            data = await client.recv(65536)
+            assert data, received
+            received += data
+        assert received == expected + body
+        client.close()
+
+    trio.run(_serve_one_connection, handler, client_side)
 
 
 @pytest.mark.parametrize("ready", [True, False])

@@ -550,5 +550,5 @@ def _not_allowed(methods: str) -> HttpError:
     return HttpError(
         405,
         f"Method Not Allowed (this endpoint takes {methods})",
-        [(b"allow", methods.encode("ascii"))],
+        [("allow", methods)],
     )

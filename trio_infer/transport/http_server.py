@@ -104,18 +104,16 @@ _TLS_WRITE_SIZE = 256 * 1024
 #: Numbers the process's HTTP connections, never reusing a number. Negative, so that they are
 #: never equal to the gRPC transport's (both are owners in the same memory budget).
 _connection_ids = itertools.count(-1, -1)
-#: Status lines by status, encoded once.
+#: Status lines by status. A response's head is put together as text and encoded once, at its
+#: end: formatting and encoding text costs less than formatting bytes, and than encoding each
+#: field on its own.
 _STATUS_LINES = {
-    status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode())
-    for status in http.HTTPStatus
+    status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n" for status in http.HTTPStatus
 }
-_JSON = (b"content-type", b"application/json")
-_CLOSE = (b"connection", b"close")
-_CLOSE_LINE = b"connection: close\r\n"
+_JSON = ("content-type", "application/json")
+_CLOSE = ("connection", "close")
+_CLOSE_LINE = "connection: close\r\n"
 _REQUEST_ID = REQUEST_ID_HEADER.encode("ascii")
-#: What every handler's response ends its head with: the body's length, the request id, then
-#: ``Connection: close`` or nothing.
-_RESPONSE_TAIL = b"content-length: %d\r\n" + _REQUEST_ID + b": %s\r\n%s\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: How much of a chunked body is parsed at a time: its end is known only once parsed, so what
 #: follows it in the same piece (a pipelined request) is parsed ahead, at most this much.
@@ -174,9 +172,7 @@ class HttpError(Exception):
         message: Why, for the client.
     """
 
-    def __init__(
-        self, status: int, message: str, fields: Sequence[tuple[bytes, bytes]] = ()
-    ) -> None:
+    def __init__(self, status: int, message: str, fields: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(status, message)
         self.status = status
         self.message = message
@@ -375,32 +371,33 @@ def headers_too_large(limit: int) -> str:
     return f"the request's headers are larger than the maximum of {limit} bytes"
 
 
-def response_head(status: int, fields: Sequence[tuple[bytes, bytes]]) -> bytes:
-    """An HTTP/1.1 response's status line and header block.
+def response_head(status: int, fields: Sequence[tuple[str, str]]) -> bytes:
+    """An HTTP/1.1 response's status line and header block, encoded Latin-1.
 
     The fields are the server's own, or a model's that its worker checked (printable ASCII);
     a line break in one would start a header of the client's choosing, so it is refused.
 
     Raises:
         ValueError: A name or value holds a CR or LF.
+        UnicodeEncodeError: A name or value holds a character Latin-1 has not.
     """
-    return status_line(status) + header_lines(fields) + b"\r\n"
+    return (status_line(status) + header_lines(fields) + "\r\n").encode("latin-1")
 
 
-def status_line(status: int) -> bytes:
+def status_line(status: int) -> str:
     """A response's status line (with no reason phrase for a status that has none known)."""
     line = _STATUS_LINES.get(status)
-    return b"HTTP/1.1 %d \r\n" % status if line is None else line
+    return f"HTTP/1.1 {status} \r\n" if line is None else line
 
 
-def header_lines(fields: Sequence[tuple[bytes, bytes]]) -> bytes:
+def header_lines(fields: Sequence[tuple[str, str]]) -> str:
     """Header fields as lines, each ended by CRLF.
 
     Raises:
         ValueError: A name or value holds a CR or LF (it would start a line of its own).
     """
-    lines = b"".join([name + b": " + value + b"\r\n" for name, value in fields])
-    if lines.count(b"\n") != len(fields) or lines.count(b"\r") != len(fields):
+    lines = "".join([f"{name}: {value}\r\n" for name, value in fields])
+    if lines.count("\n") != len(fields) or lines.count("\r") != len(fields):
         raise ValueError("a response header's name or value holds a line break")
     return lines
 
@@ -733,18 +730,14 @@ class HttpRequest:
         else:
             views = []
             size = 0
-        if headers:
-            fields = header_lines(
-                [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
-            )
-        else:
-            fields = b""
+        fields = header_lines(headers) if headers else ""
         # The fields added here need no check for line breaks: the request id is printable
-        # ASCII (request_id), so encoded the same by the default codec (as the method is
-        # decoded), and the rest are the server's own.
-        close = _CLOSE_LINE if connection.closes_after(self) else b""
-        tail = _RESPONSE_TAIL % (size, self.request_id.encode(), close)
-        head = status_line(status) + fields + tail
+        # ASCII (request_id), the rest are the server's own.
+        close = _CLOSE_LINE if connection.closes_after(self) else ""
+        head = (
+            f"{status_line(status)}{fields}content-length: {size}\r\n"
+            f"{REQUEST_ID_HEADER}: {self.request_id}\r\n{close}\r\n"
+        ).encode("latin-1")
         self._response_started = True
         self.status = status
         self.bytes_out = size
@@ -1390,13 +1383,13 @@ class HttpConnection:
         status: int,
         message: str,
         request: HttpRequest | None = None,
-        extra: Sequence[tuple[bytes, bytes]] = (),
+        extra: Sequence[tuple[str, str]] = (),
     ) -> None:
         """Answer ``{"error": message}`` with ``status`` (and the header fields ``extra``), if
         a response can still be sent: for ``request``, or (None) for a request no handler
         saw, after which the connection closes."""
         body = error_body(message)
-        fields = [_JSON, (b"content-length", str(len(body)).encode()), *extra]
+        fields = [_JSON, ("content-length", str(len(body))), *extra]
         if request is None:
             self.closing = True
             fields.append(_CLOSE)
@@ -1406,7 +1399,7 @@ class HttpConnection:
             request._response_started = True
             request.status = status
             request.bytes_out = len(body)
-            fields.append((_REQUEST_ID, request.request_id.encode("ascii")))
+            fields.append((REQUEST_ID_HEADER, request.request_id))
             if self.closes_after(request):
                 fields.append(_CLOSE)
         data: list[Buffer] = [response_head(status, fields)]
