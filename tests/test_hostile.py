@@ -636,14 +636,24 @@ def ping_then_call(port: int, calls: int) -> list[object]:
             client.send_headers(stream, REQUEST_HEADERS)
             client.send_data(stream, grpc_message(echo_request()), end_stream=True)
             sock.sendall(client.data_to_send())
-            ended = False
-            while not ended:
-                chunk = sock.recv(65536)
-                assert chunk, "the server closed the connection"
-                for event in client.receive_data(chunk):
-                    events.append(event)
-                    ended = ended or isinstance(event, h2.events.StreamEnded)
-                sock.sendall(client.data_to_send())
+            events += read_until_a_stream_ends(sock, client)
+    return events
+
+
+def read_until_a_stream_ends(
+    sock: socket.socket, client: h2.connection.H2Connection
+) -> list[object]:
+    """The h2 events the server's bytes make until a stream ends (a call's answer read to
+    its end), what the client owes for each read (acknowledgements, windows) sent back."""
+    events: list[object] = []
+    ended = False
+    while not ended:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        for event in client.receive_data(chunk):
+            events.append(event)
+            ended = ended or isinstance(event, h2.events.StreamEnded)
+        sock.sendall(client.data_to_send())
     return events
 
 

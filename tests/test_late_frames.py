@@ -16,7 +16,15 @@ import pytest
 import trio
 
 from tests.support import start_server
-from tests.test_hostile import REQUEST_HEADERS, Bystander, echo_request, frame, grpc_message
+from tests.test_hostile import (
+    REQUEST_HEADERS,
+    Bystander,
+    echo_request,
+    frame,
+    goaway_codes,
+    grpc_message,
+    read_until_a_stream_ends,
+)
 from trio_infer.server import RunningServer
 
 
@@ -37,13 +45,7 @@ def after_a_call(port: int, late: bytes, timeout: float = 10.0) -> list[object]:
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(timeout)
         sock.sendall(client.data_to_send())
-        ended = False
-        while not ended:
-            chunk = sock.recv(65536)
-            assert chunk, "the server closed the connection"
-            for event in client.receive_data(chunk):
-                ended = ended or isinstance(event, h2.events.StreamEnded)
-            sock.sendall(client.data_to_send())
+        read_until_a_stream_ends(sock, client)
         sock.sendall(late + frame(0x6, 0x0, 0, b"late?!!!"))
         try:
             while received := sock.recv(65536):
@@ -57,10 +59,6 @@ def after_a_call(port: int, late: bytes, timeout: float = 10.0) -> list[object]:
         except ConnectionResetError:
             pass
     return events
-
-
-def goaway_codes(events: list[object]) -> list[object]:
-    return [e.error_code for e in events if isinstance(e, h2.events.ConnectionTerminated)]
 
 
 async def test_a_continuation_after_a_call_its_trailers_closed_is_a_protocol_error(
