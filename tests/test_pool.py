@@ -977,3 +977,37 @@ async def test_a_late_call_of_unloaded_settings_fails_before_any_worker_loads_th
     await pool.warm_up([pid])
     second = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
     assert second != first
+
+
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie, or reaped): its sockets are closed."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def _block_until_dead(pid: int) -> None:
+    """Block (no checkpoint: the event loop runs nothing meanwhile) until ``pid`` has exited,
+    polling the kernel's view of it for at most 10 s."""
+    for _ in range(10_000):
+        if _dead(pid):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} is still alive 10 s after SIGKILL")
+
+
+async def test_a_call_sent_to_an_idle_worker_that_died_unnoticed_runs_on_another(
+    pool: WorkerPool, repo: dict[str, ModelSettings]
+) -> None:
+    pid = repo["pid"]
+    first = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
+    os.kill(first, signal.SIGKILL)
+    # Waited for without a checkpoint: the pool's tasks have not run since the kill, so the
+    # lane still takes its worker for idle and writes the call to it, which fails. The call
+    # never reached the worker: it runs on the worker that replaces it, not fails as though
+    # the worker had died running it.
+    _block_until_dead(first)
+    second = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
+    assert second != first
+    assert pool.statistics().crashed == 1

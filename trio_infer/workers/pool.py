@@ -1074,6 +1074,9 @@ class _Lane:
         self._sender_idle = False
         self._connection: socket.socket | None = None
         self._unsent: tuple[list[wire.Buffer], _Call | None] | None = None
+        # The call whose frame the worker's closed connection refused (not written whole): the
+        # worker was gone before it could read it, so it never ran there (see _settle).
+        self._undelivered: _Call | None = None
         self._head_started = 0.0
         # The current process's life:
         self.live = False
@@ -1394,6 +1397,7 @@ class _Lane:
                     await _send_frame(connection, frame)
                 except (BrokenPipeError, ConnectionResetError):
                     # The worker is gone: the receiver reads its last reports and ends the talk.
+                    self._undelivered = call
                     await trio.sleep_forever()
                 except OSError as exc:
                     # The connection is broken mid-frame: the worker cannot go on with it, and
@@ -1685,6 +1689,7 @@ class _Lane:
         self._cancels.clear()
         self._credits.clear()
         self._stop_by = math.inf
+        undelivered, self._undelivered = self._undelivered, None
         if not orderly or pool._closing:
             for call in calls + list(self.private) + list(self.pinned):
                 call.reply.set_error(
@@ -1700,10 +1705,17 @@ class _Lane:
             pool._kills += 1
         failed = 0
         # The first call was running if the worker died on its own, or if it went on to it
-        # after it was told to stop; the others had not started. One the pool stopped for
-        # another call's sake (it may have just started) runs again, once: a model call is a
-        # function of its inputs, and a second kill in a row is not a race but a pattern.
-        if calls and not calls[0].abandoned and (crashed or self._moved_on):
+        # after it was told to stop; the others had not started, nor had one whose frame the
+        # dead worker's connection refused (it died idle, before the lane noticed). One the
+        # pool stopped for another call's sake (it may have just started) runs again, once: a
+        # model call is a function of its inputs, and a second kill in a row is not a race but
+        # a pattern.
+        if (
+            calls
+            and not calls[0].abandoned
+            and calls[0] is not undelivered
+            and (crashed or self._moved_on)
+        ):
             head = calls[0]
             if not crashed and not head.requeued:
                 head.requeued = True
