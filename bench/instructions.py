@@ -67,6 +67,7 @@ SCENARIOS = (
     "live",
     "dense-n1",
     "dense-n64",
+    "model-ready",
     "stream-dense-n1",
     "stream-add_sub",
     "rest-live",
@@ -269,6 +270,8 @@ class Client:
         """The call and check of a scenario of :data:`SCENARIOS`."""
         if scenario == "live":
             return self._live()
+        if scenario == "model-ready":
+            return self._model_ready()
         if scenario.startswith("dense-n"):
             return self._dense(int(scenario.removeprefix("dense-n")))
         if scenario == "stream-dense-n1":
@@ -293,6 +296,15 @@ class Client:
             return "ok" if live else f"not live: {response!r}"
 
         return self._unary(self.stub.ServerLive, request, check)
+
+    def _model_ready(self) -> Probe:
+        request = pb.ModelReadyRequest(name="dense")
+
+        def check(response: object) -> str:
+            ready = isinstance(response, pb.ModelReadyResponse) and response.ready
+            return "ok" if ready else f"not ready: {response!r}"
+
+        return self._unary(self.stub.ModelReady, request, check)
 
     @staticmethod
     def _unary(
