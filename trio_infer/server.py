@@ -317,11 +317,13 @@ async def run_server(
             max_connection_age=config.max_connection_age,
             max_connection_age_grace=config.max_connection_age_grace,
         )
+        service = GrpcService(core, models, control_header=config.repository_control_header)
         grpc = GrpcServer(
-            GrpcService(core, models, control_header=config.repository_control_header).handle,
+            service.handle,
             limits,
             ssl_context=ssl_context,
             access_log=config.access_log,
+            immediate=service.immediate,
         )
         listeners = await _listen(config.host, config.grpc_port)
         port: int = listeners[0].socket.getsockname()[1]

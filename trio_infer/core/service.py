@@ -254,6 +254,16 @@ class InferenceCore:
         """
         return self.admission.reserve(RESERVED_PER_BYTE * announced, deadline, owner)
 
+    def reserve_nowait(self, announced: int, owner: Hashable | None = None) -> Reservation | None:
+        """What :meth:`reserve` holds for a request of ``announced`` bytes, held now if it
+        needs no wait; None when it would wait (nothing is held then). The caller gives it back
+        (:meth:`~trio_infer.core.types.Reservation.release`, or ``release_later``).
+
+        Raises:
+            Overloaded: :meth:`reserve` would refuse the request at once.
+        """
+        return self.admission.reserve_nowait(RESERVED_PER_BYTE * announced, owner)
+
     def decoupled(self, name: str, version: str = "") -> bool:
         """Whether a model is decoupled (0..N responses per request: :meth:`infer_each`).
 

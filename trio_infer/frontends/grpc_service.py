@@ -9,6 +9,7 @@ bytes are is this module's.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import math
@@ -57,7 +58,7 @@ from trio_infer.protobuf.codec import (
 from trio_infer.protobuf.field_count import MODEL_INFER_REQUEST, FieldTree, count_fields
 from trio_infer.protobuf.wire import WireInferRequest
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
-from trio_infer.transport.grpc_server import Call
+from trio_infer.transport.grpc_server import Call, Immediate
 from trio_infer.transport.quoting import header_text, shown
 
 __all__ = ["GrpcService"]
@@ -117,10 +118,24 @@ class _Route:
     fields: FieldTree | None = None
     #: The protocol's name of the request message (``request_type`` may be a view of it).
     message_name: str = ""
+    #: For a method answered from the server's state alone, without waiting (see
+    #: :func:`_from_state`): that answer, which ``handler`` gives in a call's task.
+    answer: Callable[[Any, Call], Message] | None = None
 
     def __post_init__(self) -> None:
         if not self.message_name:
             object.__setattr__(self, "message_name", self.request_type.DESCRIPTOR.full_name)
+
+
+def _from_state(request_type: type[Message], answer: Callable[[Any, Call], Message]) -> _Route:
+    """The route of a method whose ``answer`` is a function of the request and the server's
+    state, which never waits: the transport may give it at once
+    (:attr:`GrpcService.immediate`), or the route's handler in the call's task."""
+
+    async def handler(request: Any, call: Call, reservation: Reservation) -> Message:
+        return answer(request, call)
+
+    return _Route(request_type, handler, answer=answer)
 
 
 class GrpcService:
@@ -147,13 +162,13 @@ class GrpcService:
         # interval the event loop may wait for it.
         self._decoding = trio.CapacityLimiter(1)
         self._routes: dict[str, _Route] = {
-            _V2 + "ServerLive": _Route(pb.ServerLiveRequest, self._server_live),
-            _V2 + "ServerReady": _Route(pb.ServerReadyRequest, self._server_ready),
-            _V2 + "ModelReady": _Route(pb.ModelReadyRequest, self._model_ready),
-            _V2 + "ServerMetadata": _Route(pb.ServerMetadataRequest, self._server_metadata),
-            _V2 + "ModelMetadata": _Route(pb.ModelMetadataRequest, self._model_metadata),
-            _V2 + "ModelConfig": _Route(pb.ModelConfigRequest, self._model_config),
-            _V2 + "ModelStatistics": _Route(pb.ModelStatisticsRequest, self._model_statistics),
+            _V2 + "ServerLive": _from_state(pb.ServerLiveRequest, self._server_live),
+            _V2 + "ServerReady": _from_state(pb.ServerReadyRequest, self._server_ready),
+            _V2 + "ModelReady": _from_state(pb.ModelReadyRequest, self._model_ready),
+            _V2 + "ServerMetadata": _from_state(pb.ServerMetadataRequest, self._server_metadata),
+            _V2 + "ModelMetadata": _from_state(pb.ModelMetadataRequest, self._model_metadata),
+            _V2 + "ModelConfig": _from_state(pb.ModelConfigRequest, self._model_config),
+            _V2 + "ModelStatistics": _from_state(pb.ModelStatisticsRequest, self._model_statistics),
             # The wire view: typed contents arrive as blobs, decoded by the codec with numpy.
             _V2 + "ModelInfer": _Route(
                 WireInferRequest,
@@ -162,7 +177,7 @@ class GrpcService:
                 MODEL_INFER_REQUEST,
                 pb.ModelInferRequest.DESCRIPTOR.full_name,
             ),
-            _HEALTH + "Check": _Route(health_pb2.HealthCheckRequest, self._health_check),
+            _HEALTH + "Check": _from_state(health_pb2.HealthCheckRequest, self._health_check),
         }
         if models is not None:
             self._routes |= {
@@ -172,6 +187,15 @@ class GrpcService:
                     pb.RepositoryModelUnloadRequest, self._unload
                 ),
             }
+        self.immediate: Mapping[str, Immediate] = MappingProxyType(
+            {
+                method: functools.partial(self._answer_now, route, route.answer)
+                for method, route in self._routes.items()
+                if route.answer is not None
+            }
+        )
+        """The methods the transport may answer at once (``GrpcServer``'s ``immediate``):
+        those answered from the server's state alone."""
 
     async def handle(self, call: Call) -> None:
         """Serve one call: a unary method, ModelStreamInfer, or health Watch."""
@@ -215,12 +239,26 @@ class GrpcService:
         length = await call.receive_message_length()
         if length is None:
             raise InvalidInput(f"{call.method} expects one request message and got none")
-        if route.max_message is not None and length > route.max_message:
-            raise Overloaded(
-                f"request message of {length} bytes is larger than the maximum of "
-                f"{route.max_message} bytes for {call.method}"
-            )
+        _check_length(call, route, length)
         return length
+
+    def _answer_now(
+        self, route: _Route, answer: Callable[[Any, Call], Message], call: Call, length: int
+    ) -> Buffer | None:
+        """A call of a route answered from the server's state, its whole request in, answered
+        as :meth:`handle` answers it, without waiting (an :data:`Immediate`); None, with
+        nothing done, when its room in the memory budget would have to be waited for."""
+        _check_length(call, route, length)
+        reservation = self.core.reserve_nowait(length, call.connection_id)
+        if reservation is None:
+            return None
+        try:
+            response = answer(_parsed(route, call.receive_message_nowait()), call)
+        except BaseException:
+            reservation.release()
+            raise
+        call.release_when_sent(reservation.release_later())
+        return response.SerializeToString()
 
     @staticmethod
     async def _received(call: Call, route: _Route) -> Any:
@@ -233,19 +271,13 @@ class GrpcService:
         assert data is not None, "an announced message arrives or the call fails"
         return _parsed(route, data)
 
-    async def _server_live(
-        self, request: pb.ServerLiveRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    def _server_live(self, request: pb.ServerLiveRequest, call: Call) -> Message:
         return pb.ServerLiveResponse(live=self.core.server_live())
 
-    async def _server_ready(
-        self, request: pb.ServerReadyRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    def _server_ready(self, request: pb.ServerReadyRequest, call: Call) -> Message:
         return pb.ServerReadyResponse(ready=self.core.server_ready())
 
-    async def _model_ready(
-        self, request: pb.ModelReadyRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    def _model_ready(self, request: pb.ModelReadyRequest, call: Call) -> Message:
         call.subject = request.name
         ready = self.core.model_ready(request.name, request.version)
         if not ready:
@@ -257,17 +289,13 @@ class GrpcService:
             )
         return pb.ModelReadyResponse(ready=ready)
 
-    async def _server_metadata(
-        self, request: pb.ServerMetadataRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    def _server_metadata(self, request: pb.ServerMetadataRequest, call: Call) -> Message:
         metadata = self.core.server_metadata()
         return pb.ServerMetadataResponse(
             name=metadata.name, version=metadata.version, extensions=list(metadata.extensions)
         )
 
-    async def _model_metadata(
-        self, request: pb.ModelMetadataRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    def _model_metadata(self, request: pb.ModelMetadataRequest, call: Call) -> Message:
         call.subject = request.name
         metadata = self.core.model_metadata(request.name, request.version)
         return pb.ModelMetadataResponse(
@@ -278,15 +306,11 @@ class GrpcService:
             outputs=[_tensor_metadata(spec) for spec in metadata.outputs],
         )
 
-    async def _model_config(
-        self, request: pb.ModelConfigRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    def _model_config(self, request: pb.ModelConfigRequest, call: Call) -> Message:
         call.subject = request.name
         return model_config_response(self.core.model_config(request.name, request.version))
 
-    async def _model_statistics(
-        self, request: pb.ModelStatisticsRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    def _model_statistics(self, request: pb.ModelStatisticsRequest, call: Call) -> Message:
         call.subject = request.name
         return model_statistics_response(self.core.model_statistics(request.name, request.version))
 
@@ -726,9 +750,7 @@ class GrpcService:
         await manager.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    async def _health_check(
-        self, request: health_pb2.HealthCheckRequest, call: Call, reservation: Reservation
-    ) -> Message:
+    def _health_check(self, request: health_pb2.HealthCheckRequest, call: Call) -> Message:
         ready = self.core.health(request.service)
         if ready is None:
             raise ModelNotFound(f"unknown service '{shown(request.service)}'")
@@ -983,6 +1005,19 @@ class _StreamSender:
                 self._waiting.unpark()
             else:
                 self._busy = False
+
+
+def _check_length(call: Call, route: _Route, length: int) -> None:
+    """Refuse a request message of ``length`` bytes larger than ``route`` takes.
+
+    Raises:
+        Overloaded: It is.
+    """
+    if route.max_message is not None and length > route.max_message:
+        raise Overloaded(
+            f"request message of {length} bytes is larger than the maximum of "
+            f"{route.max_message} bytes for {call.method}"
+        )
 
 
 def _parsed(route: _Route, data: bytes | bytearray) -> Any:

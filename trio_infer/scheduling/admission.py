@@ -99,6 +99,11 @@ class Reservation:
         self._kept = False
         self._released = False
 
+    def release(self) -> None:
+        """Give the bytes back now (once: later calls, and the end of the ``async with`` block
+        that reserved them, do nothing)."""
+        self._release()
+
     def release_later(self) -> Callable[[], None]:
         """Keep the bytes past the end of the ``async with`` block that reserved them; return
         the function that gives them back (once: later calls do nothing). For memory that
@@ -275,8 +280,16 @@ class Admission:
         """
         return _Held(self, nbytes, deadline, owner)
 
-    async def _reserve(self, nbytes: int, deadline: float, owner: Hashable | None) -> Reservation:
-        """What entering :meth:`reserve`'s block does."""
+    def reserve_nowait(self, nbytes: int, owner: Hashable | None = None) -> Reservation | None:
+        """Hold ``nbytes`` of the budget now, if :meth:`reserve` would grant them without
+        waiting; None when it would wait (for room, or behind requests already waiting), and
+        nothing is held then. The caller gives the bytes back with
+        :meth:`Reservation.release`, or keeps them with :meth:`Reservation.release_later`.
+
+        Raises:
+            Overloaded: :meth:`reserve` would refuse the request at once (larger than the
+                budget, or past the owner's share).
+        """
         if nbytes > self.budget_bytes:
             raise self._refuse(
                 "memory_budget",
@@ -287,22 +300,26 @@ class Admission:
             owner = None
         elif owner is not None:
             self._check_share(owner, nbytes, "the request")
-        reservation: Reservation | None = None
-        if not self._waiters and self._reserved + nbytes <= self.budget_bytes:
-            # The common case, on every call's path: no scope, no waiting.
-            if owner is not None:
-                self._held[owner] = self._held.get(owner, 0) + nbytes
-            self._reserved += nbytes
-            reservation = Reservation(self, nbytes, owner)
-            # Room without waiting: whatever queue there was has drained.
-            self._slow_since = None
-            if self._shedding and trio.current_time() - self._last_turned_away >= self.interval:
-                # Light load: probes only come from requests that must wait, and none has
-                # had to for an interval.
-                self._shedding = False
-        else:
+        if self._waiters or self._reserved + nbytes > self.budget_bytes:
+            return None
+        if owner is not None:
+            self._held[owner] = self._held.get(owner, 0) + nbytes
+        self._reserved += nbytes
+        # Room without waiting: whatever queue there was has drained.
+        self._slow_since = None
+        if self._shedding and trio.current_time() - self._last_turned_away >= self.interval:
+            # Light load: probes only come from requests that must wait, and none has had to
+            # for an interval.
+            self._shedding = False
+        return Reservation(self, nbytes, owner)
+
+    async def _reserve(self, nbytes: int, deadline: float, owner: Hashable | None) -> Reservation:
+        """What entering :meth:`reserve`'s block does."""
+        # The common case, on every call's path: no scope, no waiting.
+        reservation = self.reserve_nowait(nbytes, owner)
+        if reservation is None:
             with trio.move_on_after(self.max_wait if math.isinf(deadline) else math.inf):
-                reservation = await self._wait_for_room(nbytes, owner)
+                reservation = await self._wait_for_room(nbytes, owner if self._shared else None)
             if reservation is None:
                 raise self._refuse(
                     "memory_budget",

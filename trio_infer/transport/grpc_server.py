@@ -13,11 +13,18 @@ Ownership, top to bottom::
         └── call (one per stream)     CancelScope(deadline = arrival + grpc-timeout)
             └── handler(call)         the service: reads, works, sends
 
+A call of a method the service answers at once (``immediate``: a synchronous function of the
+server's state) whose whole request arrives in the read that starts it is answered by the reader
+itself, before it reads again: no task and no scope, as nothing in it can wait, time out or need
+cancelling. Any other such call (its request not complete yet, an answer the client's window
+cannot take now, an answer that would wait) runs in a task as every call does.
+
 Invariants:
 
-- Every call ends with exactly one status, sent by :meth:`Connection._run_call` and nowhere else:
-  the handler's outcome, DEADLINE_EXCEEDED when its deadline passed, or the reason whoever
-  cancelled it gave. A call the client reset gets nothing: nobody is listening.
+- Every call ends with exactly one status, sent by :meth:`Connection._run_call` (or, for a call
+  answered at once, :meth:`Connection._answer_held`) and nowhere else: the handler's outcome,
+  DEADLINE_EXCEEDED when its deadline passed, or the reason whoever cancelled it gave. A call
+  the client reset gets nothing: nobody is listening.
 - Whatever a call waits on is woken when its producer goes away: the reader closes every call's
   inbound queue when it exits, for whatever reason, and a stream reset cancels the call's scope.
 - Nothing here knows protobuf or models: a handler sees bytes (a request message may come as
@@ -37,9 +44,10 @@ import os
 import socket
 import ssl
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import trio
@@ -78,6 +86,7 @@ __all__ = [
     "Connection",
     "GrpcServer",
     "Handler",
+    "Immediate",
     "Metadata",
     "ProtocolLimits",
     "TransportStatistics",
@@ -86,6 +95,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Handler = Callable[["Call"], Awaitable[None]]
+Immediate = Callable[["Call", int], Buffer | None]
+"""Answers a call at once, in the connection's reader, when the client has sent its whole
+request, one message of the ``int`` bytes announced, and ended it: the handler takes the message
+with :meth:`Call.receive_message_nowait` and returns the response message (sent with status OK,
+as one message and the status), or raises :class:`~trio_infer.errors.InferError` for another
+status. It must not wait for anything. It returns None, before taking the message and having
+changed nothing, when it cannot answer without waiting: the call then runs in a task, as every
+call of a method without one does, its :data:`Handler` reading the same message."""
+#: No method answered at once.
+_NO_IMMEDIATE: Mapping[str, Immediate] = MappingProxyType({})
 
 _READ_SIZE = 256 * 1024
 #: The most one TLS write encrypts and sends, so the send timeout measures a client's progress.
@@ -159,6 +178,16 @@ class _InboundQueue:
 
             await trio.lowlevel.wait_task_rescheduled(abort)
         return self.get_nowait()
+
+    def one_message(self) -> int | None:
+        """The length of the one message queued, when the client sent exactly one, whole, and
+        then ended its request (the queue is closed); None otherwise. Nothing is taken."""
+        items = self._items
+        if self._closed and len(items) == 2 and isinstance(items[1], bytes | bytearray):
+            length = items[0]
+            assert isinstance(length, int), "a message is always announced first"
+            return length
+        return None
 
     @property
     def waiting(self) -> bool:
@@ -313,6 +342,18 @@ class Call:
         self.bytes_in += length
         return item
 
+    def receive_message_nowait(self) -> bytes | bytearray:
+        """Take the request message an :data:`Immediate` handler answers, without waiting: it
+        has arrived whole (and is counted in :attr:`bytes_in`, as :meth:`receive_message`
+        counts it)."""
+        length = self._announced
+        assert length is not None, "an immediate call's message is announced before it runs"
+        item = self._inbound.get_nowait()
+        assert isinstance(item, bytes | bytearray), "an immediate call's message is all there"
+        self._announced = None
+        self.bytes_in += length
+        return item
+
     def another_message_nowait(self) -> bool:
         """Whether the client has already announced a request message after the one received,
         without waiting (a unary call that has one is malformed).
@@ -461,6 +502,15 @@ def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
     return frames
 
 
+def _sender(response: Buffer) -> Handler:
+    """A call's handler that sends ``response``, made already, as its one message."""
+
+    async def send(call: Call) -> None:
+        await call.send_message(response, last=True)
+
+    return send
+
+
 def _size(buffers: Sequence[Buffer]) -> int:
     # A loop, not sum() over a generator: a call's path sizes a few short lists.
     size = 0
@@ -499,6 +549,7 @@ class Connection:
         limits: ProtocolLimits,
         calls_in_flight: CallCounter,
         access_log: bool = False,
+        immediate: Mapping[str, Immediate] = _NO_IMMEDIATE,
     ) -> None:
         self.connection_id = next(_connection_ids)
         """Unique among the process's connections, never reused."""
@@ -514,8 +565,14 @@ class Connection:
         #: The writer is in a write: nothing else may write until it is done.
         self._writing = False
         self._handler = handler
+        self._immediate = immediate
         self._access_log = access_log
         self._calls: dict[int, _CallState] = {}
+        #: Calls of methods answered at once, from their HEADERS to the end of the events of
+        #: the same read (:meth:`_answer_held`), in the order they came; never in ``_calls``
+        #: meanwhile. Nothing can reset or cancel one in that time: a reset among the same
+        #: events starts no call, and no other task runs while the reader handles them.
+        self._held: dict[int, Call] = {}
         self._calls_in_flight = calls_in_flight
         self._flush_needed = trio.Event()
         self._window_updated = trio.Event()
@@ -821,6 +878,8 @@ class Connection:
                 handler = handlers.get(kind)
                 if handler is not None:  # others (a PING's ACK, SETTINGS' ACK) need nothing
                     handler(event)
+            if self._held:
+                self._answer_held()
             if window_updated:
                 self._window_updated.set()
             if protocol.has_data_to_send():
@@ -895,26 +954,32 @@ class Connection:
                 return  # reset: the client is gone
             pause = min(pause * 2, 1.0)
 
+    # A stream's events go to its call in a task, or to its call held to be answered at once.
+
     def _message_announced(self, event: MessageAnnounced) -> None:
         state = self._calls.get(event.stream_id)
-        if state is not None:
-            state.call._inbound.put(event.length)
+        call = state.call if state is not None else self._held.get(event.stream_id)
+        if call is not None:
+            call._inbound.put(event.length)
 
     def _message_received(self, event: MessageReceived) -> None:
         state = self._calls.get(event.stream_id)
-        if state is not None:
-            state.call._inbound.put(event.data)
+        call = state.call if state is not None else self._held.get(event.stream_id)
+        if call is not None:
+            call._inbound.put(event.data)
 
     def _request_ended(self, event: RequestEnded) -> None:
         state = self._calls.get(event.stream_id)
-        if state is not None:
-            state.call._inbound.close()
+        call = state.call if state is not None else self._held.get(event.stream_id)
+        if call is not None:
+            call._inbound.close()
 
     def _message_refused(self, event: MessageRefused) -> None:
         state = self._calls.get(event.stream_id)
-        if state is not None:
-            state.call._inbound.put(InferError(event.message, event.status))
-            state.call._inbound.close()
+        call = state.call if state is not None else self._held.get(event.stream_id)
+        if call is not None:
+            call._inbound.put(InferError(event.message, event.status))
+            call._inbound.close()
 
     def _stream_reset(self, event: StreamReset) -> None:
         state = self._calls.get(event.stream_id)
@@ -957,12 +1022,75 @@ class Connection:
             request_id(sent),
             now,
         )
-        state = _CallState(call, trio.CancelScope(deadline=deadline))
-        self._calls[stream_id] = state
-        self._calls_in_flight.increment()
         self._calls_in_flight.started += 1
+        if call.method in self._immediate:
+            # Answered once the events of this read are handled, if its request is in by then.
+            self._held[stream_id] = call
+        else:
+            self._start_task(call, self._handler)
+
+    def _start_task(self, call: Call, handler: Handler) -> None:
+        """Run ``call`` in a task of the connection's nursery, under its deadline."""
+        state = _CallState(call, trio.CancelScope(deadline=call.deadline))
+        self._calls[call._stream_id] = state
+        self._calls_in_flight.increment()
         assert self._nursery is not None
-        self._nursery.start_soon(self._run_call, state)
+        self._nursery.start_soon(self._run_call, state, handler)
+
+    def _answer_held(self) -> None:
+        """Answer the calls held since their HEADERS among the events just handled: each one
+        whose whole request is in, and whose deadline has not passed, at once, when its answer
+        fits the client's windows now; the others in a task, as any call (one whose answer was
+        made and does not fit, a task that sends it)."""
+        held = self._held
+        self._held = {}
+        protocol = self.protocol
+        max_unsent = protocol.limits.max_unsent_bytes
+        now = trio.current_time()
+        answered = False
+        for stream_id, call in held.items():
+            length = call._inbound.one_message()
+            if length is None or call.deadline <= now:
+                # Its request is not all in (its task reads what has come and waits for the
+                # rest), or its deadline has already passed (its task ends it at its first
+                # checkpoint, DEADLINE_EXCEEDED).
+                self._start_task(call, self._handler)
+                continue
+            call._inbound.get_nowait()  # its announced length: taken as the call's
+            call._announced = length
+            status, message = _OK, ""
+            try:
+                response = self._immediate[call.method](call, length)
+                if response is None:
+                    self._start_task(call, self._handler)  # it would wait: as any call
+                    continue
+                frames = _data_frames(response)
+                size = _size(frames)
+                room = max_unsent - self._taken - protocol.pending_bytes()
+                if size > protocol.send_window(stream_id) or size > room:
+                    self._start_task(call, _sender(response))
+                    continue
+                protocol.start_response(stream_id, call.initial_metadata, call.request_id)
+                call._headers_sent = True
+                while frames:
+                    protocol.send_data(stream_id, frames.pop())
+                call.bytes_out += size
+            except InferError as exc:
+                status, message = exc.code, exc.message
+            except Exception:
+                logger.exception("unexpected error in %s", call.method)
+                status, message = StatusCode.INTERNAL, "internal server error"
+            self._end(call, status, message)
+            self._log(call, status)
+            if call._on_sent is not None:
+                self._release_when_written(call._on_sent)
+            answered = True
+        if not answered:
+            return
+        if not self._calls:
+            self._idle_since = now
+        if not self.write_alone() or self._closing:
+            self.flush()
 
     def _refuse(self, stream_id: int, status: StatusCode, message: str) -> None:
         # A client that started a call just before our GOAWAY reached it resets the call when
@@ -971,13 +1099,13 @@ class Connection:
         if stream_id not in self._reset_in_read:
             self.protocol.end_response(stream_id, status, message, (), headers_sent=False)
 
-    async def _run_call(self, state: _CallState) -> None:
+    async def _run_call(self, state: _CallState, handler: Handler) -> None:
         call = state.call
         status, message = _OK, ""
         try:
             with state.scope:
                 try:
-                    await self._handler(call)
+                    await handler(call)
                 except InferError as exc:
                     status, message = exc.code, exc.message
                 except Exception:
@@ -985,20 +1113,10 @@ class Connection:
                     status, message = StatusCode.INTERNAL, "internal server error"
             if state.scope.cancelled_caught:
                 status, message = state.cancel_status, state.cancel_message
-            self._finish(state, status, message)
-            if self._access_log and ACCESS_LOGGER.isEnabledFor(logging.INFO):
-                log_call(
-                    CallRecord(
-                        "grpc",
-                        call.method,
-                        call.subject,
-                        status.name,
-                        trio.current_time() - call.started,
-                        call.bytes_in,
-                        call.bytes_out,
-                        call.request_id,
-                    )
-                )
+            self._end(call, status, message)
+            if not self.write_alone():
+                self.flush()
+            self._log(call, status)
         finally:
             del self._calls[call._stream_id]
             self._calls_in_flight.decrement()
@@ -1012,8 +1130,8 @@ class Connection:
             if self._closing:
                 self.flush()
 
-    def _finish(self, state: _CallState, status: StatusCode, message: str) -> None:
-        call = state.call
+    def _end(self, call: Call, status: StatusCode, message: str) -> None:
+        """Queue the status that ends ``call`` (nothing for a call its client reset)."""
         stream_id = call._stream_id
         if call._reset:
             return
@@ -1030,8 +1148,22 @@ class Connection:
                 headers_sent=call._headers_sent,
                 request_id=call.request_id,
             )
-        if not self.write_alone():
-            self.flush()
+
+    def _log(self, call: Call, status: StatusCode) -> None:
+        """The call's access-log record, when the access log is on."""
+        if self._access_log and ACCESS_LOGGER.isEnabledFor(logging.INFO):
+            log_call(
+                CallRecord(
+                    "grpc",
+                    call.method,
+                    call.subject,
+                    status.name,
+                    trio.current_time() - call.started,
+                    call.bytes_in,
+                    call.bytes_out,
+                    call.request_id,
+                )
+            )
 
     def write_alone(self) -> bool:
         """Write what is queued at once if the connection carries one call and the writer is
@@ -1096,6 +1228,9 @@ class GrpcServer(ConnectionServer[Connection]):
             :func:`trio_infer.transport.tls.server_context`); plaintext when None.
         access_log: Write one access-log record per call
             (:mod:`trio_infer.transport.access_log`).
+        immediate: The methods answered at once, each by its :data:`Immediate`, when a call's
+            whole request comes with its start (``handler`` runs the others, and these
+            otherwise).
     """
 
     def __init__(
@@ -1105,11 +1240,13 @@ class GrpcServer(ConnectionServer[Connection]):
         *,
         ssl_context: ssl.SSLContext | None = None,
         access_log: bool = False,
+        immediate: Mapping[str, Immediate] = _NO_IMMEDIATE,
     ) -> None:
         super().__init__(ssl_context)
         self._handler = handler
         self._limits = limits or ProtocolLimits()
         self._access_log = access_log
+        self._immediate = immediate
         self.calls_in_flight = self._in_flight
         """Calls in flight, across connections."""
 
@@ -1125,7 +1262,12 @@ class GrpcServer(ConnectionServer[Connection]):
 
     def _connect(self, transport: Transport) -> Connection:
         return Connection(
-            transport, self._handler, self._limits, self.calls_in_flight, self._access_log
+            transport,
+            self._handler,
+            self._limits,
+            self.calls_in_flight,
+            self._access_log,
+            self._immediate,
         )
 
     def _drain_late(self, connection: Connection) -> None:
