@@ -91,16 +91,27 @@ def exchange_until_closed(port: int, data: bytes, timeout: float = 10.0) -> list
     return events
 
 
-def goaway_codes_in(received: bytes) -> list[int]:
-    """The error codes of the GOAWAY frames among a server's bytes (its frames, whole)."""
-    codes = []
+def frames_in(received: bytes) -> list[tuple[int, int, bytes]]:
+    """The frames among a server's bytes (its frames, whole), read by hand: each frame's type,
+    stream and payload. An h2 client would hide some (a second RST_STREAM of a stream it saw
+    reset), or refuse a whole read (one holding a GOAWAY and frames after it)."""
+    frames = []
     at = 0
     while at + 9 <= len(received):
         length = int.from_bytes(received[at : at + 3], "big")
-        if received[at + 3] == 0x7:
-            codes.append(int.from_bytes(received[at + 13 : at + 17], "big"))
+        stream = int.from_bytes(received[at + 5 : at + 9], "big") & 0x7FFFFFFF
+        frames.append((received[at + 3], stream, received[at + 9 : at + 9 + length]))
         at += 9 + length
-    return codes
+    return frames
+
+
+def goaway_codes_in(received: bytes) -> list[int]:
+    """The error codes of the GOAWAY frames among a server's bytes (its frames, whole)."""
+    return [
+        int.from_bytes(payload[4:8], "big")
+        for kind, _, payload in frames_in(received)
+        if kind == 0x7
+    ]
 
 
 def goaway_codes(events: list[object]) -> list[object]:
@@ -656,7 +667,8 @@ def read_until_a_stream_ends(
     sock: socket.socket, client: h2.connection.H2Connection
 ) -> list[object]:
     """The h2 events the server's bytes make until a stream ends (a call's answer read to
-    its end), what the client owes for each read (acknowledgements, windows) sent back."""
+    its end) or is reset, what the client owes for each read (acknowledgements, windows) sent
+    back."""
     events: list[object] = []
     ended = False
     while not ended:
@@ -664,7 +676,7 @@ def read_until_a_stream_ends(
         assert chunk, "the server closed the connection"
         for event in client.receive_data(chunk):
             events.append(event)
-            ended = ended or isinstance(event, h2.events.StreamEnded)
+            ended = ended or isinstance(event, h2.events.StreamEnded | h2.events.StreamReset)
         sock.sendall(client.data_to_send())
     return events
 

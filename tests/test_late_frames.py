@@ -5,6 +5,7 @@ streams)."""
 
 from __future__ import annotations
 
+import functools
 import socket
 
 import h2.config
@@ -21,6 +22,7 @@ from tests.test_hostile import (
     Bystander,
     echo_request,
     frame,
+    frames_in,
     goaway_codes,
     grpc_message,
     read_until_a_stream_ends,
@@ -33,24 +35,34 @@ async def server(nursery: trio.Nursery) -> RunningServer:
     return await start_server(nursery)
 
 
-def after_a_call(port: int, late: bytes, timeout: float = 10.0) -> list[object]:
-    """An echo call on stream 1 read to its end, then ``late`` and a PING; the h2 events the
-    server's bytes made after the call, until it closes the connection or acknowledges the
-    PING (then the last event is the PING's acknowledgement)."""
+def after_a_call(
+    port: int,
+    late: bytes,
+    timeout: float = 10.0,
+    *,
+    headers: list[tuple[str, str]] = REQUEST_HEADERS,
+    body: bytes | None = None,
+) -> tuple[list[object], bytes]:
+    """A call on stream 1 (``headers``, then ``body``, an echo request by default) read until
+    it ends or is reset, then ``late`` and a PING; the h2 events the server's bytes made
+    after the call, until it closes the connection or acknowledges the PING (then the last
+    event is the PING's acknowledgement), and those bytes."""
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
-    client.send_headers(1, REQUEST_HEADERS)
-    client.send_data(1, grpc_message(echo_request()), end_stream=True)
+    client.send_headers(1, headers)
+    client.send_data(1, grpc_message(echo_request()) if body is None else body, end_stream=True)
     events: list[object] = []
+    received = b""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(timeout)
         sock.sendall(client.data_to_send())
         read_until_a_stream_ends(sock, client)
         sock.sendall(late + frame(0x6, 0x0, 0, b"late?!!!"))
         try:
-            while received := sock.recv(65536):
+            while chunk := sock.recv(65536):
+                received += chunk
                 try:
-                    new = client.receive_data(received)
+                    new = client.receive_data(chunk)
                 except h2.exceptions.ProtocolError:
                     break  # h2 refuses what follows the server's GOAWAY; the GOAWAY came first
                 events += new
@@ -58,7 +70,7 @@ def after_a_call(port: int, late: bytes, timeout: float = 10.0) -> list[object]:
                     break
         except ConnectionResetError:
             pass
-    return events
+    return events, received
 
 
 async def test_a_continuation_after_a_call_its_trailers_closed_is_a_protocol_error(
@@ -68,7 +80,7 @@ async def test_a_continuation_after_a_call_its_trailers_closed_is_a_protocol_err
     # type PROTOCOL_ERROR, whichever stream it names. (h2 handed it to the stream: on one it
     # still held, PROTOCOL_ERROR; on one forgotten after END_STREAM, as the trailers' stream
     # now is at once, STREAM_CLOSED.)
-    events = await trio.to_thread.run_sync(after_a_call, server.port, frame(0x9, 0x4, 1, b""))
+    events, _ = await trio.to_thread.run_sync(after_a_call, server.port, frame(0x9, 0x4, 1, b""))
     assert goaway_codes(events) == [h2.errors.ErrorCodes.PROTOCOL_ERROR]
     await Bystander(server.port).call()
 
@@ -79,7 +91,34 @@ async def test_a_window_update_of_zero_after_a_call_its_trailers_closed_is_ignor
     # RFC 9113 §5.1: a WINDOW_UPDATE on a closed stream is ignored, even one of 0 (which on an
     # open stream fails that stream only). The connection goes on.
     late = frame(0x8, 0x0, 1, (0).to_bytes(4, "big"))
-    events = await trio.to_thread.run_sync(after_a_call, server.port, late)
+    events, _ = await trio.to_thread.run_sync(after_a_call, server.port, late)
     assert goaway_codes(events) == []
     assert isinstance(events[-1], h2.events.PingAckReceived), events
+    await Bystander(server.port).call()
+
+
+@pytest.mark.parametrize(
+    "late",
+    [
+        frame(0x8, 0x0, 1, (1000).to_bytes(4, "big")),  # WINDOW_UPDATE
+        frame(0x3, 0x0, 1, h2.errors.ErrorCodes.CANCEL.to_bytes(4, "big")),  # RST_STREAM
+        frame(0x0, 0x0, 1, b"\x00" * 100) + frame(0x0, 0x1, 1, b"\x00" * 100),  # DATA
+    ],
+    ids=["window", "reset", "data"],
+)
+async def test_late_frames_on_a_stream_the_server_reset_are_ignored(
+    server: RunningServer, late: bytes
+) -> None:
+    # A request whose body outgrows its content-length is malformed, and its stream reset
+    # (RFC 9113 §8.1.1). The client may have sent more before it saw the reset: RFC 9113 §5.1
+    # says such frames are ignored, not answered (h2 answered each DATA with a RST_STREAM of
+    # its own). Their DATA's bytes still count against the connection's window, and are given
+    # back (tests/test_content_length.py).
+    headers = [*REQUEST_HEADERS, ("content-length", "1")]
+    events, received = await trio.to_thread.run_sync(
+        functools.partial(after_a_call, headers=headers), server.port, late
+    )
+    assert goaway_codes(events) == []
+    assert isinstance(events[-1], h2.events.PingAckReceived), events
+    assert [kind for kind, _, _ in frames_in(received)] == [0x6]  # the PING's ACK, and only it
     await Bystander(server.port).call()

@@ -22,6 +22,16 @@ What purerpc 0.8.0 gets wrong for a server, and what this module changes:
 - h2 treats a malformed header block (an upper-case name, a connection-specific header, a value
   that is not UTF-8) as a connection error; RFC 9113 §8.1.1 makes it a stream error, and here
   only that stream is reset (RST_STREAM PROTOCOL_ERROR).
+- h2 ends the connection when a request's body is longer or shorter than its ``content-length``,
+  or when that field is not a number (and reads ``-5``, ``+5`` or ``5_0`` as numbers, and a
+  field repeated with two values as its first). RFC 9113 §8.1.1 makes all of these malformed
+  requests, stream errors: here the stream is reset (RST_STREAM PROTOCOL_ERROR), the field
+  must be digits (RFC 9110 §8.6; repeated, with one value), and the body is checked against
+  it wherever the request ends (on DATA, trailers or its headers).
+- h2 answers DATA on a stream the server reset with a RST_STREAM of its own, and returns its
+  window only once half the connection's window was spent so. RFC 9113 §5.1 says such frames,
+  sent before the client saw the reset, are ignored; here they are, and the window of every
+  DATA frame dropped is returned as that of the DATA a call reads.
 - purerpc opened 64 MiB per stream and 1 GiB per connection. Here a stream's window is 128 KiB
   until its call admits a message: each message is announced (:class:`MessageAnnounced`) as soon
   as its 5-byte prefix arrives, and the client may send the rest only after
@@ -150,6 +160,46 @@ _REQUEST_TRAILERS = _REQUEST_HEADERS._replace(is_trailer=True)
 
 class _MalformedRequest(Exception):
     """A request's headers are not those of a gRPC call (the message says why)."""
+
+
+class _BadContentLength(h2.exceptions.ProtocolError):  # type: ignore[misc]
+    """A request's ``content-length`` fields do not state one length: a malformed request
+    (RFC 9113 §8.1.1), a stream error."""
+
+
+def _declared_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
+    """The body length a request's header fields (as decoded, bytes) declare; None if they
+    have no ``content-length``.
+
+    Raises:
+        _BadContentLength: a value that is not 1*DIGIT (RFC 9110 §8.6), or fields repeated
+            with different values. The same value repeated is that value (as §8.6 allows).
+    """
+    declared = None
+    for name, value in headers:
+        if name == b"content-length":
+            # bytes.isdigit: ASCII digits only, at least one (no sign, space, "_" or list).
+            if not value.isdigit() or (declared is not None and int(value) != declared):
+                raise _BadContentLength("the request's content-length is not one length")
+            declared = int(value)
+    return declared
+
+
+class _RequestStream(h2.stream.H2Stream):  # type: ignore[misc]
+    """h2's stream, for a request: its ``content-length`` read by :func:`_declared_length`
+    (h2 reads it with ``int()``), from the request's headers only. A ``content-length`` in
+    trailers frames nothing (RFC 9110 §6.5.1), so it changes nothing (h2 took it as the
+    body's length)."""
+
+    def _initialize_content_length(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        if not self.state_machine.trailers_received:
+            self._expected_content_length = _declared_length(headers)
+
+    def ended_short(self) -> bool:
+        """Whether the request, ended, has a body shorter than its content-length declared
+        (a body longer than it fails the DATA frame that outgrows it)."""
+        expected: int | None = self._expected_content_length
+        return expected is not None and expected != self._actual_content_length
 
 
 #: gRPC's TimeoutValue and TimeoutUnit (PROTOCOL-HTTP2.md): at most 8 digits, then a unit.
@@ -432,7 +482,8 @@ class MessageRefused:
 
 @dataclass(frozen=True)
 class StreamReset:
-    """The client reset a stream (it cancelled the call)."""
+    """A stream was reset: by the client (it cancelled the call), or by the server, for a
+    malformed request. Either way its call, if one started, has nobody to answer."""
 
     stream_id: int
 
@@ -502,6 +553,15 @@ class _WindowUpdateRecord:
     window_increment: int
 
 
+def _data_received(frame: Any) -> h2.events.DataReceived:
+    """h2's event for a DATA frame received."""
+    received = h2.events.DataReceived()
+    received.stream_id = frame.stream_id
+    received.data = frame.data
+    received.flow_controlled_length = frame.flow_controlled_length
+    return received
+
+
 def _with_end(received: Any, stream_id: int, ended: bool) -> list[Any]:
     """h2's event for a request's frame, followed by the stream's StreamEnded (kept with it as
     h2 keeps it) if the frame ended the stream."""
@@ -542,6 +602,7 @@ _HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
 _HALF_CLOSED_LOCAL = h2.stream.StreamState.HALF_CLOSED_LOCAL
 _CLOSED = h2.stream.StreamState.CLOSED
 _CLOSED_BY_SENT_END = StreamClosedBy.SEND_END_STREAM
+_CLOSED_BY_SENT_RESET = StreamClosedBy.SEND_RST_STREAM
 _SERVER_OPEN = ConnectionState.SERVER_OPEN
 _SEND_HEADERS = ConnectionInputs.SEND_HEADERS
 _SEND_DATA = ConnectionInputs.SEND_DATA
@@ -904,23 +965,26 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             stream, ended = self._open_stream(frame)
             stream._expected_content_length = known.content_length
             self.opened_block = known
-            return known.headers, ended
-        self.opened_block = None
-        headers, ended = self._request_opened(frame)
-        try:
-            checked = self._checked(headers, _REQUEST_HEADERS)
-        except (h2.exceptions.ProtocolError, UnicodeDecodeError, IndexError):
-            return [self._stream_error(stream_id)]  # as _receive_headers_frame fails it
-        if (
-            decoder.header_table.version == version
-            and max(len(frame.data), decoded_size(checked)) <= MAX_REMEMBERED_BYTES
-        ):
-            if len(self._opened_blocks) >= _MAX_CHECKED_HEADER_LISTS:
-                self._opened_blocks.clear()
-            known = _OpenedBlock(
-                version, limits, checked, self.streams[stream_id]._expected_content_length
-            )
-            self._opened_blocks[frame.data] = self.opened_block = known
+            checked = known.headers
+        else:
+            self.opened_block = None
+            headers, stream, ended = self._request_opened(frame)
+            try:
+                checked = self._checked(headers, _REQUEST_HEADERS)
+                stream._initialize_content_length(headers)
+            except (h2.exceptions.ProtocolError, UnicodeDecodeError, IndexError):
+                return [self._stream_error(stream_id)]  # as _receive_headers_frame fails it
+            if (
+                decoder.header_table.version == version
+                and max(len(frame.data), decoded_size(checked)) <= MAX_REMEMBERED_BYTES
+            ):
+                if len(self._opened_blocks) >= _MAX_CHECKED_HEADER_LISTS:
+                    self._opened_blocks.clear()
+                known = _OpenedBlock(version, limits, checked, stream._expected_content_length)
+                self._opened_blocks[frame.data] = self.opened_block = known
+        if ended and stream._expected_content_length:
+            # RFC 9113 §8.1.1: a body of no DATA at all is not the content-length's.
+            return [self._stream_error(stream_id)]
         return checked, ended
 
     def _new_request(self, frame: Any) -> list[Any] | None:
@@ -939,15 +1003,19 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         events = self._new_request(frame)
         if events is not None:
             return [], events
-        if frame.stream_id > self.highest_inbound_stream_id:
-            # A new stream under the limit that h2 opens: it counts the open streams again.
-            self._inbound_counted = self.open_inbound_streams
-            try:
+        try:
+            if frame.stream_id > self.highest_inbound_stream_id:
+                # A new stream under the limit that h2 opens: it counts the open streams again.
+                self._inbound_counted = self.open_inbound_streams
+                try:
+                    frames, events = super()._receive_headers_frame(frame)
+                finally:
+                    self._inbound_counted = None
+            else:
                 frames, events = super()._receive_headers_frame(frame)
-            finally:
-                self._inbound_counted = None
-        else:
-            frames, events = super()._receive_headers_frame(frame)
+        except _BadContentLength:
+            # Raised once the block is decoded and the stream has taken it: as below.
+            return [], [self._stream_error(frame.stream_id)]
         try:
             for event in events:
                 if isinstance(event, h2.events.RequestReceived):
@@ -959,16 +1027,19 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             # decoded, so the connection's HPACK state is intact and other streams go on.
             # (h2's checks index a name's first character: an empty name is an IndexError.)
             return frames, [self._stream_error(frame.stream_id)]
+        if "END_STREAM" in frame.flags and self.streams[frame.stream_id].ended_short():
+            return frames, [self._stream_error(frame.stream_id)]  # RFC 9113 §8.1.1, as above
         return frames, events
 
-    def _request_opened(self, frame: Any) -> tuple[list[Any], bool]:
+    def _request_opened(self, frame: Any) -> tuple[list[Any], _RequestStream, bool]:
         """A request's header block opening a new stream (one under the limit, with an odd id):
         done as h2 does it (the block decoded, the connection's state machine given the block
         unless it is open, where that changes nothing; the stream made, its state machine moved
-        to OPEN, or HALF_CLOSED_REMOTE with END_STREAM; a content-length read), but the
-        stream's state machine set by hand: its inputs cost a tuple of enums hashed in Python
-        each. Returns the headers as decoded (a list of the decoder's own, as this connection's
-        configuration asks of h2) and whether the block ended the stream.
+        to OPEN, or HALF_CLOSED_REMOTE with END_STREAM), but the stream's state machine set by
+        hand: its inputs cost a tuple of enums hashed in Python each. Returns the headers as
+        decoded (a list of the decoder's own, as this connection's configuration asks of h2),
+        the stream, and whether the block ended the stream. The content-length is the
+        caller's to read, once the headers are checked.
 
         One difference from h2, on purpose: a block with a response's ``:status`` (h2 takes an
         informational one for a response its state machine refuses, and ends the connection)
@@ -979,10 +1050,9 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         """
         headers = _decode_headers(self.decoder, frame.data)
         stream, ended = self._open_stream(frame)
-        stream._initialize_content_length(headers)
-        return headers, ended
+        return headers, stream, ended
 
-    def _open_stream(self, frame: Any) -> tuple[Any, bool]:
+    def _open_stream(self, frame: Any) -> tuple[_RequestStream, bool]:
         """The stream a request's HEADERS opens, its state machine moved by hand (to OPEN, or
         HALF_CLOSED_REMOTE with END_STREAM), and whether the block ended it."""
         _connection_input(self, _RECV_HEADERS)
@@ -996,13 +1066,21 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             states.state = _HALF_CLOSED_REMOTE
         return stream, ended
 
-    def _new_request_stream(self, stream_id: int) -> Any:
+    def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> _RequestStream:
+        """h2's, making every stream a client opens a :class:`_RequestStream` (a server opens
+        none: it never pushes); h2's own for any other id, to refuse it as h2 does."""
+        if stream_id % 2 == int(allowed_ids) and stream_id > self.highest_inbound_stream_id:
+            return self._new_request_stream(stream_id)
+        stream: _RequestStream = super()._begin_new_stream(stream_id, allowed_ids)
+        return stream
+
+    def _new_request_stream(self, stream_id: int) -> _RequestStream:
         """h2's ``_begin_new_stream`` for a stream the client opens, its id odd and above every
-        earlier one (the caller's checks): the same stream, made by h2's own constructor, and
-        the same record of it, without the steps that cannot change the outcome then (the id's
-        checks; the calls to the configuration's logger, which is h2's that logs nothing), each
-        a Python call."""
-        stream = h2.stream.H2Stream(
+        earlier one (the caller's checks): the same stream (a :class:`_RequestStream`, made by
+        h2's own constructor), and the same record of it, without the steps that cannot change
+        the outcome then (the id's checks; the calls to the configuration's logger, which is
+        h2's that logs nothing), each a Python call."""
+        stream = _RequestStream(
             stream_id,
             config=self.config,
             inbound_window_size=self.local_settings[_INITIAL_WINDOW_SIZE],
@@ -1056,23 +1134,55 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     def _receive_data_frame(self, frame: Any) -> Any:
         events = self._request_data(frame)
         if events is None:
-            return super()._receive_data_frame(frame)
+            try:
+                return super()._receive_data_frame(frame)
+            except h2.exceptions.InvalidBodyLengthError:
+                return [], self.malformed_body(frame)
         return [], events
 
     def _request_data(self, frame: Any) -> list[Any] | None:
         """A request's DATA on its open stream: its events; None for any other DATA."""
-        ended = self._take_request_data(frame)
+        try:
+            ended = self._take_request_data(frame)
+        except h2.exceptions.InvalidBodyLengthError:
+            return self.malformed_body(frame)
         if ended is None:
             return None
-        received = h2.events.DataReceived()
-        received.stream_id = frame.stream_id
-        received.data = frame.data
-        received.flow_controlled_length = frame.flow_controlled_length
-        return _with_end(received, frame.stream_id, ended)
+        return _with_end(_data_received(frame), frame.stream_id, ended)
+
+    def malformed_body(self, frame: Any) -> list[Any]:
+        """h2's events for a request's DATA, taken (its windows spent), that made its body
+        longer than its content-length, or ended it shorter: a malformed request, a stream
+        error (RFC 9113 §8.1.1). The stream's reset (PROTOCOL_ERROR), then the DATA as
+        received: the stream has no call any more, so it is dropped, and its window returned
+        to the client as that of any DATA (§6.9: it counted against the connection's)."""
+        return [self._stream_error(frame.stream_id), _data_received(frame)]
+
+    def _handle_data_on_closed_stream(self, events: list[Any], exc: Any, frame: Any) -> Any:
+        # DATA on a stream that is closed, its windows spent. On one the server had reset, the
+        # client may have sent it before it saw the reset: RFC 9113 §5.1 says it is ignored
+        # (h2 answered it with a RST_STREAM). h2 remembers how the last 65,536 closed streams
+        # closed. On one closed otherwise, or forgotten, or half-closed by the client's
+        # END_STREAM (h2 closes that one now, as reset by the server: ``exc`` then carries
+        # the reset's event), it is a stream error of type STREAM_CLOSED (§5.1, §6.1),
+        # answered as h2 answers it. Either way its window is returned as that of any DATA
+        # dropped, the DATA handed on as received to a stream with no call (h2 returned it
+        # only once DATA dropped so added up to half the connection's window).
+        frames = []
+        if exc._events or self._stream_closed_by(exc.stream_id) is not _CLOSED_BY_SENT_RESET:
+            refusal = RstStreamFrame(exc.stream_id)
+            refusal.error_code = exc.error_code
+            frames.append(refusal)
+        return frames, [*events, *exc._events, _data_received(frame)]
 
     def _take_request_data(self, frame: Any) -> bool | None:
         """A request's DATA on its open stream, taken: whether it ended the stream. None for
-        any other DATA, left as it is for h2."""
+        any other DATA, left as it is for h2.
+
+        Raises:
+            h2.exceptions.InvalidBodyLengthError: the DATA, taken, made the body longer than
+                its content-length, or ended it shorter (:meth:`malformed_body`).
+        """
         stream = self.streams.get(frame.stream_id)
         if (
             self.state_machine.state is not _SERVER_OPEN
@@ -1374,9 +1484,14 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         read that went through h2's dispatch: that frame's events (a RequestReceived that
         opens the call this DATA is for) are handled only once the read's frames are taken, and
         this DATA's must come after them, as h2's DataReceived."""
-        if self.h2_connection.dispatched:
+        h2_connection = self.h2_connection
+        if h2_connection.dispatched:
             return None
-        ended = self.h2_connection._take_request_data(frame)
+        try:
+            ended = h2_connection._take_request_data(frame)
+        except h2.exceptions.InvalidBodyLengthError:
+            reset, dropped = h2_connection.malformed_body(frame)
+            return [*self._stream_reset(reset), *self._data_received(dropped)]
         if ended is None:
             return None
         events = self._data(frame.stream_id, frame.data, frame.flow_controlled_length)
