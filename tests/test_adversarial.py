@@ -641,7 +641,7 @@ def test_a_header_with_an_empty_name_fails_only_its_stream() -> None:
     )
     # The client's SETTINGS open its window; its one stream is reset, and nothing raised.
     assert [type(event) for event in events] == [WindowUpdated, StreamReset]
-    assert events[-1] == StreamReset(1)
+    assert events[-1] == StreamReset(1, by_client=False)
 
 
 def test_a_rejected_call_is_answered_in_proportion_to_its_request() -> None:

@@ -11,12 +11,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
 import httpx
 import numpy as np
 import pytest
+import trio
 
-from tests.support import GrpcioClient
+from tests.support import GrpcioClient, eventually, start_server
 from tests.test_cli import free_port
+from tests.test_hostile import REQUEST_HEADERS, echo_request, grpc_message
 from tests.test_shutdown import (
     EXIT_SLACK,
     TIMEOUT,
@@ -28,6 +34,7 @@ from tests.test_shutdown import (
 from trio_infer.client import InferenceClient
 from trio_infer.logs import JsonFormatter
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
+from trio_infer.protobuf.codec import encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
 from trio_infer.transport.access_log import request_id
 
@@ -89,6 +96,54 @@ async def test_a_stream_echoes_its_id(server: RunningServer) -> None:
         async for _ in stream:
             pass
     assert ("x-request-id", "stream-9") in stream.initial_metadata
+
+
+async def test_a_reset_call_is_logged_with_the_status_its_client_sees(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = await start_server(nursery, access_log=True)
+    caplog.set_level(logging.INFO, logger="trio_infer.access")
+    transport = server.statistics
+    # A call in flight that its client cancels (grpcio resets the stream with CANCEL).
+    client = GrpcioClient(server.port)
+    slow = pb.ModelInferRequest(model_name="sleep")
+    encode_inputs(slow, [("x", np.zeros(1, np.float32))], raw=True)
+    encode_parameters(slow.parameters, {"delay_ms": 30_000})
+    future = client.stub.ModelInfer.future(slow, metadata=[("x-request-id", "cancelled-1")])
+    await eventually(lambda: getattr(transport().transport, "calls", 0) == 1)
+    future.cancel()
+    await eventually(lambda: getattr(transport().transport, "calls", 0) == 0)
+    # A call whose body turns out longer than its content-length once it has started: the
+    # server resets its stream with PROTOCOL_ERROR, which gRPC clients report as INTERNAL.
+    h2_client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2_client.initiate_connection()
+    headers = [*REQUEST_HEADERS, ("x-request-id", "malformed-1"), ("content-length", "3")]
+    h2_client.send_headers(1, headers)
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+        await stream.send_all(h2_client.data_to_send())
+        await eventually(lambda: getattr(transport().transport, "calls", 0) == 1)
+        h2_client.send_data(1, grpc_message(echo_request()), end_stream=True)
+        await stream.send_all(h2_client.data_to_send())
+        reset: list[int] = []
+        with trio.fail_after(TIMEOUT):
+            while not reset and (received := await stream.receive_some()):
+                reset = [
+                    e.error_code
+                    for e in h2_client.receive_data(received)
+                    if isinstance(e, h2.events.StreamReset)
+                ]
+        assert reset == [h2.errors.ErrorCodes.PROTOCOL_ERROR]
+
+    def statuses() -> dict[str, str]:
+        return {
+            r.request_id: r.status  # type: ignore[attr-defined]
+            for r in caplog.records
+            if r.name == "trio_infer.access"
+        }
+
+    await eventually(lambda: len(statuses()) == 2)
+    assert statuses() == {"cancelled-1": "CANCELLED", "malformed-1": "INTERNAL"}
+    client.channel.close()
 
 
 def test_json_lines_carry_the_records_fields() -> None:

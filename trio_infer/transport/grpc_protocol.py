@@ -486,6 +486,8 @@ class StreamReset:
     malformed request. Either way its call, if one started, has nobody to answer."""
 
     stream_id: int
+    #: Whether the client reset it (else the server did, the request being malformed).
+    by_client: bool
 
 
 @dataclass(frozen=True)
@@ -1615,7 +1617,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
 
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Event]:
         self._inbound.pop(event.stream_id, None)
-        return [StreamReset(event.stream_id)]
+        return [StreamReset(event.stream_id, event.remote_reset)]
 
     def _remote_settings_changed(self, event: h2.events.RemoteSettingsChanged) -> list[Event]:
         # The client's first SETTINGS frame follows its preface: the handshake is done.

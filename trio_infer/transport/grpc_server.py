@@ -985,7 +985,12 @@ class Connection:
         state = self._calls.get(event.stream_id)
         if state is not None:
             state.call._reset = True
-            state.scope.cancel()
+            # What the client's library reports (gRPC's mapping of RST_STREAM codes): a
+            # cancel of its own, or INTERNAL for the PROTOCOL_ERROR a malformed request gets.
+            if event.by_client:
+                state.cancel(StatusCode.CANCELLED, "the client cancelled the call")
+            else:
+                state.cancel(StatusCode.INTERNAL, "the request was malformed: its stream was reset")
 
     def _call_rejected(self, event: CallRejected) -> None:
         self._refuse(event.stream_id, event.status, event.message)
