@@ -603,23 +603,24 @@ async def test_a_call_after_the_pool_closed_is_unavailable(
 
 
 async def test_calls_cancelled_before_they_start_are_skipped_and_leave_the_worker_alone(
-    repo: dict[str, ModelSettings], examples: dict[str, ModelSettings], tmp_path: Path
+    repo: dict[str, ModelSettings], tmp_path: Path
 ) -> None:
     calls = tmp_path / "calls.txt"
     async with WorkerPool.open(1) as pool:
         first = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
         count = partial(pool.predict, repo["count"], {}, Parameters({"file": str(calls)}))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(pool.predict, examples["sleep"], {}, Parameters({"delay_ms": 300}))
-            await eventually(lambda: pool.statistics().busy == 1)
+            _, release = await _hold_a_worker(pool, repo, nursery, tmp_path)
             # One call is sent to the worker behind the running one, the other waits in the
-            # pool's queue; both are cancelled while the worker runs the first.
+            # pool's queue; both are cancelled while the worker runs the first, which ends
+            # only once they are.
             async with trio.open_nursery() as counts:
                 counts.start_soon(count)
                 counts.start_soon(count)
                 await eventually(lambda: pool.statistics().waiting == 2)
                 counts.cancel_scope.cancel()
             await eventually(lambda: pool.statistics().waiting == 0)
+            release.touch()
 
         second = (await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"].item()
         assert second == first
