@@ -8,6 +8,7 @@ in the same batch or in different ones by their parameters.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -47,7 +48,8 @@ from trio_infer.scheduling.batching import (
     split_outputs,
 )
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY
-from trio_infer.scheduling.statistics import Timing
+from trio_infer.scheduling.reply import Reply
+from trio_infer.scheduling.statistics import RequestTiming, Timing
 from trio_infer.server import RunningServer
 
 # -- the planner ------------------------------------------------------------------------------
@@ -851,3 +853,35 @@ async def test_a_failing_batch_fails_only_its_own_members_each_with_the_error(
             assert (error.code(), error.details()) == expected[action]
     stats = statistics(server, "rows")
     assert (stats.batches, stats.max_batch_requests, stats.requests) == (4, 2, 8)
+
+
+async def test_a_batchs_requests_are_freed_when_answered_not_left_to_the_cyclic_collector(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Garbage in a cycle waits for a collection of the cyclic collector, which walks every
+    # young object. With the collector off, what a batch's requests held must be freed by the
+    # time they are answered.
+    repository = Repository(tmp_path).add("rows", max_batch_size=2, max_batch_time=5.0)
+    server = await start_server(nursery, repository.root)
+    calls = Calls(GrpcioClient(server.port))
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        futures = [calls.start(rows_request(1)) for _ in range(2)]
+        for future in futures:
+            await calls.outputs(future)
+        # Every call's task has ended: what is left of them is garbage or freed.
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        left = sorted({type(o).__name__ for o in gc.garbage if type(o) in _PER_REQUEST})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert statistics(server, "rows").max_batch_requests == 2
+    assert left == []
+
+
+#: The objects each request of a batch makes in the core and the batcher.
+_PER_REQUEST = {Reply, RequestTiming, Parameters}

@@ -492,9 +492,16 @@ class _Member:
 
 
 class _Batch:
-    def __init__(self, members: list[_Member]) -> None:
-        self.members = members
-        self.live = len(members)
+    """A running batch as its members see it: how many still wait for it, and the scope that
+    stops its call. It holds no member: each member refers to its batch, and a reference back
+    would make every batch a cycle, its members' requests (inputs, outputs, replies, timings,
+    keys) garbage that only a collection of the cyclic garbage collector frees, a collection
+    that walks every young object."""
+
+    __slots__ = ("live", "scope")
+
+    def __init__(self, members: int) -> None:
+        self.live = members
         self.scope = trio.CancelScope()
 
     def leave(self) -> None:
@@ -732,28 +739,28 @@ class ModelBatcher:
         # A replacement waits first, so that a bug met at every start cannot spin.
         if pause:
             await trio.sleep(pause)
-        batch: _Batch | None = None
+        members: list[_Member] | None = None
         try:
             while True:
-                batch = None
+                members = None
                 async with self._planning:
-                    batch = await self._next_batch()
-                await self._run(batch)
+                    members, batch = await self._next_batch()
+                await self._run(members, batch)
         except Exception as crash:
             # Cancellations are not caught: they end the task, as they should.
-            self._replace_crashed_batcher(crash, batch)
+            self._replace_crashed_batcher(crash, members)
 
-    def _replace_crashed_batcher(self, crash: Exception, batch: _Batch | None) -> None:
+    def _replace_crashed_batcher(self, crash: Exception, members: list[_Member] | None) -> None:
         self._count_crash()
         error = _crashed(self.settings.name)
-        if batch is None:
+        if members is None:
             # It crashed while planning, from the queue: what it held is the queue.
             held = len(self._waiting)
             self._fail_waiting(error)
             doing = "planning a batch"
         else:
             # _run failed the batch's members already, on its way out.
-            held = len(batch.members)
+            held = len(members)
             doing = "running a batch"
         logger.error(
             "internal error: a batcher of model '%s' crashed while %s (%s: %s); the %d "
@@ -771,7 +778,7 @@ class ModelBatcher:
     def _count_crash(self) -> None:
         self._counts.batcher_crashes += 1
 
-    async def _next_batch(self) -> _Batch:
+    async def _next_batch(self) -> tuple[list[_Member], _Batch]:
         settings = self.settings
         while True:
             now = trio.current_time()
@@ -797,19 +804,18 @@ class ModelBatcher:
             with trio.move_on_at(plan.wake_at):
                 await changed.wait()
 
-    def _take(self, positions: tuple[int, ...], now: float) -> _Batch:
+    def _take(self, positions: tuple[int, ...], now: float) -> tuple[list[_Member], _Batch]:
         members = [self._waiting[position] for position in positions]
-        batch = _Batch(members)
+        batch = _Batch(len(members))
         self._counts.add_batch(sum(m.rows for m in members), [now - m.arrived for m in members])
         # Last, so that a member is in the queue or in the batch returned, whatever raises.
         chosen = set(positions)
         self._waiting = [m for i, m in enumerate(self._waiting) if i not in chosen]
         for member in members:
             member.batch = batch
-        return batch
+        return members, batch
 
-    async def _run(self, batch: _Batch) -> None:
-        members = batch.members
+    async def _run(self, members: list[_Member], batch: _Batch) -> None:
         self._in_pool += 1
         try:
             with batch.scope:
