@@ -172,6 +172,18 @@ def test_requests_differing_only_in_row_count_have_the_same_key() -> None:
     assert key_of(x=np.zeros((1, 3), np.float32)) == key_of(x=np.zeros((7, 3), np.float32))
     a = {"x": np.zeros((1, 3)), "y": np.zeros((1,))}
     assert batch_key(a, Parameters()) == batch_key(dict(reversed(a.items())), Parameters())
+    # Mappings equal in another order: the same key.
+    values = {"p": 1, "q": "s"}
+    per_tensor = {"x": {"r": 2.0, "s": True}, "y": {}}
+    headers = {"x-user": "b", "user-agent": "c"}
+    assert batch_key(a, Parameters(values, per_tensor, headers)) == batch_key(
+        a,
+        Parameters(
+            dict(reversed(values.items())),
+            {name: dict(reversed(own.items())) for name, own in reversed(per_tensor.items())},
+            dict(reversed(headers.items())),
+        ),
+    )
 
 
 @pytest.mark.parametrize(

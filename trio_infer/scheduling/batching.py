@@ -155,31 +155,47 @@ def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hasha
         (``shape[1:]``), and the parameters with their types (``True``, ``1`` and ``1.0`` are
         equal in Python but a model may tell them apart).
     """
-    # Every request of a batching model that overlaps others comes here, most with one input
-    # and no parameters: names are unique, so sorting the items never compares two arrays or
-    # two mappings; one input needs no sort; tuples are made from lists (cheaper than from
-    # generators) and an empty mapping's part is () without a sort or a comprehension.
-    tensors = tuple(
-        [
-            (name, array.dtype.str, array.shape[1:])
-            for name, array in (inputs.items() if len(inputs) == 1 else sorted(inputs.items()))
-        ]
-    )
+    # Every request of a batching model that overlaps others comes here, most with one input,
+    # no parameters, that input's own parameters empty and one header (the client's agent):
+    # names are unique, so sorting items never compares two arrays or two mappings; a single
+    # item is taken without a sort or a list, an empty mapping's part is () without a call, and
+    # the request's parameters are read from their dict, not through Parameters' Python
+    # __len__. Tuples are made from lists (cheaper than from generators).
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
+    if len(inputs) == 1:
+        for name, array in inputs.items():
+            tensors = ((name, array.dtype.str, array.shape[1:]),)
+    else:
+        tensors = tuple(
+            [(name, array.dtype.str, array.shape[1:]) for name, array in sorted(inputs.items())]
+        )
+    values: Mapping[str, ParameterValue] = parameters.__dict__["_values"]
     per_tensor = parameters.inputs
+    own: tuple[tuple[str, _Typed], ...]
+    if len(per_tensor) == 1:
+        for name, given in per_tensor.items():
+            own = ((name, _typed(given) if given else ()),)
+    else:
+        own = tuple(
+            [(name, _typed(given) if given else ()) for name, given in sorted(per_tensor.items())]
+        )
     headers = parameters.headers
     return (
         tensors,
-        _typed(parameters),
-        tuple([(name, _typed(values)) for name, values in sorted(per_tensor.items())])
-        if per_tensor
+        _typed(values) if values else (),
+        own,
+        (tuple(headers.items()) if len(headers) == 1 else tuple(sorted(headers.items())))
+        if headers
         else (),
-        tuple(sorted(headers.items())) if headers else (),
     )
 
 
-def _typed(values: Mapping[str, ParameterValue]) -> tuple[tuple[str, str, ParameterValue], ...]:
-    if not values:
-        return ()
+#: Parameters with their types, in name order.
+_Typed = tuple[tuple[str, str, ParameterValue], ...]
+
+
+def _typed(values: Mapping[str, ParameterValue]) -> _Typed:
+    """``values`` (not empty) with their types, in name order."""
     return tuple(sorted([(name, type(value).__name__, value) for name, value in values.items()]))
 
 
