@@ -285,7 +285,7 @@ class InferenceCore:
         """
         settings = self.registry.lookup(request.model_name, request.model_version)
         served = self._served_as(settings)
-        with served.recorder.request(context.deadline) as timing:
+        with served.recorder.request(context.deadline, served.now) as timing:
             if settings.decoupled:
                 raise Unimplemented(
                     f"model '{settings.name}' is decoupled (0..N responses per request): call it "
@@ -331,7 +331,7 @@ class InferenceCore:
             await respond(await self.infer(request, context))
             return
         served = self._served_as(settings)
-        with served.recorder.request(context.deadline) as timing:
+        with served.recorder.request(context.deadline, served.now) as timing:
             batch = self._admit(served, request, context)
             # Cancellable: a generator may never end, and its model's unload must.
             with self.admission.model_slot(settings, cancellable=True):
@@ -457,11 +457,13 @@ class InferenceCore:
 class _Served:
     """What every request reads of one model's settings besides the settings themselves,
     worked out once: the recorder of its statistics, its version (a property of the settings),
-    its declared tensors as the checks take them and its outputs' estimated size."""
+    its declared tensors as the checks take them and its outputs' estimated size; and the
+    run's clock, read directly (made at a request, so in the run that serves it)."""
 
-    __slots__ = ("declared", "output_size", "recorder", "settings", "version")
+    __slots__ = ("declared", "now", "output_size", "recorder", "settings", "version")
 
     def __init__(self, settings: ModelSettings, recorder: StatisticsRecorder) -> None:
+        self.now = trio.lowlevel.current_clock().current_time
         self.settings = settings
         self.version = settings.version
         self.recorder = recorder.model(settings.name, self.version)

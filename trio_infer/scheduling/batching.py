@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import Protocol
@@ -580,6 +580,9 @@ class ModelBatcher:
         )
         # Counts only: ``waiting`` is filled in by statistics().
         self._counts = _BatchCounts()
+        # The Trio clock: run() sets the run's own clock's reading, which trio.current_time
+        # finds through two more calls.
+        self._now: Callable[[], float] = trio.current_time
         # Whether the model is called one request at a time: off when a request joins the
         # queue, on again when a batch of one ends with nothing else of the model running or
         # waiting (_ended_alone; see predict).
@@ -624,7 +627,7 @@ class ModelBatcher:
         if timing is None:
             timing = Timing()
         # One read of the clock: the request's arrival in the queue, and a batch of one's start.
-        arrived = timing.queued = trio.current_time()
+        arrived = timing.queued = self._now()
         rows = batch_rows(inputs)
         if rows is None:
             return await self._alone(inputs, parameters, priority, timing, 1, deadline)
@@ -685,7 +688,7 @@ class ModelBatcher:
         self._in_pool += 1
         try:
             outputs = await alone
-            self._learn_run_time(trio.current_time() - started)
+            self._learn_run_time(self._now() - started)
             (part,) = self._split(outputs, [rows])
             return part
         except InferError:
@@ -735,6 +738,7 @@ class ModelBatcher:
         queued when this returns fail with ``Unavailable``.
         """
         name = self.settings.name
+        self._now = trio.lowlevel.current_clock().current_time
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -797,7 +801,7 @@ class ModelBatcher:
     async def _next_batch(self) -> tuple[list[_Member], _Batch]:
         settings = self.settings
         while True:
-            now = trio.current_time()
+            now = self._now()
             plan = plan_batch(
                 self._waiting,
                 now=now,
@@ -836,7 +840,7 @@ class ModelBatcher:
         try:
             with batch.scope:
                 inputs = concatenate_inputs([member.inputs for member in members])
-                started = trio.current_time()
+                started = self._now()
                 # Every member's parameters and priority are equal (their key): the first's
                 # stand for all.
                 head = members[0]
@@ -844,7 +848,7 @@ class ModelBatcher:
                 outputs = await self._pool.predict(
                     self.settings, inputs, head.parameters, head.priority, timing=timing
                 )
-                self._learn_run_time(trio.current_time() - started)
+                self._learn_run_time(self._now() - started)
                 rows = [m.rows for m in members]
                 parts = self._split(outputs, rows)
                 for member, part in zip(members, parts, strict=True):
