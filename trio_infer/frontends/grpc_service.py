@@ -244,20 +244,24 @@ class GrpcService:
 
     def _answer_now(
         self, route: _Route, answer: Callable[[Any, Call], Message], call: Call, length: int
-    ) -> Buffer | None:
+    ) -> Buffer:
         """A call of a route answered from the server's state, its whole request in, answered
-        as :meth:`handle` answers it, without waiting (an :data:`Immediate`); None, with
-        nothing done, when its room in the memory budget would have to be waited for."""
+        as :meth:`handle` answers it, without waiting (an :data:`Immediate`)."""
         _check_length(call, route, length)
+        # Its message is already read and is dropped once answered, and its answer waits in the
+        # connection's bounded unsent bytes: room in the budget is taken when there is some now
+        # but never waited for, so a probe is answered while model requests wait for memory
+        # (as over REST, whose health routes reserve nothing). A client past its share is
+        # refused as :meth:`handle` refuses it.
         reservation = self.core.reserve_nowait(length, call.connection_id)
-        if reservation is None:
-            return None
         try:
             response = answer(_parsed(route, call.receive_message_nowait()), call)
         except BaseException:
-            reservation.release()
+            if reservation is not None:
+                reservation.release()
             raise
-        call.release_when_sent(reservation.release_later())
+        if reservation is not None:
+            call.release_when_sent(reservation.release_later())
         return response.SerializeToString()
 
     @staticmethod
