@@ -811,6 +811,31 @@ async def test_an_infer_error_from_an_immediate_handler_is_the_calls_status(
     assert ("x-why", "gone") in outcome.trailing
 
 
+async def test_a_call_whose_deadline_passed_while_the_calls_before_it_were_answered_fails(
+    nursery: trio.Nursery, mock_clock: trio.testing.MockClock, call_tasks: CallTasks
+) -> None:
+    # Two calls in one read, each with a deadline of 1 s; answering one takes 2 s of the clock
+    # (a jump: work, not a wait). The first is answered; by the second's turn its deadline has
+    # passed, and it ends DEADLINE_EXCEEDED, as its task would entering its deadline's scope.
+    mock_clock.rate = 1.0
+
+    def slow(call: Call, length: int) -> bytes:
+        mock_clock.jump(2.0)
+        return bytes(call.receive_message_nowait())
+
+    port, handled = await serve_methods(nursery, {"/t.S/Slow": slow})
+    async with RawClient.connect(port) as client:
+        for stream_id in (1, 3):
+            client.call(stream_id, "/t.S/Slow", b"x", extra=(("grpc-timeout", "1S"),))
+        await client.read_until(lambda: {1, 3} <= client.ended)
+    assert client.status(1) == "0"
+    assert client.message(1) == b"x"
+    assert client.status(3) == str(int(StatusCode.DEADLINE_EXCEEDED))
+    assert 3 not in client.data
+    assert handled == []
+    assert call_tasks.started == 1
+
+
 # -- the memory budget without waiting --------------------------------------------------------
 
 

@@ -1051,11 +1051,14 @@ class Connection:
         self._held = {}
         protocol = self.protocol
         max_unsent = protocol.limits.max_unsent_bytes
-        now = trio.current_time()
         answered = False
         for stream_id, call in held.items():
             length = call._inbound.one_message()
-            if length is None or call.deadline <= now:
+            # The clock read for each call that has a deadline, as a task reads it entering its
+            # deadline's scope: the answers before it took time.
+            if length is None or (
+                call.deadline < math.inf and call.deadline <= trio.current_time()
+            ):
                 # Its request is not all in (its task reads what has come and waits for the
                 # rest), or its deadline has already passed (its task ends it at its first
                 # checkpoint, DEADLINE_EXCEEDED).
@@ -1093,7 +1096,7 @@ class Connection:
         if not answered:
             return
         if not self._calls:
-            self._idle_since = now
+            self._idle_since = trio.current_time()
         if not self.write_alone() or self._closing:
             self.flush()
 
