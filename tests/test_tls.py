@@ -476,3 +476,49 @@ async def test_a_rest_client_that_closes_with_close_notify_cancels_its_worker_ca
     # The call is stopped (its worker killed) long before its 20 s would end.
     await eventually(lambda: tls_server.statistics().pool.busy == 0, within=5)
     assert tls_server.statistics().admission.reserved_bytes == 0
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    header = len(payload).to_bytes(3, "big") + bytes([kind, flags])
+    return header + stream_id.to_bytes(4, "big") + payload
+
+
+async def _goaway_after_a_protocol_error(port: int, context: ssl.SSLContext) -> bytes | None:
+    """Send the preface, SETTINGS and, at once, a DATA frame on stream 0 (a connection error);
+    read to the end: the GOAWAY frame's payload the server sent, or None."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    received = bytearray()
+    async with trio.SSLStream(stream, context, server_hostname="127.0.0.1") as tls:
+        await tls.send_all(
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0, b"") + _frame(0x4, 1, 0, b"")
+        )
+        await tls.send_all(_frame(0x0, 0, 0, b"x"))
+        with trio.fail_after(10):
+            while True:
+                try:
+                    chunk = await tls.receive_some(65536)
+                except trio.BrokenResourceError:
+                    break
+                if not chunk:
+                    break
+                received += chunk
+    while len(received) >= 9:
+        length = int.from_bytes(received[:3], "big")
+        if received[3] == 0x7:
+            return bytes(received[9 : 9 + length])
+        del received[: 9 + length]
+    return None
+
+
+async def test_a_protocol_error_under_tls_is_answered_with_goaway_however_the_writer_was_busy(
+    tls_server: RunningServer, pki: Pki
+) -> None:
+    # The server's first writes (its SETTINGS, in the TLS handshake's wake) may be under way when
+    # the error is read: the GOAWAY must still be sent after them, not lost with a TLS stream
+    # that a write cut off mid-way has broken. Many connections, so that some meet a busy writer.
+    context = ssl.create_default_context(cafile=pki.server_ca)
+    context.set_alpn_protocols(["h2"])
+    for _ in range(20):
+        goaway = await _goaway_after_a_protocol_error(tls_server.port, context)
+        assert goaway is not None
+        assert int.from_bytes(goaway[4:8], "big") == 0x1  # PROTOCOL_ERROR

@@ -107,6 +107,9 @@ call of a method without one does, its :data:`Handler` reading the same message.
 _NO_IMMEDIATE: Mapping[str, Immediate] = MappingProxyType({})
 
 _READ_SIZE = 256 * 1024
+#: The most the GOAWAY that answers a peer's protocol error may take to send, and the write
+#: under way before it to end.
+_GOODBYE_TIME = 0.2
 #: The most one TLS write encrypts and sends, so the send timeout measures a client's progress.
 _TLS_WRITE_SIZE = 256 * 1024
 _Inbound = int | bytes | bytearray | InferError
@@ -657,6 +660,10 @@ class Connection:
                     for state in self._calls.values():
                         state.call._reset = True
                         state.call._inbound.close()
+                    if self._goodbye_pending and self._writing and self._plain is None:
+                        # A TLS write cut off mid-way breaks the stream, and the GOAWAY
+                        # would be lost with it: the write under way ends first (briefly).
+                        await self._finish_write()
                     nursery.cancel_scope.cancel()
         finally:
             try:
@@ -674,10 +681,18 @@ class Connection:
                 while self._releases:
                     self._releases.popleft()[1]()
 
+    async def _finish_write(self) -> None:
+        """Wait (shielded, for as long as :meth:`_send_goodbye` may take) until the writer is
+        not in a write."""
+        with trio.move_on_after(_GOODBYE_TIME) as scope:
+            scope.shield = True
+            while self._writing:
+                await self.wait_written()
+
     async def _send_goodbye(self) -> None:
         # The writer is gone (it may have been cut off mid-write), so this is best effort: the
         # GOAWAY tells a well-behaved client why, and a broken one gets a closed socket anyway.
-        with trio.move_on_after(0.2) as scope:
+        with trio.move_on_after(_GOODBYE_TIME) as scope:
             scope.shield = True
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._send(self.protocol.data_to_send())
