@@ -293,7 +293,11 @@ class InferenceCore:
                     "decoupled transaction policy"
                 )
             batch = self._admit(served, request, context)
-            with self.admission.model_slot(settings):
+            # The model slot's bounds without a context manager's object and calls, on every
+            # call's path: given back whatever way the call ends.
+            admission = self.admission
+            admission.take_slot(settings)
+            try:
                 priority, parameters = _model_parameters(request, context)
                 outputs = await self._predict(
                     settings,
@@ -306,6 +310,8 @@ class InferenceCore:
                     sequence_of(request.parameters),
                     timing,
                 )
+            finally:
+                admission.release_slot(settings)
             return _response(served, request, outputs, batch)
 
     async def infer_each(

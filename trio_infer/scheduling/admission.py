@@ -39,7 +39,9 @@ Two bounds, checked in order as a request's data becomes known:
    replica with room.
 
 Every refusal is ``Overloaded`` (RESOURCE_EXHAUSTED) naming the bound, and is counted. Both
-grants are context managers: whatever way a request ends, its bytes and slot are given back.
+grants are context managers (a slot is also a pair of calls, ``take_slot`` and ``release_slot``,
+for a caller's own ``try``/``finally``): whatever way a request ends, its bytes and slot are
+given back.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -87,17 +88,51 @@ class AdmissionStatistics:
 
 
 class Reservation:
-    """Bytes of the memory budget held by one request; see :meth:`Admission.reserve`."""
+    """Bytes of the memory budget held by one request; see :meth:`Admission.reserve`, whose
+    ``async with`` it is (one object per request, on every call's path: it holds the bytes
+    from entering the block)."""
 
-    def __init__(self, admission: Admission, nbytes: int, owner: Hashable | None = None) -> None:
+    __slots__ = ("_admission", "_deadline", "_kept", "_owner", "_released", "granted", "nbytes")
+
+    def __init__(
+        self,
+        admission: Admission,
+        nbytes: int,
+        owner: Hashable | None = None,
+        deadline: float = math.inf,
+    ) -> None:
         self._admission = admission
         self.granted = nbytes
         """The bytes reserved before the request's body was read, before any growth."""
         self.nbytes = nbytes
         """The bytes held now, growth included."""
-        self._owner = owner
+        # A share as large as the budget bounds nothing the budget does not: none is kept.
+        self._owner = owner if admission._shared else None
+        self._deadline = deadline
         self._kept = False
         self._released = False
+
+    async def __aenter__(self) -> Reservation:
+        admission = self._admission
+        nbytes = self.nbytes
+        # The common case, on every call's path: room now, no scope, no waiting.
+        if admission._take_now(nbytes, self._owner):
+            return self
+        granted = False
+        with trio.move_on_after(admission.max_wait if math.isinf(self._deadline) else math.inf):
+            await admission._wait_for_room(nbytes, self._owner)
+            granted = True
+        if not granted:
+            raise admission._refuse(
+                "memory_budget",
+                f"memory budget full: waited {admission.max_wait:g} s for {nbytes} bytes "
+                "(--memory-budget)",
+            )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self._kept:
+            self._release()
 
     def release(self) -> None:
         """Give the bytes back now (once: later calls, and the end of the ``async with`` block
@@ -116,9 +151,13 @@ class Reservation:
             return
         self._released = True
         admission = self._admission
-        if self._owner is not None:
-            admission._give_share(self._owner, self.nbytes)
-        admission._release(self.nbytes)
+        nbytes = self.nbytes
+        owner = self._owner
+        if owner is not None:
+            admission._give_share(owner, nbytes)
+        admission._reserved -= nbytes
+        if admission._waiters:
+            admission._grant_waiters()
 
     def grow_nowait(self, nbytes: int, what: str) -> None:
         """Reserve ``nbytes`` more, if there is room now.
@@ -131,7 +170,8 @@ class Reservation:
                 has not.
         """
         admission = self._admission
-        if admission._waiters or admission._reserved + nbytes > admission.budget_bytes:
+        reserved = admission._reserved + nbytes
+        if admission._waiters or reserved > admission.budget_bytes:
             raise admission._refuse(
                 "memory_budget",
                 f"memory budget full: {what} needs {nbytes} more bytes, "
@@ -140,37 +180,13 @@ class Reservation:
             )
         owner = self._owner
         if owner is not None:
-            admission._take_share(owner, nbytes, what)
-        admission._reserved += nbytes
+            shares = admission._held
+            held = shares.get(owner, 0) + nbytes
+            if held > admission.max_owner_bytes:
+                raise admission._share_full(owner, nbytes, what)
+            shares[owner] = held
+        admission._reserved = reserved
         self.nbytes += nbytes
-
-
-class _Held:
-    """The ``async with`` of :meth:`Admission.reserve`: a class rather than a generator, as it
-    is entered on every call's path."""
-
-    __slots__ = ("_admission", "_deadline", "_nbytes", "_owner", "_reservation")
-
-    def __init__(
-        self, admission: Admission, nbytes: int, deadline: float, owner: Hashable | None
-    ) -> None:
-        self._admission = admission
-        self._nbytes = nbytes
-        self._deadline = deadline
-        self._owner = owner
-        self._reservation: Reservation | None = None
-
-    async def __aenter__(self) -> Reservation:
-        self._reservation = await self._admission._reserve(
-            self._nbytes, self._deadline, self._owner
-        )
-        return self._reservation
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        reservation = self._reservation
-        assert reservation is not None, "exited after it was entered"
-        if not reservation._kept:
-            reservation._release()
 
 
 @dataclass
@@ -260,9 +276,7 @@ class Admission:
             shedding=self._shedding,
         )
 
-    def reserve(
-        self, nbytes: int, deadline: float, owner: Hashable | None = None
-    ) -> AbstractAsyncContextManager[Reservation]:
+    def reserve(self, nbytes: int, deadline: float, owner: Hashable | None = None) -> Reservation:
         """Hold ``nbytes`` of the budget for the duration of the ``async with`` block.
 
         Waits first come, first served for room until ``deadline`` (the caller's cancel scope
@@ -278,7 +292,7 @@ class Admission:
             Overloaded: ``nbytes`` exceeds the whole budget, no room came within
                 ``max_wait``, or the owner's share has no room for ``nbytes`` more.
         """
-        return _Held(self, nbytes, deadline, owner)
+        return Reservation(self, nbytes, owner, deadline)
 
     def reserve_nowait(self, nbytes: int, owner: Hashable | None = None) -> Reservation | None:
         """Hold ``nbytes`` of the budget now, if :meth:`reserve` would grant them without
@@ -290,20 +304,31 @@ class Admission:
             Overloaded: :meth:`reserve` would refuse the request at once (larger than the
                 budget, or past the owner's share).
         """
+        reservation = Reservation(self, nbytes, owner)
+        return reservation if self._take_now(nbytes, reservation._owner) else None
+
+    def _take_now(self, nbytes: int, owner: Hashable | None) -> bool:
+        """Hold ``nbytes`` for ``owner`` (None when shares are not kept) if they need no wait;
+        False when they would wait, and nothing is held then.
+
+        Raises:
+            Overloaded: :meth:`reserve` would refuse the request at once.
+        """
         if nbytes > self.budget_bytes:
             raise self._refuse(
                 "memory_budget",
                 f"request needs {nbytes} bytes, more than the whole memory budget of "
                 f"{self.budget_bytes} bytes (--memory-budget)",
             )
-        if not self._shared:
-            owner = None
-        elif owner is not None:
-            self._check_share(owner, nbytes, "the request")
-        if self._waiters or self._reserved + nbytes > self.budget_bytes:
-            return None
+        held = 0
         if owner is not None:
-            self._held[owner] = self._held.get(owner, 0) + nbytes
+            held = self._held.get(owner, 0) + nbytes
+            if held > self.max_owner_bytes:
+                raise self._share_full(owner, nbytes, "the request")
+        if self._waiters or self._reserved + nbytes > self.budget_bytes:
+            return False
+        if owner is not None:
+            self._held[owner] = held
         self._reserved += nbytes
         # Room without waiting: whatever queue there was has drained.
         self._slow_since = None
@@ -311,22 +336,7 @@ class Admission:
             # Light load: probes only come from requests that must wait, and none has had to
             # for an interval.
             self._shedding = False
-        return Reservation(self, nbytes, owner)
-
-    async def _reserve(self, nbytes: int, deadline: float, owner: Hashable | None) -> Reservation:
-        """What entering :meth:`reserve`'s block does."""
-        # The common case, on every call's path: no scope, no waiting.
-        reservation = self.reserve_nowait(nbytes, owner)
-        if reservation is None:
-            with trio.move_on_after(self.max_wait if math.isinf(deadline) else math.inf):
-                reservation = await self._wait_for_room(nbytes, owner if self._shared else None)
-            if reservation is None:
-                raise self._refuse(
-                    "memory_budget",
-                    f"memory budget full: waited {self.max_wait:g} s for {nbytes} bytes "
-                    "(--memory-budget)",
-                )
-        return reservation
+        return True
 
     def model_slot(self, settings: ModelSettings, *, cancellable: bool = False) -> ModelSlot:
         """One of the model's ``max_queue_size`` slots, held for the ``with`` block;
@@ -338,28 +348,38 @@ class Admission:
         """
         return ModelSlot(self, settings, cancellable)
 
-    def _take_slot(self, settings: ModelSettings) -> None:
-        """Take a slot for :class:`ModelSlot` entering its block, or refuse it."""
+    def take_slot(self, settings: ModelSettings) -> None:
+        """Take one of the model's ``max_queue_size`` slots, to be given back with
+        :meth:`release_slot` whatever way the call ends (:meth:`model_slot` without its object,
+        for a call's own ``try``/``finally``).
+
+        Raises:
+            Overloaded: every slot of the model is taken.
+        """
         name = settings.name
-        if self._in_flight[name] >= settings.max_queue_size:
+        in_flight = self._in_flight
+        taken = in_flight.get(name, 0)
+        if taken >= settings.max_queue_size:
             raise self._refuse(
                 "max_queue_size",
                 f"model '{name}' has {settings.max_queue_size} requests in flight, its "
                 "max_queue_size",
             )
-        self._in_flight[name] += 1
+        in_flight[name] = taken + 1
         key = id(settings)
-        self._by_settings[key] = self._by_settings.get(key, 0) + 1
+        by_settings = self._by_settings
+        by_settings[key] = by_settings.get(key, 0) + 1
 
-    def _release_slot(self, settings: ModelSettings) -> None:
-        """Give back a slot :meth:`_take_slot` took (its ``with`` block has exited)."""
+    def release_slot(self, settings: ModelSettings) -> None:
+        """Give back a slot :meth:`take_slot` took."""
         self._in_flight[settings.name] -= 1
         key = id(settings)
-        held = self._by_settings[key] - 1
+        by_settings = self._by_settings
+        held = by_settings[key] - 1
         if held:
-            self._by_settings[key] = held
+            by_settings[key] = held
         else:
-            del self._by_settings[key]
+            del by_settings[key]
             self._scopes.pop(key, None)
             self._withdrawn.pop(key, None)
             idle = self._idle.pop(key, None)
@@ -386,7 +406,9 @@ class Admission:
         while key in self._by_settings:
             await self._idle.setdefault(key, trio.Event()).wait()
 
-    async def _wait_for_room(self, nbytes: int, owner: Hashable | None) -> Reservation:
+    async def _wait_for_room(self, nbytes: int, owner: Hashable | None) -> None:
+        """Wait for room for ``nbytes`` and hold them (for ``owner``: None when shares are not
+        kept), or raise why not."""
         now = trio.current_time()
         if self._waiting_bytes + nbytes > self.max_waiting_bytes:
             self._last_turned_away = now
@@ -436,11 +458,6 @@ class Admission:
         if waiter.refused:
             assert owner is not None, "only an owner's share refuses a waiter"
             raise self._share_full(owner, nbytes, "the request")
-        return Reservation(self, nbytes, owner)
-
-    def _check_share(self, owner: Hashable, nbytes: int, what: str) -> None:
-        if self._held.get(owner, 0) + nbytes > self.max_owner_bytes:
-            raise self._share_full(owner, nbytes, what)
 
     def _share_full(self, owner: Hashable, nbytes: int, what: str) -> Overloaded:
         return self._refuse(
@@ -449,10 +466,6 @@ class Admission:
             f"the connection holds {self._held.get(owner, 0)} of its {self.max_owner_bytes} "
             "(--max-connection-bytes)",
         )
-
-    def _take_share(self, owner: Hashable, nbytes: int, what: str) -> None:
-        self._check_share(owner, nbytes, what)
-        self._held[owner] = self._held.get(owner, 0) + nbytes
 
     def _give_share(self, owner: Hashable, nbytes: int) -> None:
         # Requests of no bytes (ServerLive, say) hold nothing: the owner's entry may be gone
@@ -579,7 +592,7 @@ class ModelSlot:
 
     def __enter__(self) -> None:
         admission = self._admission
-        admission._take_slot(self._settings)
+        admission.take_slot(self._settings)
         if not self._cancellable:
             return
         # A scope of its own, for Admission.cancel_calls: a call that may never end on its own
@@ -601,7 +614,7 @@ class ModelSlot:
         admission = self._admission
         scope = self._scope
         if scope is None:
-            admission._release_slot(self._settings)
+            admission.release_slot(self._settings)
             return
         key = id(self._settings)
         why = admission._withdrawn.get(key)
@@ -611,7 +624,7 @@ class ModelSlot:
             scopes = admission._scopes.get(key)
             if scopes is not None:
                 scopes.discard(scope)
-            admission._release_slot(self._settings)
+            admission.release_slot(self._settings)
         if scope.cancelled_caught:
             # Only this scope's own cancel is caught here: Admission.cancel_calls.
             raise Unavailable(why or f"model '{self._settings.name}' was unloaded")
