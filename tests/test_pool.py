@@ -984,7 +984,8 @@ def _dead(pid: int) -> bool:
     """Whether process ``pid`` has exited (a zombie, or reaped): its sockets are closed."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # Reaped before the open, or between the open and the read (ESRCH).
         return True
 
 
