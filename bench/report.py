@@ -41,8 +41,9 @@ def _notes(result: Result) -> str:
         descendants = result.extra.get("cpu_processes", 1) - 1
         parts.insert(
             0,
-            f"cpu µs/call: server process {_cpu(result, 'cpu_server_us_per_call')} + "
-            f"{descendants} descendants {_cpu(result, 'cpu_workers_us_per_call')}",
+            f"cpu µs/call: server process {_cpu(result, 'cpu_server_us_per_call')}"
+            f"{_cores(result)} + {descendants} descendants "
+            f"{_cpu(result, 'cpu_workers_us_per_call')}",
         )
     if result.check and result.check != "ok":
         parts.insert(0, f"CHECK: {result.check}")
@@ -52,6 +53,13 @@ def _notes(result: Result) -> str:
 def _cpu(result: Result, key: str) -> str:
     """A CPU-per-call figure of a load row's ``extra`` (``-`` where none was measured)."""
     return _number(result.extra.get(key), 0)
+
+
+def _cores(result: Result) -> str:
+    """The cores the server process kept busy, `` (0.88 of a core)``; empty where none were
+    measured (rows of runs before the figure)."""
+    cores = result.extra.get("cpu_server_cores")
+    return "" if cores is None else f" ({cores:.2f} of a core)"
 
 
 def _cpu_sets(results: Sequence[Result]) -> list[str | None]:

@@ -394,9 +394,13 @@ CPU_PER_CALL = (
     "cpu_workers_us_per_call",
     "client_cpu_us_per_call",
 )
+#: ``extra`` of a load row: the cores the server process alone kept busy over its measured
+#: window (1.0: one core all the time). A front-end near 1.0 is the row's ceiling: less CPU a
+#: call then shows as more calls a second; one well under it waits for its client or workers.
+CPU_CORES = ("cpu_server_cores",)
 #: What each round of a load row keeps of its CPU in ``extra["rounds"]``: the figures, and the
 #: processes read (the server and its descendants) and gone in the window (their CPU missed).
-CPU_COUNTED = (*CPU_PER_CALL, "cpu_processes", "cpu_exited")
+CPU_COUNTED = (*CPU_PER_CALL, *CPU_CORES, "cpu_processes", "cpu_exited")
 
 
 @dataclass
@@ -429,9 +433,10 @@ class CpuWindow:
         self.end = dataclasses.replace(CpuSnapshot.take(self.server_pid), client=mine)
 
     def per_call(self, summary: client.Summary) -> dict[str, Any]:
-        """:data:`CPU_PER_CALL` for a window of ``summary``'s calls, plus ``cpu_processes``
-        (the server and its descendants at the end) and ``cpu_exited`` (descendants gone in
-        between, whose ticks are missed); empty without both snapshots or a successful call.
+        """:data:`CPU_PER_CALL` for a window of ``summary``'s calls, :data:`CPU_CORES`,
+        ``cpu_processes`` (the server and its descendants at the end) and ``cpu_exited``
+        (descendants gone in between, whose ticks are missed); empty without both snapshots or
+        a successful call.
 
         Each figure is CPU seconds over the seconds between the snapshots (cores), over the
         window's successful calls per second: the snapshots are taken within a few
@@ -455,6 +460,7 @@ class CpuWindow:
                 key: round(per_call[name] / seconds / summary.throughput * 1e6, 1)
                 for key, name in zip(CPU_PER_CALL, per_call, strict=True)
             },
+            "cpu_server_cores": round(spent["server"] / seconds, 3),
             "cpu_processes": 1 + len(self.end.children),
             "cpu_exited": self.start.exited(self.end),
         }
@@ -494,7 +500,10 @@ def merge_rounds(rounds: Sequence[Result]) -> Result:
     failed = next((r.check for r in measured if r.check not in ("", "ok")), "")
     merged.check = failed or (f"{crashed} of {len(rounds)} rounds crashed" if crashed else "ok")
     merged.restart = any(r.restart for r in rounds)
-    cpu = {key: [r.extra[key] for r in measured if key in r.extra] for key in CPU_PER_CALL}
+    cpu = {
+        key: [r.extra[key] for r in measured if key in r.extra]
+        for key in (*CPU_PER_CALL, *CPU_CORES)
+    }
     merged.notes = "; ".join(
         [r.notes for r in rounds if r.notes]
         + [
