@@ -335,6 +335,8 @@ class RawClient:
         self.ended: set[int] = set()
         self.reset: set[int] = set()
         self.goaway = False
+        #: The payloads of the PINGs the server acknowledged.
+        self.pongs: set[bytes] = set()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -358,6 +360,13 @@ class RawClient:
         with ``end``)."""
         self.h2.send_headers(stream_id, headers_for(method) + list(extra))
         self.h2.send_data(stream_id, grpc_message(message), end_stream=end)
+
+    async def read_past(self) -> None:
+        """Send a PING after what is queued, and read until the server acknowledges it: the
+        server has read and handled everything sent before it by then."""
+        payload = len(self.pongs).to_bytes(8, "big")
+        self.h2.ping(payload)
+        await self.read_until(lambda: payload in self.pongs)
 
     async def flush(self) -> None:
         data = self.h2.data_to_send() + self.owed
@@ -406,6 +415,8 @@ class RawClient:
             self.owed += frame(0x4, 0x1, 0, b"")  # SETTINGS' ACK
         elif kind == 0x6 and not flags & 0x1:
             self.owed += frame(0x6, 0x1, 0, payload)  # PING's ACK
+        elif kind == 0x6:
+            self.pongs.add(payload)
         elif kind == 0x7:
             self.goaway = True
         if kind in (0x0, 0x1) and flags & 0x1:  # END_STREAM
@@ -662,39 +673,116 @@ async def test_calls_that_come_after_the_drains_goaway_are_refused(
     assert call_tasks.started == 1
 
 
+BUDGET = 1024 * 1024
+
+
+def admission_of(server: RunningServer) -> tuple[int, int]:
+    """The bytes reserved in ``server``'s memory budget, and the requests waiting for room."""
+    statistics = server.statistics().admission
+    return statistics.reserved_bytes, statistics.waiting
+
+
+async def hold_most_of_the_budget(server: RunningServer, holder: RawClient) -> None:
+    """A model call on ``holder``'s stream 1 that announces 300 KiB and holds 900 KiB of the
+    budget (its announced size three times) while it waits for its message."""
+    holder.h2.send_headers(1, headers_for(V2 + "ModelInfer"))
+    holder.h2.send_data(1, b"\x00" + (300 * 1024).to_bytes(4, "big"))
+    await holder.flush()
+    await eventually(lambda: admission_of(server)[0] >= 900 * 1024)
+
+
+async def wait_for_room(server: RunningServer, waiter: RawClient) -> None:
+    """A model call on ``waiter``'s stream 1 waiting for room in the budget that
+    :func:`hold_most_of_the_budget` left."""
+    waiter.h2.send_headers(1, headers_for(V2 + "ModelInfer"))
+    waiter.h2.send_data(1, b"\x00" + (50 * 1024).to_bytes(4, "big"))
+    await waiter.flush()
+    await eventually(lambda: admission_of(server)[1] == 1)
+
+
+async def call_in_pieces(client: RawClient, stream_id: int, method: str, message: bytes) -> None:
+    """Send a call in three pieces, each read and handled by the server before the next is
+    sent: its HEADERS, then its message's prefix and first half, then the rest and
+    END_STREAM."""
+    framed = grpc_message(message)
+    half = 5 + len(message) // 2
+    client.h2.send_headers(stream_id, headers_for(method))
+    await client.read_past()
+    client.h2.send_data(stream_id, framed[:half])
+    await client.read_past()
+    client.h2.send_data(stream_id, framed[half:], end_stream=True)
+    await client.flush()
+
+
+LIVENESS = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+SERVING = health_pb2.HealthCheckResponse.ServingStatus.SERVING
+
+
 async def test_an_immediate_call_is_answered_while_model_requests_wait_for_room_in_the_budget(
     nursery: trio.Nursery, call_tasks: CallTasks
 ) -> None:
     # One call holds most of the budget, a second waits for room: a ServerLive (a probe, its
     # message already read) is answered at once, as over REST, not queued behind them, where a
     # Kubernetes probe's timeout would pass and its pod be restarted for being busy.
-    budget = 1024 * 1024
-    server = await start_server(nursery, memory_budget=budget, max_connection_bytes=budget)
-
-    def admission() -> tuple[int, int]:
-        statistics = server.statistics().admission
-        return statistics.reserved_bytes, statistics.waiting
-
+    server = await start_server(nursery, memory_budget=BUDGET, max_connection_bytes=BUDGET)
     async with (
         RawClient.connect(server.port) as holder,
         RawClient.connect(server.port) as waiter,
         RawClient.connect(server.port) as prober,
     ):
-        holder.h2.send_headers(1, headers_for(V2 + "ModelInfer"))
-        holder.h2.send_data(1, b"\x00" + (300 * 1024).to_bytes(4, "big"))
-        await holder.flush()
-        await eventually(lambda: admission()[0] >= 900 * 1024)
-        waiter.h2.send_headers(1, headers_for(V2 + "ModelInfer"))
-        waiter.h2.send_data(1, b"\x00" + (50 * 1024).to_bytes(4, "big"))
-        await waiter.flush()
-        await eventually(lambda: admission()[1] == 1)
+        await hold_most_of_the_budget(server, holder)
+        await wait_for_room(server, waiter)
         prober.call(1, V2 + "ServerLive", LIVE)
         await prober.flush()
         await prober.read_until(lambda: 1 in prober.ended)
-        assert admission()[1] == 1  # the model request still waits
+        assert admission_of(server)[1] == 1  # the model request still waits
         assert call_tasks.started == 2  # the model requests'
     assert prober.status(1) == "0"
     assert pb.ServerLiveResponse.FromString(prober.message(1)).live
+
+
+async def test_a_probe_whose_request_comes_in_pieces_waits_for_no_room_in_the_budget(
+    nursery: trio.Nursery, call_tasks: CallTasks
+) -> None:
+    # A probe's request that comes in pieces runs in a task: the task takes room only if there
+    # is some now, as the transport does answering at once, and never waits behind the model
+    # requests waiting for memory (it waited in the queue, and was answered only once the
+    # model request ahead of it gave up after max_wait).
+    server = await start_server(nursery, memory_budget=BUDGET, max_connection_bytes=BUDGET)
+    async with (
+        RawClient.connect(server.port) as holder,
+        RawClient.connect(server.port) as waiter,
+        RawClient.connect(server.port) as prober,
+    ):
+        await hold_most_of_the_budget(server, holder)
+        await wait_for_room(server, waiter)
+        await call_in_pieces(prober, 1, CHECK, LIVENESS)
+        await prober.read_until(lambda: 1 in prober.ended)
+        assert admission_of(server)[1] == 1  # the model request still waits
+        assert call_tasks.started == 3  # the model requests', and the probe's
+    assert prober.status(1) == "0"
+    assert health_pb2.HealthCheckResponse.FromString(prober.message(1)).status == SERVING
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "in-pieces"])
+async def test_a_probe_past_its_connections_share_of_the_budget_is_refused(
+    nursery: trio.Nursery, pieces: bool
+) -> None:
+    # Room is never waited for, but a share is a share: a probe whose bytes would take its
+    # connection past --max-connection-bytes is refused, answered at once or in a task.
+    server = await start_server(nursery, memory_budget=BUDGET, max_connection_bytes=940 * 1024)
+    # 15 KB: three times that takes the 900 KiB held past 940 KiB, not the budget past 1 MiB.
+    large = health_pb2.HealthCheckRequest(service="x" * 15_000).SerializeToString()
+    async with RawClient.connect(server.port) as client:
+        await hold_most_of_the_budget(server, client)
+        if pieces:
+            await call_in_pieces(client, 3, CHECK, large)
+        else:
+            client.call(3, CHECK, large)
+        await client.read_until(lambda: 3 in client.ended)
+    assert client.status(3) == str(int(StatusCode.RESOURCE_EXHAUSTED))
+    assert "max-connection-bytes" in client.headers[3]["grpc-message"]
+    assert 3 not in client.data
 
 
 # -- the transport's contract, with handlers of the test's own ---------------------------------
@@ -859,6 +947,23 @@ async def test_reserve_nowait_grants_what_reserve_grants_at_once_and_nothing_els
     zero = admission.reserve_nowait(0, "d")
     assert zero is not None
     zero.release()
+    assert admission.statistics().reserved_bytes == 0
+
+
+async def test_a_reservation_that_never_waits_holds_what_reserve_nowait_would_or_nothing() -> None:
+    admission = Admission(1000, max_waiting_bytes=1000, max_owner_bytes=600)
+    async with admission.reserve(500, math.inf, "a", wait=False) as first:
+        assert (first.granted, first.nbytes) == (500, 500)
+        with pytest.raises(Overloaded, match="max-connection-bytes"):
+            async with admission.reserve(200, math.inf, "a", wait=False):
+                pass  # past its owner's share: refused, as reserve refuses it
+        async with admission.reserve(600, math.inf, "b", wait=False) as none:
+            # reserve would wait for room: held without it, and nothing to give back
+            assert (none.granted, none.nbytes) == (0, 0)
+            assert (admission.statistics().reserved_bytes, admission.statistics().waiting) == (
+                500,
+                0,
+            )
     assert admission.statistics().reserved_bytes == 0
 
 

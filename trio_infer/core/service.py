@@ -236,7 +236,7 @@ class InferenceCore:
     # -- inference ----------------------------------------------------------------------------
 
     def reserve(
-        self, announced: int, deadline: float, owner: Hashable | None = None
+        self, announced: int, deadline: float, owner: Hashable | None = None, *, wait: bool = True
     ) -> AbstractAsyncContextManager[Reservation]:
         """Reserve room in the memory budget for a request of ``announced`` bytes, before its
         body is read (``async with``); the room is given back when the block exits.
@@ -247,12 +247,14 @@ class InferenceCore:
             owner: The client connection the request came on, as a key unique among the
                 connections open: it may hold at most its share of the budget
                 (``--max-connection-bytes``). ``None``: the budget alone bounds it.
+            wait: False: take room only if there is some now (as :meth:`reserve_nowait`);
+                otherwise the block is entered holding nothing, never waiting.
 
         Raises:
             Overloaded: The budget cannot make room in time, or the connection's share is
                 full (RESOURCE_EXHAUSTED).
         """
-        return self.admission.reserve(RESERVED_PER_BYTE * announced, deadline, owner)
+        return self.admission.reserve(RESERVED_PER_BYTE * announced, deadline, owner, wait=wait)
 
     def reserve_nowait(self, announced: int, owner: Hashable | None = None) -> Reservation | None:
         """What :meth:`reserve` holds for a request of ``announced`` bytes, held now if it

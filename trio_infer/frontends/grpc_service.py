@@ -209,7 +209,12 @@ class GrpcService:
         if route is None:
             raise Unimplemented(f"method {shown(call.method, 200)} is not served here")
         length = await self._announced_length(call, route)
-        async with self.core.reserve(length, call.deadline, call.connection_id) as reservation:
+        # A route answered from the server's state takes room only if there is some now, never
+        # waiting, in a task (its request came in pieces) as when the transport answers it at
+        # once (:meth:`_answer_now`).
+        async with self.core.reserve(
+            length, call.deadline, call.connection_id, wait=route.answer is None
+        ) as reservation:
             request = await self._received(call, route)
             response = await route.handler(request, call, reservation)
             # A unary call is one message. One more that arrived by now fails the call; the
@@ -250,9 +255,9 @@ class GrpcService:
         _check_length(call, route, length)
         # Its message is already read and is dropped once answered, and its answer waits in the
         # connection's bounded unsent bytes: room in the budget is taken when there is some now
-        # but never waited for, so a probe is answered while model requests wait for memory
-        # (as over REST, whose health routes reserve nothing). A client past its share is
-        # refused as :meth:`handle` refuses it.
+        # but never waited for (in a task too: see :meth:`handle`), so a probe is answered while
+        # model requests wait for memory (as over REST, whose health routes reserve nothing). A
+        # client past its share is refused as any call is.
         reservation = self.core.reserve_nowait(length, call.connection_id)
         try:
             response = answer(_parsed(route, call.receive_message_nowait()), call)

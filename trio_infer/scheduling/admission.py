@@ -92,7 +92,16 @@ class Reservation:
     ``async with`` it is (one object per request, on every call's path: it holds the bytes
     from entering the block)."""
 
-    __slots__ = ("_admission", "_deadline", "_kept", "_owner", "_released", "granted", "nbytes")
+    __slots__ = (
+        "_admission",
+        "_deadline",
+        "_kept",
+        "_owner",
+        "_released",
+        "_wait",
+        "granted",
+        "nbytes",
+    )
 
     def __init__(
         self,
@@ -100,6 +109,7 @@ class Reservation:
         nbytes: int,
         owner: Hashable | None = None,
         deadline: float = math.inf,
+        wait: bool = True,
     ) -> None:
         self._admission = admission
         self.granted = nbytes
@@ -109,6 +119,7 @@ class Reservation:
         # A share as large as the budget bounds nothing the budget does not: none is kept.
         self._owner = owner if admission._shared else None
         self._deadline = deadline
+        self._wait = wait
         self._kept = False
         self._released = False
 
@@ -117,6 +128,10 @@ class Reservation:
         nbytes = self.nbytes
         # The common case, on every call's path: room now, no scope, no waiting.
         if admission._take_now(nbytes, self._owner):
+            return self
+        if not self._wait:
+            # Room only if there is some now: none, so it holds nothing and gives nothing back.
+            self.granted = self.nbytes = 0
             return self
         granted = False
         with trio.move_on_after(admission.max_wait if math.isinf(self._deadline) else math.inf):
@@ -276,7 +291,9 @@ class Admission:
             shedding=self._shedding,
         )
 
-    def reserve(self, nbytes: int, deadline: float, owner: Hashable | None = None) -> Reservation:
+    def reserve(
+        self, nbytes: int, deadline: float, owner: Hashable | None = None, *, wait: bool = True
+    ) -> Reservation:
         """Hold ``nbytes`` of the budget for the duration of the ``async with`` block.
 
         Waits first come, first served for room until ``deadline`` (the caller's cancel scope
@@ -287,12 +304,15 @@ class Admission:
             deadline: The caller's deadline, on the Trio clock (``math.inf``: none).
             owner: Who asks (a front-end passes its client connection's key): an owner holds
                 at most ``max_owner_bytes``. ``None`` is bound by the budget only.
+            wait: False: never wait; where a wait would start, the block is entered holding
+                nothing (``nbytes`` 0), as :meth:`reserve_nowait` returns None. Refusals are
+                the same.
 
         Raises:
             Overloaded: ``nbytes`` exceeds the whole budget, no room came within
                 ``max_wait``, or the owner's share has no room for ``nbytes`` more.
         """
-        return Reservation(self, nbytes, owner, deadline)
+        return Reservation(self, nbytes, owner, deadline, wait)
 
     def reserve_nowait(self, nbytes: int, owner: Hashable | None = None) -> Reservation | None:
         """Hold ``nbytes`` of the budget now, if :meth:`reserve` would grant them without
