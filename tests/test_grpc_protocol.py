@@ -250,6 +250,58 @@ def test_data_on_a_closed_request_is_refused_unless_the_server_reset_it(closed_b
 
 
 @pytest.mark.parametrize(
+    "history", ["server_reset", "server_reset_forgotten", "refused", "client_reset", "ended"]
+)
+def test_trailers_on_a_stream_the_server_reset_are_ignored_and_others_refused_as_before(
+    history: str,
+) -> None:
+    # RFC 9113 §5.1: a header block on a stream the server reset (an open stream it reset,
+    # remembered once h2 forgets the stream, or one refused over the stream limit) may have
+    # been sent before the client saw the reset, and is ignored. After the client's own reset,
+    # or its END_STREAM, it is a stream error of type STREAM_CLOSED, answered with RST_STREAM
+    # (after END_STREAM, the call in flight is reset too). Every block is decoded: the next
+    # request's block refers to the fields the trailers added to the HPACK dynamic table.
+    client, server = _connected()
+    if history == "refused":
+        server.h2_connection.local_settings = h2.settings.Settings(
+            client=False, initial_values={h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 1}
+        )
+        server.h2_connection.local_settings.acknowledge()
+        client.send_headers(1, GRPC_REQUEST)
+    stream_id = 3 if history == "refused" else 1
+    client.send_headers(stream_id, GRPC_REQUEST, end_stream=history == "ended")
+    _exchange(client, server)
+    if history.startswith("server_reset"):
+        server.reset(1)
+    elif history == "client_reset":
+        client.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+    _exchange(client, server)
+    if history == "server_reset_forgotten":
+        assert server.h2_connection.open_inbound_streams == 0  # the count forgets it
+        assert 1 not in server.h2_connection.streams
+    reset_by_server = history in ("server_reset", "server_reset_forgotten", "refused")
+    closed_by = server.h2_connection._stream_closed_by(stream_id)
+    assert (closed_by == StreamClosedBy.SEND_RST_STREAM) == reset_by_server
+    trailers = [("x-late-one", "first value"), ("x-late-two", "second value")]
+    events = server.receive_data(_frame(0x1, 0x5, stream_id, client.encoder.encode(trailers)))
+    wire = b"".join(bytes(buffer) for buffer in server.data_to_send())
+    stream_closed = h2.errors.ErrorCodes.STREAM_CLOSED.to_bytes(4, "big")
+    if not reset_by_server:
+        assert wire == _frame(0x3, 0, stream_id, stream_closed)
+        assert [(type(e), e.stream_id) for e in events] == (  # type: ignore[attr-defined]
+            [(StreamReset, 1)] if history == "ended" else []
+        )
+    else:
+        assert (events, wire) == ([], b"")
+    if history == "refused":
+        server.reset(1)  # room for the next request
+    client.send_headers(5, [*GRPC_REQUEST, *trailers])  # the connection goes on
+    events = server.receive_data(client.data_to_send())
+    assert [(type(e), e.stream_id) for e in events] == [(grpc_protocol.RequestReceived, 5)]
+    assert list(events[0].custom_metadata) == trailers  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
     "values",
     [["five"], ["-8"], ["+8"], [""], ["8, 8"], ["8", "9"], ["5_0"]],
     ids=["word", "negative", "plus", "empty", "list", "two-values", "underscore"],

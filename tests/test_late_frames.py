@@ -122,3 +122,65 @@ async def test_late_frames_on_a_stream_the_server_reset_are_ignored(
     assert isinstance(events[-1], h2.events.PingAckReceived), events
     assert [kind for kind, _, _ in frames_in(received)] == [0x6]  # the PING's ACK, and only it
     await Bystander(server.port).call()
+
+
+#: Request trailers the client's encoder adds to the HPACK dynamic table of both ends.
+TRAILERS = [("x-late-one", "first value"), ("x-late-two", "second value")]
+
+
+def trailers_after_a_reset(port: int, reset_by: str) -> tuple[bytes, list[object]]:
+    """A call on stream 1 whose request has not ended, reset by the server (its body outgrows
+    its content-length) or by the client (before its message); then the request's trailers on
+    stream 1, encoded by the client's encoder (their fields added to its dynamic table, as to
+    the server's when it decodes them), and a PING. The server's bytes after the trailers, up
+    to the PING's acknowledgement; and the h2 events of a call on stream 3 whose header block
+    refers to those fields by their place in the dynamic table, up to its end or reset."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    if reset_by == "server":
+        client.send_headers(1, [*REQUEST_HEADERS, ("content-length", "1")])
+        client.send_data(1, grpc_message(echo_request()))
+    else:
+        client.send_headers(1, REQUEST_HEADERS)  # no message: the call waits for it, unanswered
+    ping = b"trailer?"
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10.0)
+        sock.sendall(client.data_to_send())
+        if reset_by == "server":
+            read_until_a_stream_ends(sock, client)
+        else:
+            client.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+        # Sent as a client that had not seen the reset yet would send them (h2 would refuse
+        # to send on a stream it knows is closed).
+        block = client.encoder.encode(TRAILERS)
+        sock.sendall(client.data_to_send() + frame(0x1, 0x5, 1, block) + frame(0x6, 0x0, 0, ping))
+        received = b""
+        while (0x6, 0, ping) not in frames_in(received):
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            received += chunk
+        client.receive_data(received)
+        client.send_headers(3, [*REQUEST_HEADERS, *TRAILERS])
+        client.send_data(3, grpc_message(echo_request()), end_stream=True)
+        sock.sendall(client.data_to_send())
+        return received, read_until_a_stream_ends(sock, client)
+
+
+@pytest.mark.parametrize("reset_by", ["server", "client"])
+async def test_trailers_on_a_stream_the_server_reset_are_ignored_and_decoded(
+    server: RunningServer, reset_by: str
+) -> None:
+    # RFC 9113 §5.1: frames on a stream after the server sent its RST_STREAM are ignored (the
+    # client may have sent them before it saw the reset); h2 answered request trailers with a
+    # RST_STREAM of STREAM_CLOSED. After the client's own reset, they are a stream error of
+    # type STREAM_CLOSED, answered so. Either way their header block is decoded: the HPACK
+    # state is the connection's, and the next call's block refers to what they added to it.
+    received, events = await trio.to_thread.run_sync(trailers_after_a_reset, server.port, reset_by)
+    stream_closed = h2.errors.ErrorCodes.STREAM_CLOSED.to_bytes(4, "big")
+    answered = [(kind, payload) for kind, stream, payload in frames_in(received) if stream == 1]
+    assert answered == ([] if reset_by == "server" else [(0x3, stream_closed)])
+    ended = [e for e in events if isinstance(e, h2.events.StreamEnded)]
+    assert [e.stream_id for e in ended] == [3], events
+    trailers = [e for e in events if isinstance(e, h2.events.TrailersReceived)]
+    assert (b"grpc-status", b"0") in trailers[0].headers
+    await Bystander(server.port).call()

@@ -1005,6 +1005,15 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         events = self._new_request(frame)
         if events is not None:
             return [], events
+        if self._stream_closed_by(frame.stream_id) is _CLOSED_BY_SENT_RESET:
+            # A header block (request trailers) on a stream the server reset: the client may
+            # have sent it before it saw the reset, and RFC 9113 §5.1 says it is ignored (h2
+            # answered it with a RST_STREAM of STREAM_CLOSED). It is decoded all the same, as
+            # h2 decodes it: the HPACK dynamic table is the connection's, and the blocks that
+            # follow refer to what this one added to it. A stream is closed once it is reset,
+            # so a block on one closed otherwise, or still open, goes to h2 as before.
+            _decode_headers(self.decoder, frame.data)
+            return [], []
         try:
             if frame.stream_id > self.highest_inbound_stream_id:
                 # A new stream under the limit that h2 opens: it counts the open streams again.
