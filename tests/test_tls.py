@@ -262,12 +262,10 @@ async def test_the_handshake_timeout_covers_the_tls_handshake_and_the_preface(
     async with trio.SSLStream(stream, context, server_hostname="127.0.0.1") as tls:
         await tls.do_handshake()
         with trio.fail_after(10):
-            try:
-                # The server's SETTINGS, then nothing: the connection is closed.
-                while await tls.receive_some(4096):
-                    pass
-            except trio.BrokenResourceError:
-                pass  # closed without close_notify
+            # The server's SETTINGS, then nothing: the connection is closed, with close_notify
+            # (a TCP end without one would raise BrokenResourceError here).
+            while await tls.receive_some(4096):
+                pass
 
 
 # -- mutual TLS ---------------------------------------------------------------------------------
@@ -502,6 +500,12 @@ async def _goaway_after_a_protocol_error(port: int, context: ssl.SSLContext) -> 
                 if not chunk:
                     break
                 received += chunk
+    return _goaway(received)
+
+
+def _goaway(received: bytes | bytearray) -> bytes | None:
+    """The payload of the GOAWAY frame among the HTTP/2 frames ``received``, or None."""
+    received = bytearray(received)
     while len(received) >= 9:
         length = int.from_bytes(received[:3], "big")
         if received[3] == 0x7:
@@ -522,3 +526,159 @@ async def test_a_protocol_error_under_tls_is_answered_with_goaway_however_the_wr
         goaway = await _goaway_after_a_protocol_error(tls_server.port, context)
         assert goaway is not None
         assert int.from_bytes(goaway[4:8], "big") == 0x1  # PROTOCOL_ERROR
+
+
+# -- the server's end of a connection: close_notify ---------------------------------------------
+
+#: A client's HTTP/2 preface, its SETTINGS and its ACK of the server's.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0, b"") + _frame(0x4, 1, 0, b"")
+_LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _connect(port: int, context: ssl.SSLContext, data: bytes = b"") -> ssl.SSLSocket:
+    """A TLS connection (handshake done) that has sent ``data``. Its reads raise
+    ``ssl.SSLEOFError`` at a TCP end that no close_notify came before (Python's default would
+    read a clean end)."""
+    sock = context.wrap_socket(
+        socket.create_connection(("127.0.0.1", port)),
+        server_hostname="127.0.0.1",
+        suppress_ragged_eofs=False,
+    )
+    sock.sendall(data)
+    return sock
+
+
+def _read_to_the_end(sock: ssl.SSLSocket) -> bytes:
+    """Everything the server sends until its close_notify; then the socket is closed."""
+    received = bytearray()
+    with sock:
+        while chunk := sock.recv(65536):
+            received += chunk
+    return bytes(received)
+
+
+def _exchange(port: int, context: ssl.SSLContext, data: bytes) -> bytes:
+    return _read_to_the_end(_connect(port, context, data))
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 200),
+        (b"GET /v2/health/live HTTP/1.0\r\n\r\n", 200),
+        (b"NOT HTTP\r\n\r\n", 400),
+        # Most of the head is never read: TLS records the client sent are left unread.
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n", 431),
+        # Answered from the head: the body's records are left unread.
+        (
+            b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n"
+            + b"x" * 100_000,
+            413,
+        ),
+    ],
+    ids=["connection-close", "http-1.0", "bad-request", "head-too-large", "body-too-large"],
+)
+async def test_a_rest_connection_closed_after_its_answer_ends_with_close_notify(
+    tls_server: RunningServer, pki: Pki, request_bytes: bytes, status: int
+) -> None:
+    context = ssl.create_default_context(cafile=pki.server_ca)
+    received = await trio.to_thread.run_sync(
+        _exchange, tls_server.http_port, context, request_bytes
+    )
+    assert received.startswith(f"HTTP/1.1 {status} ".encode()), received[:100]
+
+
+@pytest.mark.parametrize("request_bytes", [_LIVE, b""], ids=["after-a-request", "no-request"])
+async def test_a_rest_connection_left_idle_is_closed_with_close_notify(
+    nursery: trio.Nursery, pki: Pki, request_bytes: bytes
+) -> None:
+    # With no request, the server has written nothing: TLS 1.3's session tickets, which Trio
+    # holds back until the first write, must go before the alert, or the client cannot read it.
+    server = await start_server(
+        nursery,
+        workers=1,
+        tls_cert=pki.server.cert,
+        tls_key=pki.server.key,
+        idle_timeout=0.2,
+        handshake_timeout=1.0,
+    )
+    context = ssl.create_default_context(cafile=pki.server_ca)
+    received = await trio.to_thread.run_sync(_exchange, server.http_port, context, request_bytes)
+    assert received.startswith(b"HTTP/1.1 200 ") if request_bytes else received == b""
+
+
+@pytest.mark.parametrize(
+    ("overrides", "data", "error_code"),
+    [
+        ({"idle_timeout": 0.2}, b"", 0x0),
+        ({"max_connection_age": 0.2}, b"", 0x0),
+        ({}, _frame(0x0, 0, 0, b"x"), 0x1),  # DATA on stream 0: PROTOCOL_ERROR
+    ],
+    ids=["idle-timeout", "max-connection-age", "protocol-error"],
+)
+async def test_a_grpc_connection_closed_after_goaway_ends_with_close_notify(
+    nursery: trio.Nursery, pki: Pki, overrides: dict[str, float], data: bytes, error_code: int
+) -> None:
+    server = await start_server(
+        nursery, workers=1, tls_cert=pki.server.cert, tls_key=pki.server.key, **overrides
+    )
+    received = await trio.to_thread.run_sync(
+        _exchange, server.port, _client_context(pki), _H2_PREFACE + data
+    )
+    goaway = _goaway(received)
+    assert goaway is not None
+    assert int.from_bytes(goaway[4:8], "big") == error_code
+
+
+def _read_at_least(sock: ssl.SSLSocket, size: int) -> bytes:
+    received = bytearray()
+    while len(received) < size:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        received += chunk
+    return bytes(received)
+
+
+def _idle_rest_connection(port: int, context: ssl.SSLContext) -> ssl.SSLSocket:
+    """A keep-alive connection that has had its request answered."""
+    sock = _connect(port, context, _LIVE)
+    assert _read_at_least(sock, 1).startswith(b"HTTP/1.1 200 ")  # one TLS record
+    return sock
+
+
+def _idle_grpc_connection(port: int, context: ssl.SSLContext) -> tuple[ssl.SSLSocket, bytes]:
+    """A connection that has sent its preface and received the server's first frames (so the
+    server's side of the TLS handshake is done), and those frames."""
+    sock = _connect(port, context, _H2_PREFACE)
+    return sock, _read_at_least(sock, 9)
+
+
+async def test_a_drain_ends_idle_tls_connections_with_close_notify_though_no_client_reads(
+    pki: Pki,
+) -> None:
+    # The clients neither read more nor close until the server has stopped: the alert's send
+    # and the wait for the client's end are bounded, and many such connections hold no drain
+    # up.
+    rest_context = ssl.create_default_context(cafile=pki.server_ca)
+    rest: list[ssl.SSLSocket] = []
+    grpc_: list[tuple[ssl.SSLSocket, bytes]] = []
+    async with trio.open_nursery() as nursery:
+        server = await start_server(
+            nursery, workers=1, tls_cert=pki.server.cert, tls_key=pki.server.key
+        )
+        for _ in range(8):
+            rest.append(
+                await trio.to_thread.run_sync(_idle_rest_connection, server.http_port, rest_context)
+            )
+            grpc_.append(
+                await trio.to_thread.run_sync(
+                    _idle_grpc_connection, server.port, _client_context(pki)
+                )
+            )
+        server.shutdown()
+    for sock in rest:
+        assert await trio.to_thread.run_sync(_read_to_the_end, sock) == b""
+    for sock, first in grpc_:
+        goaway = _goaway(first + await trio.to_thread.run_sync(_read_to_the_end, sock))
+        assert goaway is not None
+        assert int.from_bytes(goaway[4:8], "big") == 0x0  # NO_ERROR

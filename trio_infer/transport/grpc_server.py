@@ -78,7 +78,7 @@ from trio_infer.transport.grpc_protocol import (
     StreamReset,
     WindowUpdated,
 )
-from trio_infer.transport.lingering import linger
+from trio_infer.transport.lingering import end_connection
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
@@ -670,9 +670,11 @@ class Connection:
                 try:
                     if self._goodbye_pending:
                         await self._send_goodbye()
-                    if self._closing or self._goodbye_pending:
-                        # The client may still be sending: a reset could cost it the GOAWAY.
-                        await linger(self._socket)
+                    # A connection that sent GOAWAY lingers: its client may still be sending, and a
+                    # reset could cost it the GOAWAY.
+                    await end_connection(
+                        self._stream, lingering=self._closing or self._goodbye_pending
+                    )
                 finally:
                     # Closed however the above ends (a shutdown's deadline can cut a linger).
                     await trio.aclose_forcefully(self._stream)

@@ -81,7 +81,7 @@ from trio_infer.transport.content_coding import (
     body_decoder,
     is_coded,
 )
-from trio_infer.transport.lingering import linger
+from trio_infer.transport.lingering import end_connection
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
 
 __all__ = [
@@ -1012,8 +1012,7 @@ class HttpConnection:
             if error is not None:
                 await self._answer_error(error.status, error.message)
                 should_linger = True
-            if should_linger:
-                await linger(self._socket)
+            await end_connection(self._stream, lingering=should_linger)
         finally:
             if self._unfinished is not None:  # something other than its cancel ended it
                 self._end_request(self._unfinished)

@@ -8,6 +8,9 @@ GOAWAY travelled) would see a reset ("broken pipe") where it should have read an
 GOAWAY that lets it retry elsewhere. So the server ends only its sending side, then reads and
 drops what the client still sends until the client closes too, for a bounded time and number
 of bytes, and only then closes the socket.
+
+Over TLS, the server first sends close_notify (:func:`~trio_infer.transport.tls.send_close_notify`),
+so that the client reads a closed session, not a truncated one: :func:`end_connection` does both.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import socket
 
 import trio
 
-__all__ = ["LINGER_BYTES", "LINGER_SECONDS", "linger"]
+from trio_infer.transport.tls import send_close_notify
+
+__all__ = ["LINGER_BYTES", "LINGER_SECONDS", "end_connection", "linger"]
 
 #: The longest a closed connection keeps reading: a client that has read everything closes its
 #: side at once; one that does not gets this long.
@@ -42,3 +47,23 @@ async def linger(sock: trio.socket.SocketType) -> None:
             if not data:
                 return
             received += len(data)
+
+
+async def end_connection(
+    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream], *, lingering: bool
+) -> None:
+    """End a connection the server closes, short of closing it: over TLS, send close_notify;
+    then, with ``lingering``, :func:`linger`. The caller closes the stream afterwards, however
+    this ends.
+
+    The alert and the linger take :data:`LINGER_SECONDS` at most together: a client that reads
+    nothing holds the connection no longer than a linger already allowed.
+    """
+    with trio.move_on_after(LINGER_SECONDS):
+        if isinstance(stream, trio.SSLStream):
+            await send_close_notify(stream)
+            sock = stream.transport_stream.socket
+        else:
+            sock = stream.socket
+        if lingering:
+            await linger(sock)

@@ -11,6 +11,8 @@ from typing import Generic, Protocol, TypeVar
 
 import trio
 
+from trio_infer.transport.tls import handshake_completed
+
 __all__ = ["CallCounter", "ConnectionServer", "ServedConnection", "accept_loop"]
 
 logger = logging.getLogger(__name__)
@@ -160,7 +162,7 @@ class ConnectionServer(Generic[_C]):
             logger.exception("connection failed; closing it")
         finally:
             self._connections.discard(connection)
-        if isinstance(transport, trio.SSLStream) and not _handshake_completed(transport):
+        if isinstance(transport, trio.SSLStream) and not handshake_completed(transport):
             # A plaintext client, a client certificate missing or refused, a scanner: the
             # client is told by the TLS alert or the closed socket; the server has no fault
             # to report.
@@ -180,11 +182,3 @@ class ConnectionServer(Generic[_C]):
             await self._in_flight.wait_idle()
         for connection in self._connections:
             self._end_calls(connection)
-
-
-def _handshake_completed(stream: trio.SSLStream[trio.SocketStream]) -> bool:
-    try:
-        stream.selected_alpn_protocol()
-    except trio.NeedHandshakeError:
-        return False
-    return True

@@ -10,16 +10,27 @@ file is wrong (``[SSL] PEM lib``): a missing file, one that holds no PEM block o
 expected (a key given as the certificate, say), a block that does not parse, an encrypted key
 (OpenSSL would prompt for its passphrase on the terminal), and a key that does not match the
 certificate are each a :class:`TLSFileError` naming the file.
+
+:func:`send_close_notify` ends the server's side of a TLS connection it closes gracefully.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import ssl
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["TLSFileError", "TLSRole", "server_context"]
+import trio
+
+__all__ = [
+    "TLSFileError",
+    "TLSRole",
+    "handshake_completed",
+    "send_close_notify",
+    "server_context",
+]
 
 #: What a file is for: the server's certificate chain, its private key, the client CAs.
 TLSRole = Literal["certificate", "key", "client CA"]
@@ -152,3 +163,50 @@ def _certificates(role: TLSRole, path: Path, content: bytes) -> list[bytes]:
             ) from None
         certificates.append(der)
     return certificates
+
+
+def handshake_completed(stream: trio.SSLStream[trio.SocketStream]) -> bool:
+    """Whether ``stream``'s TLS handshake has completed."""
+    try:
+        stream.selected_alpn_protocol()
+    except trio.NeedHandshakeError:
+        return False
+    return True
+
+
+async def send_close_notify(stream: trio.SSLStream[trio.SocketStream]) -> None:
+    """Send TLS's close_notify alert on ``stream``, and leave its socket open.
+
+    RFC 8446 §6.1: each side sends close_notify before it closes its side of the connection,
+    unless it has sent an error alert; without one the client sees a truncation ("EOF occurred in
+    violation of protocol"). The caller then ends the socket (a linger reads what the client
+    still sends) and closes it.
+
+    Nothing is sent when the handshake has not completed (there is no session to close), or
+    when the stream is broken: a write cut off mid-record, or a TLS error, after either of
+    which the client could not read the alert. A client gone is not reported. No other task
+    may be using the stream; a client that reads nothing can hold the send up, so the caller
+    bounds it.
+    """
+    # Trio sends close_notify only from SSLStream.aclose() without https_compatible, which
+    # closes the socket right after (no linger); and there, as in SSLStream.unwrap(), the alert
+    # is lost when the client has sent records not yet read (a body the server will not read,
+    # pipelined requests): Python's SSLObject.unwrap() calls SSL_shutdown a second time, which
+    # fails on them (APPLICATION_DATA_AFTER_CLOSE_NOTIFY) after the first queued the alert. So
+    # the alert is taken from the stream's SSLObject and sent here, through attributes of
+    # Trio's SSLStream that are not its API: the close_notify tests in tests/test_tls.py fail
+    # on a Trio that changes them.
+    if not handshake_completed(stream) or stream._state.name != "OK":
+        return
+    # The alert is queued whatever it raises: the client's close_notify has not come
+    # (SSLWantReadError), or records the client sent are unread.
+    with contextlib.suppress(ssl.SSLError):
+        stream._ssl_object.unwrap()
+    alert = stream._outgoing.read()
+    if stream._delayed_outgoing is not None:
+        # TLS 1.3 session tickets, which Trio holds back until the server's first write: the
+        # alert's record number counts them, so the client could not decrypt it without them.
+        alert = stream._delayed_outgoing + alert
+        stream._delayed_outgoing = None
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.transport_stream.send_all(alert)
