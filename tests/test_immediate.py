@@ -700,6 +700,21 @@ async def wait_for_room(server: RunningServer, waiter: RawClient) -> None:
     await eventually(lambda: admission_of(server)[1] == 1)
 
 
+@contextlib.asynccontextmanager
+async def budget_held(nursery: trio.Nursery) -> AsyncIterator[tuple[RunningServer, RawClient]]:
+    """A server whose budget one model call holds most of while a second waits for room (each
+    on a connection of its own), and a third connection to probe it on."""
+    server = await start_server(nursery, memory_budget=BUDGET, max_connection_bytes=BUDGET)
+    async with (
+        RawClient.connect(server.port) as holder,
+        RawClient.connect(server.port) as waiter,
+        RawClient.connect(server.port) as prober,
+    ):
+        await hold_most_of_the_budget(server, holder)
+        await wait_for_room(server, waiter)
+        yield server, prober
+
+
 async def call_in_pieces(client: RawClient, stream_id: int, method: str, message: bytes) -> None:
     """Send a call in three pieces, each read and handled by the server before the next is
     sent: its HEADERS, then its message's prefix and first half, then the rest and
@@ -724,14 +739,7 @@ async def test_an_immediate_call_is_answered_while_model_requests_wait_for_room_
     # One call holds most of the budget, a second waits for room: a ServerLive (a probe, its
     # message already read) is answered at once, as over REST, not queued behind them, where a
     # Kubernetes probe's timeout would pass and its pod be restarted for being busy.
-    server = await start_server(nursery, memory_budget=BUDGET, max_connection_bytes=BUDGET)
-    async with (
-        RawClient.connect(server.port) as holder,
-        RawClient.connect(server.port) as waiter,
-        RawClient.connect(server.port) as prober,
-    ):
-        await hold_most_of_the_budget(server, holder)
-        await wait_for_room(server, waiter)
+    async with budget_held(nursery) as (server, prober):
         prober.call(1, V2 + "ServerLive", LIVE)
         await prober.flush()
         await prober.read_until(lambda: 1 in prober.ended)
@@ -748,14 +756,7 @@ async def test_a_probe_whose_request_comes_in_pieces_waits_for_no_room_in_the_bu
     # is some now, as the transport does answering at once, and never waits behind the model
     # requests waiting for memory (it waited in the queue, and was answered only once the
     # model request ahead of it gave up after max_wait).
-    server = await start_server(nursery, memory_budget=BUDGET, max_connection_bytes=BUDGET)
-    async with (
-        RawClient.connect(server.port) as holder,
-        RawClient.connect(server.port) as waiter,
-        RawClient.connect(server.port) as prober,
-    ):
-        await hold_most_of_the_budget(server, holder)
-        await wait_for_room(server, waiter)
+    async with budget_held(nursery) as (server, prober):
         await call_in_pieces(prober, 1, CHECK, LIVENESS)
         await prober.read_until(lambda: 1 in prober.ended)
         assert admission_of(server)[1] == 1  # the model request still waits

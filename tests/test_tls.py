@@ -89,20 +89,21 @@ def server_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     return caplog
 
 
+async def start_tls_server(nursery: trio.Nursery, pki: Pki, **options: Any) -> RunningServer:
+    """A server with one worker and the test PKI's server identity, started with ``options``."""
+    return await start_server(
+        nursery, workers=1, tls_cert=pki.server.cert, tls_key=pki.server.key, **options
+    )
+
+
 @pytest.fixture
 async def tls_server(nursery: trio.Nursery, pki: Pki) -> RunningServer:
-    return await start_server(nursery, workers=1, tls_cert=pki.server.cert, tls_key=pki.server.key)
+    return await start_tls_server(nursery, pki)
 
 
 @pytest.fixture
 async def mtls_server(nursery: trio.Nursery, pki: Pki) -> RunningServer:
-    return await start_server(
-        nursery,
-        workers=1,
-        tls_cert=pki.server.cert,
-        tls_key=pki.server.key,
-        tls_client_ca=pki.client_ca,
-    )
+    return await start_tls_server(nursery, pki, tls_client_ca=pki.client_ca)
 
 
 class SecureClient(GrpcioClient):
@@ -245,13 +246,7 @@ async def _read_until_closed(stream: trio.SocketStream) -> None:
 async def test_the_handshake_timeout_covers_the_tls_handshake_and_the_preface(
     nursery: trio.Nursery, pki: Pki, stage: str
 ) -> None:
-    server = await start_server(
-        nursery,
-        workers=1,
-        tls_cert=pki.server.cert,
-        tls_key=pki.server.key,
-        handshake_timeout=0.2,
-    )
+    server = await start_tls_server(nursery, pki, handshake_timeout=0.2)
     stream = await trio.open_tcp_stream("127.0.0.1", server.port)
     if stage == "tcp-only":
         await _read_until_closed(stream)
@@ -594,14 +589,7 @@ async def test_a_rest_connection_left_idle_is_closed_with_close_notify(
 ) -> None:
     # With no request, the server has written nothing: TLS 1.3's session tickets, which Trio
     # holds back until the first write, must go before the alert, or the client cannot read it.
-    server = await start_server(
-        nursery,
-        workers=1,
-        tls_cert=pki.server.cert,
-        tls_key=pki.server.key,
-        idle_timeout=0.2,
-        handshake_timeout=1.0,
-    )
+    server = await start_tls_server(nursery, pki, idle_timeout=0.2, handshake_timeout=1.0)
     context = ssl.create_default_context(cafile=pki.server_ca)
     received = await trio.to_thread.run_sync(_exchange, server.http_port, context, request_bytes)
     assert received.startswith(b"HTTP/1.1 200 ") if request_bytes else received == b""
@@ -619,9 +607,7 @@ async def test_a_rest_connection_left_idle_is_closed_with_close_notify(
 async def test_a_grpc_connection_closed_after_goaway_ends_with_close_notify(
     nursery: trio.Nursery, pki: Pki, overrides: dict[str, float], data: bytes, error_code: int
 ) -> None:
-    server = await start_server(
-        nursery, workers=1, tls_cert=pki.server.cert, tls_key=pki.server.key, **overrides
-    )
+    server = await start_tls_server(nursery, pki, **overrides)
     received = await trio.to_thread.run_sync(
         _exchange, server.port, _client_context(pki), _H2_PREFACE + data
     )
@@ -663,9 +649,7 @@ async def test_a_drain_ends_idle_tls_connections_with_close_notify_though_no_cli
     rest: list[ssl.SSLSocket] = []
     grpc_: list[tuple[ssl.SSLSocket, bytes]] = []
     async with trio.open_nursery() as nursery:
-        server = await start_server(
-            nursery, workers=1, tls_cert=pki.server.cert, tls_key=pki.server.key
-        )
+        server = await start_tls_server(nursery, pki)
         for _ in range(8):
             rest.append(
                 await trio.to_thread.run_sync(_idle_rest_connection, server.http_port, rest_context)
