@@ -380,6 +380,71 @@ async def index_entry(
             await trio.sleep(0.05)
 
 
+async def test_settings_past_what_tritons_config_carries_are_refused_and_metadata_answers(
+    nursery: trio.Nursery, repo: Repository, clients: Clients
+) -> None:
+    # Each setting is described to clients in a field of Triton's ModelConfig or of the V2
+    # metadata: a value that field cannot hold would make ModelConfig and ModelMetadata fail
+    # for as long as the model is served, so the load refuses it and the model serves on.
+    batching = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1]}],
+        "max_batch_size": 8,
+    }
+    repo.add("model", 1, settings=batching)
+    server = await explicit(nursery, repo, "model")
+    triton, grpcio = clients(server)
+
+    def dims(size: int) -> dict[str, Any]:
+        return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, size]}]}
+
+    past = [
+        ({"max_batch_size": 2**31}, "max_batch_size: Input should be less than or equal to "),
+        ({"max_queue_size": 2**32}, "max_queue_size: Input should be less than or equal to "),
+        ({"max_batch_time": 1e13}, "max_batch_time: Input should be less than or equal to "),
+        (
+            {"max_sequence_idle_microseconds": 2**64},
+            "max_sequence_idle_microseconds: Input should be less than or equal to ",
+        ),
+        (dims(2**63), "inputs[0].shape[1]: Input should be less than or equal to "),
+    ]
+    for config, problem in past:
+        status, message = await triton.http_error(
+            lambda c, config=config: c.load_model("model", config=json.dumps(config))  # type: ignore[misc]
+        )
+        assert (status, problem in message) == ("400", True), (config, message)
+        assert (await triton.grpc(lambda c: c.get_model_config("model"))).config.max_batch_size == 8
+        assert await triton.grpc(lambda c: c.get_model_metadata("model")) is not None
+        assert await infer(grpcio, "model") == 1
+
+    # At the bounds, both describe the model as configured.
+    await triton.http(
+        lambda c: c.load_model(
+            "model",
+            config=json.dumps(
+                batching
+                | dims(2**63 - 1)
+                | {"max_batch_size": 2**31 - 1, "max_queue_size": 2**32 - 1}
+                | {"max_batch_time": 2**63 // 10**6}
+            ),
+        )
+    )
+    config = (await triton.grpc(lambda c: c.get_model_config("model"))).config
+    assert config.max_batch_size == 2**31 - 1
+    assert list(config.input[0].dims) == [2**63 - 1]
+    assert config.dynamic_batching.default_queue_policy.max_queue_size == 2**32 - 1
+    assert config.dynamic_batching.max_queue_delay_microseconds == round(2**63 // 10**6 * 1e6)
+    metadata = await triton.grpc(lambda c: c.get_model_metadata("model"))
+    assert list(metadata.inputs[0].shape) == [-1, 2**63 - 1]
+    await triton.http(
+        lambda c: c.load_model(
+            "model", config=json.dumps({"max_sequence_idle_microseconds": 2**64 - 1})
+        )
+    )
+    config = (await triton.grpc(lambda c: c.get_model_config("model"))).config
+    assert config.sequence_batching.max_sequence_idle_microseconds == 2**64 - 1
+
+
 async def test_a_broken_models_load_error_shows_in_the_index_and_reaches_its_callers(
     nursery: trio.Nursery, repo: Repository, clients: Clients
 ) -> None:

@@ -112,11 +112,17 @@ def _null_is_unversioned(value: Any) -> Any:
 # list fills a tuple field.
 _String = Annotated[str, Strict()]
 _Name = Annotated[str, Strict(), Field(min_length=1)]
-_Count = Annotated[int, Strict(), Field(ge=0)]
-_PositiveCount = Annotated[int, Strict(), Field(ge=1)]
-_Seconds = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+# Upper bounds are those of the fields of Triton's ModelConfig and of the V2 protocol's
+# metadata that carry each setting (ModelConfig, ModelMetadata), so that every setting accepted
+# can be described to a client: max_batch_size is an int32, max_queue_size a uint32, a shape's
+# dimensions int64s, and max_batch_time and max_sequence_idle_microseconds uint64s of
+# microseconds (max_batch_time to 2**63 microseconds, so that its rounding cannot pass 2**64).
+_BatchSize = Annotated[int, Strict(), Field(ge=0, le=2**31 - 1)]
+_QueueSize = Annotated[int, Strict(), Field(ge=1, le=2**32 - 1)]
+_Microseconds = Annotated[int, Strict(), Field(ge=1, le=2**64 - 1)]
+_BatchTime = Annotated[float, Strict(), Field(ge=0, le=2**63 // 10**6, allow_inf_nan=False)]
 _PositiveSeconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
-_Dimension = Annotated[int, Strict(), Field(ge=-1)]  # -1: any size
+_Dimension = Annotated[int, Strict(), Field(ge=-1, le=2**63 - 1)]  # -1: any size
 
 # A misspelt field is an error, at every level.
 _CONFIG = ConfigDict(extra="forbid")
@@ -197,14 +203,14 @@ class ModelSettings:
     inputs: _TensorSpecs = ()
     outputs: _TensorSpecs = ()
     parameters: ModelParameters = dataclasses.field(default_factory=ModelParameters)
-    max_batch_size: _Count = 0
-    max_batch_time: _Seconds = 0.0
-    max_queue_size: _PositiveCount = 1024
+    max_batch_size: _BatchSize = 0
+    max_batch_time: _BatchTime = 0.0
+    max_queue_size: _QueueSize = 1024
     timeout: _PositiveSeconds | None = None
     decoupled: Annotated[bool, Strict()] = False
     """Whether the model answers a request with 0..N responses (its ``predict`` is a
     generator): served on ModelStreamInfer only, and never batched."""
-    max_sequence_idle_microseconds: _PositiveCount = 1_000_000
+    max_sequence_idle_microseconds: _Microseconds = 1_000_000
     """How long a sequence (``trio_infer.scheduling.sequences``) may have no request in flight
     before it is ended, its worker no longer held for it (Triton's setting and default, 1 s)."""
     revision: str = ""
