@@ -652,6 +652,19 @@ BINARY_INPUT = {
         (binary(BINARY_INPUT, bytes(16), length="\u00b2"), "inference-header-content-length must"),
         # More digits than int() converts (4,300).
         (binary(BINARY_INPUT, bytes(16), length="9" * 5000), "inference-header-content-length"),
+        # Repeated, whether the values agree or not: which one a proxy in front would take is
+        # unknown, as for Content-Length.
+        *[
+            (
+                infer(
+                    json.dumps(BINARY_INPUT).encode() + bytes(16),
+                    f"Inference-Header-Content-Length: {len(json.dumps(BINARY_INPUT))}",
+                    f"Inference-Header-Content-Length: {second}",
+                ),
+                "inference-header-content-length is sent 2 times; it is one number of bytes",
+            )
+            for second in (len(json.dumps(BINARY_INPUT)), 3)
+        ],
         (
             binary(
                 {

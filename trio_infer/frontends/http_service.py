@@ -80,6 +80,7 @@ _OCTETS = ("content-type", "application/octet-stream")
 #: Triton's binary tensor data extension: the size of the JSON part of a body (request or
 #: response) followed by binary tensor data.
 _HEADER_LENGTH = "inference-header-content-length"
+_HEADER_LENGTH_FIELD = _HEADER_LENGTH.encode("ascii")
 #: Requests whose JSON part is larger than this are parsed and decoded in a thread, and
 #: responses with more output elements than this are encoded in one: on the event loop they
 #: would hold it for more than a few milliseconds.
@@ -465,9 +466,16 @@ def _header_length(request: HttpRequest) -> int | None:
     Raises:
         HttpError: it is not a size within the body (400).
     """
-    value = request.header(_HEADER_LENGTH)
-    if value is None:
+    values = [value for name, value in request.fields if name == _HEADER_LENGTH_FIELD]
+    if not values:
         return None
+    if len(values) > 1:
+        # As a repeated Content-Length (RFC 9112 6.3): a proxy in front may have taken another
+        # of them than this server would, so none is taken.
+        raise HttpError(
+            400, f"{_HEADER_LENGTH} is sent {len(values)} times; it is one number of bytes"
+        )
+    value = values[0].decode("latin-1")
     # ASCII digits only ("\u00b2".isdigit() is true, and int() refuses it), and few enough for
     # int() (which refuses over 4,300) and for any body.
     if not (value.isascii() and value.isdigit()) or len(value) > _MAX_HEADER_LENGTH_DIGITS:
