@@ -327,6 +327,13 @@ HEAD_FLOODS = [
     (
         "a request line of 100 KB",
         head("GET", "/v2/models/" + "a" * 100_000),
+        414,
+        "the request target is longer than the maximum of 16384 bytes",
+    ),
+    (
+        # The bound is the head's: a target within it, then fields past it.
+        "a target of 16 KB and a header",
+        head("GET", "/v2/models/" + "a" * 16_000, "X-A: " + "b" * 1000),
         431,
         "the request's headers are larger",
     ),

@@ -35,9 +35,9 @@ Invariants:
   the send timeout) is cancelled: its handler's scope, and with it whatever the handler waits
   on. Nothing is answered then.
 - What a client may make the server hold is bounded before it is read: header blocks by
-  ``max_header_size`` (431), bodies by ``max_body_size`` (413, from ``Content-Length`` before
-  any of the body is read; a chunked body as it arrives), and the time each part may take by
-  the handshake, receive, idle and send timeouts.
+  ``max_header_size`` (414 for a target past it, else 431), bodies by ``max_body_size`` (413,
+  from ``Content-Length`` before any of the body is read; a chunked body as it arrives), and
+  the time each part may take by the handshake, receive, idle and send timeouts.
 - Nothing here knows JSON, tensors or models: a handler sees a request line, headers and body
   bytes, and sends a status, headers and body buffers (written with vectored writes, large
   ones from the handler's own memory). The one format this module writes itself is the error
@@ -129,8 +129,8 @@ class HttpLimits:
 
     Args:
         max_body_size: The largest request body accepted, in bytes (413 past it).
-        max_header_size: The largest request line and header block accepted, in bytes (431
-            past it).
+        max_header_size: The largest request line and header block accepted, in bytes (414
+            when the request target alone passes it, else 431).
         max_header_fields: The most header fields a request may have (431 past it): each is
             kept as objects some fifty times its size on the wire, so a head of many tiny
             fields would cost far more than ``max_header_size``.
@@ -278,7 +278,12 @@ class _Parse:
         message.target += url
         message.head_size += len(url)
         if message.head_size > self._max_header_size:
-            self._refuse(431, headers_too_large(self._max_header_size))
+            # The target comes before any header field: only it can have passed the bound.
+            # RFC 9112 3: a target longer than the server parses is 414, not a header's 431.
+            self._refuse(
+                414,
+                f"the request target is longer than the maximum of {self._max_header_size} bytes",
+            )
 
     def on_header(self, name: bytes, value: bytes) -> None:
         message = self.messages[-1]
@@ -1197,8 +1202,8 @@ class HttpConnection:
         to a head begun and not finished).
 
         Raises:
-            HttpError: the request's head is malformed (400) or too large (431), or it asks for
-                what is not served (501, 505).
+            HttpError: the request's head is malformed (400) or too large (414, 431), or it
+                asks for what is not served (501, 505).
         """
         if self.closing and not last:
             return None
