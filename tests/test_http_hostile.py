@@ -1124,6 +1124,36 @@ async def test_hundreds_of_idle_connections_are_held_only_for_the_timeouts(
     await bystander.call()
 
 
+async def test_absolute_form_targets_are_served_as_their_path(server: RunningServer) -> None:
+    # RFC 9112 3.2.2: a server must accept a target in absolute form, as a client that speaks
+    # to a proxy sends it, and take the host from it: the host is not looked at here (every
+    # host is served), the path and query are served as an origin-form target's.
+    port = server.http_port
+    async with await Raw.open(port) as raw:
+        for target, status, error in [
+            (f"http://127.0.0.1:{port}/v2/health/live", 200, None),
+            ("HTTP://elsewhere.example/v2/models/add_sub/ready?x=1", 200, None),
+            ("https://x/v2/models/a%2Fb", 404, "Request for unknown model: 'a/b' is not found"),
+            ("http://x", 404, "no such endpoint: GET /"),
+            ("http://x?v2", 404, "no such endpoint: GET /"),
+            # Not absolute-form: served as written.
+            ("ftp://x/v2/health/live", 404, "no such endpoint: GET ftp://x/v2/health/live"),
+        ]:
+            await raw.send(head("GET", target))
+            with trio.fail_after(5):
+                answer = await raw.final()
+            assert answer.status == status, (target, answer)
+            assert not answer.closes, target
+            if error is not None:
+                assert answer.error() == error, target
+        await raw.send(post("http://x/v2/models/add_sub/infer", ADD_SUB_JSON))
+        with trio.fail_after(10):
+            answer = await raw.final()
+        assert answer.status == 200, answer
+        assert json.loads(answer.body)["outputs"][0]["data"] == [float(i + 1) for i in range(16)]
+    assert started(server) == 7
+
+
 # -- methods ----------------------------------------------------------------------------------
 
 

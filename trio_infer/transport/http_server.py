@@ -360,6 +360,22 @@ class _Parse:
         self.messages[-1].complete = True
 
 
+def _origin_form(target: bytes) -> bytes:
+    """The path and query of an absolute-form target (``http://host:port/v2?x`` -> ``/v2?x``;
+    ``/`` for an empty path), any other target unchanged (``*``, a CONNECT's authority).
+
+    RFC 9112 3.2.2: a server must accept the absolute form (a client speaking to a proxy sends
+    it, and HTTP/1.1 allows it to any server), and take the host from it rather than from
+    ``Host``: one server serves every host here, so only the path and query are kept.
+    """
+    scheme, separator, rest = target.partition(b"://")
+    if not separator or scheme.lower() not in (b"http", b"https"):
+        return target
+    ends = [end for end in (rest.find(b"/"), rest.find(b"?")) if end >= 0]
+    origin = rest[min(ends) :] if ends else b""
+    return origin if origin.startswith(b"/") else b"/" + origin
+
+
 def _readable_now(sock: trio.socket.SocketType) -> bool:
     """Whether ``sock`` has bytes (or its end) to read now, without waiting."""
     poller = select.poll()
@@ -549,7 +565,10 @@ class HttpRequest:
     )
 
     def __init__(self, connection: HttpConnection, message: _Message) -> None:
-        path, _, query = message.target.partition(b"?")
+        target = message.target
+        if not target.startswith(b"/"):
+            target = _origin_form(target)
+        path, _, query = target.partition(b"?")
         # The method is one of llhttp's names, ASCII: the default codec (UTF-8) decodes it the
         # same, on CPython's fast path, where a codec named is looked up by its name.
         self.method: str = message.method.decode()
