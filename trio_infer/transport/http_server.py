@@ -113,6 +113,10 @@ _STATUS_LINES = {
 _JSON = ("content-type", "application/json")
 _CLOSE = ("connection", "close")
 _CLOSE_LINE = "connection: close\r\n"
+#: RFC 9112 9.3 and C.2.2: an HTTP/1.0 client keeps a connection it asked to keep alive only
+#: when the response says the server does; without it the client waits for the server to close.
+_KEEP_ALIVE = ("connection", "keep-alive")
+_KEEP_ALIVE_LINE = "connection: keep-alive\r\n"
 _REQUEST_ID = REQUEST_ID_HEADER.encode("ascii")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: How much of a chunked body is parsed at a time: its end is known only once parsed, so what
@@ -203,6 +207,7 @@ class _Message:
         "head_done",
         "head_size",
         "headers",
+        "http_1_0",
         "keep_alive",
         "method",
         "request_id",
@@ -227,6 +232,8 @@ class _Message:
         #: The first ``X-Request-Id`` value; None without one.
         self.request_id: bytes | None = None
         self.keep_alive = True
+        #: An HTTP/1.0 request: kept alive (only when it asked), its responses say so.
+        self.http_1_0 = False
         self.expects_continue = False
         #: The client asked to switch protocols (or CONNECT): the parser stops at the end of
         #: this message, and the connection closes after its response.
@@ -349,6 +356,7 @@ class _Parse:
             # and such a body could not be told from what follows it.
             self._refuse(400, "a request that asks to switch protocols may not have a body")
         message.expects_continue &= version == "1.1"
+        message.http_1_0 = version == "1.0"
         message.head_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -757,7 +765,10 @@ class HttpRequest:
         fields = header_lines(headers) if headers else ""
         # The fields added here need no check for line breaks: the request id is printable
         # ASCII (request_id), the rest are the server's own.
-        close = _CLOSE_LINE if connection.closes_after(self) else ""
+        if connection.closes_after(self):
+            close = _CLOSE_LINE
+        else:
+            close = _KEEP_ALIVE_LINE if self._message.http_1_0 else ""
         head = (
             f"{status_line(status)}{fields}content-length: {size}\r\n"
             f"{REQUEST_ID_HEADER}: {self.request_id}\r\n{close}\r\n"
@@ -1425,6 +1436,8 @@ class HttpConnection:
             fields.append((REQUEST_ID_HEADER, request.request_id))
             if self.closes_after(request):
                 fields.append(_CLOSE)
+            elif request._message.http_1_0:
+                fields.append(_KEEP_ALIVE)
         data: list[Buffer] = [response_head(status, fields)]
         if not self.head_only:
             data.append(body)
