@@ -29,6 +29,7 @@ import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from tests.support import GrpcioClient, eventually, start_server
+from tests.test_hostile import answers
 from trio_infer.core.repository import ControlMode
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import health_pb2
@@ -932,6 +933,28 @@ async def test_restricted_repository_control_needs_the_header(
             assert status == "403", headers
         # Inference is not restricted.
         assert await infer(grpcio, "alpha") == 1
+    # Values that are not ASCII (UTF-8, or bytes no text encodes) are refused as any other,
+    # over both entrances, rather than fail the comparison.
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as client:
+        for sent in ("s3cr\u00e9t".encode(), b"\xff\xfe"):
+            response = await client.post("/v2/repository/index", headers=[(b"admin-key", sent)])
+            assert response.status_code == 403, sent
+            assert "needs header 'admin-key'" in response.json()["error"]
+    index_headers = [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", b"/inference.GRPCInferenceService/RepositoryIndex"),
+        (b":authority", b"x"),
+        (b"te", b"trailers"),
+        (b"content-type", b"application/grpc"),
+        (b"admin-key", "s3cr\u00e9t".encode()),
+    ]
+    answered = await trio.to_thread.run_sync(
+        answers,
+        server.port,
+        [(1, "headers", index_headers), (1, "data", b"\0" * 5), (1, "end", None)],
+    )
+    assert answered[1]["grpc-status"] == "7", answered  # PERMISSION_DENIED
     assert not await triton.http(lambda c: c.is_model_ready("beta"))
 
     granted = {"admin-key": "s3cret"}

@@ -705,7 +705,9 @@ class GrpcService:
         if self._control_header is not None:
             name, value = self._control_header
             sent = next((v for n, v in call.metadata if n == name), None)
-            if not isinstance(sent, str) or not hmac.compare_digest(sent, value):
+            # Compared as UTF-8 bytes: compare_digest refuses str with non-ASCII characters,
+            # which a client may send.
+            if not isinstance(sent, str) or not hmac.compare_digest(sent.encode(), value.encode()):
                 raise InferError(
                     f"the model repository extension is restricted: it needs header '{name}'",
                     StatusCode.PERMISSION_DENIED,

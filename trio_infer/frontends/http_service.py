@@ -242,7 +242,9 @@ class HttpService:
         if self._control_header is not None:
             header, value = self._control_header
             sent = request.header(header)
-            if sent is None or not hmac.compare_digest(sent, value):
+            # Compared as bytes: compare_digest refuses str with non-ASCII characters, which a
+            # client may send. The header's bytes (decoded Latin-1) against the value's UTF-8.
+            if sent is None or not hmac.compare_digest(sent.encode("latin-1"), value.encode()):
                 raise InferError(
                     f"the model repository extension is restricted: it needs header '{header}'",
                     StatusCode.PERMISSION_DENIED,
