@@ -630,6 +630,17 @@ def test_malformed_json_is_refused() -> None:
             numbers("INT64", [2**63]),
             "input 'x': element 0 is 9223372036854775808, outside INT64's range",
         ),
+        # Integers beyond 64 bits (orjson reads them as floats) are out of range, not "not
+        # integers".
+        (
+            numbers("INT64", [-(2**63) - 1]),
+            "input 'x': element 0 is -9.223372036854776e+18, outside INT64's range",
+        ),
+        (
+            numbers("UINT64", [2**64]),
+            "input 'x': element 0 is 1.8446744073709552e+19, outside UINT64's range",
+        ),
+        (numbers("INT8", [10**30]), "input 'x': element 0 is 1e+30, outside INT8's range"),
         (
             numbers("INT32", [1, 2.5]),
             "input 'x': element 1 is 2.5, not an integer; INT32 elements are integers",

@@ -892,9 +892,13 @@ def _element_problem(datatype: str, target: np.dtype[Any], element: object) -> s
     if isinstance(element, bool) or not isinstance(element, int | float):
         return f"{_json_type(element)}; {datatype} elements are numbers"
     if datatype in _INTEGER_RANGE:
-        if not isinstance(element, int):
-            return f"{element!r}, not an integer; {datatype} elements are integers"
         low, high = _INTEGER_RANGE[datatype]
+        if not isinstance(element, int):
+            if element.is_integer() and abs(element) >= 2**63:
+                # orjson reads an integer literal beyond 64 bits as a float: whether it was
+                # written as one or not, no integer datatype holds it.
+                return f"{element!r}, outside {datatype}'s range [{low}, {high}]"
+            return f"{element!r}, not an integer; {datatype} elements are integers"
         if not low <= element <= high:
             return f"{element}, outside {datatype}'s range [{low}, {high}]"
         return None
