@@ -118,6 +118,8 @@ _CLOSE_LINE = "connection: close\r\n"
 _KEEP_ALIVE = ("connection", "keep-alive")
 _KEEP_ALIVE_LINE = "connection: keep-alive\r\n"
 _REQUEST_ID = REQUEST_ID_HEADER.encode("ascii")
+#: The first byte of a request target in origin form (``/path?query``).
+_SLASH = ord("/")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: How much of a chunked body is parsed at a time: its end is known only once parsed, so what
 #: follows it in the same piece (a pipelined request) is parsed ahead, at most this much.
@@ -356,7 +358,8 @@ class _Parse:
             # and such a body could not be told from what follows it.
             self._refuse(400, "a request that asks to switch protocols may not have a body")
         message.expects_continue &= version == "1.1"
-        message.http_1_0 = version == "1.0"
+        if version == "1.0":
+            message.http_1_0 = True
         message.head_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -574,7 +577,7 @@ class HttpRequest:
 
     def __init__(self, connection: HttpConnection, message: _Message) -> None:
         target = message.target
-        if not target.startswith(b"/"):
+        if target[0] != _SLASH:  # llhttp refuses an empty target
             target = _origin_form(target)
         path, _, query = target.partition(b"?")
         # The method is one of llhttp's names, ASCII: the default codec (UTF-8) decodes it the
