@@ -1375,3 +1375,35 @@ async def test_many_concurrent_scrapes_of_metrics_on_both_ports(nursery: trio.Nu
                 answer = await raw.final()
             assert answer.status == status, (data[:40], answer)
     await bystander.call()
+
+
+@pytest.mark.parametrize(
+    ("datatype", "element", "message"),
+    [
+        # A float within UINT64's range is refused as a float, not as out of range: orjson
+        # reads every integer literal up to 2**64 - 1 as an int.
+        ("UINT64", "1e19", "1e+19, not an integer; UINT64 elements are integers"),
+        (
+            "UINT64",
+            "10000000000000000000.0",
+            "1e+19, not an integer; UINT64 elements are integers",
+        ),
+        # Integer literals beyond 64 bits, read as floats: out of range.
+        ("UINT64", str(2**64), "1.8446744073709552e+19, outside UINT64's range"),
+        ("INT64", str(-(2**63) - 1), "-9.223372036854776e+18, outside INT64's range"),
+        ("INT64", "1e19", "1e+19, outside INT64's range"),
+    ],
+)
+async def test_a_64_bit_integer_element_out_of_range_or_a_float_is_400_saying_which(
+    server: RunningServer, datatype: str, element: str, message: str
+) -> None:
+    body = (
+        f'{{"inputs": [{{"name": "x", "datatype": "{datatype}", "shape": [1], '
+        f'"data": [{element}]}}]}}'
+    ).encode()
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(infer(body))
+        with trio.fail_after(10):
+            answer = await raw.final()
+    assert answer.status == 400, answer
+    assert answer.error().startswith(f"input 'x': element 0 is {message}"), answer.error()

@@ -894,9 +894,11 @@ def _element_problem(datatype: str, target: np.dtype[Any], element: object) -> s
     if datatype in _INTEGER_RANGE:
         low, high = _INTEGER_RANGE[datatype]
         if not isinstance(element, int):
-            if element.is_integer() and abs(element) >= 2**63:
+            if element.is_integer() and abs(element) >= 2**63 and not 0 < element <= high:
                 # orjson reads an integer literal beyond 64 bits as a float: whether it was
-                # written as one or not, no integer datatype holds it.
+                # written as one or not, no integer datatype holds it. But for one within
+                # UINT64's range (1e19, 10000000000000000000.0), written as a float: orjson
+                # reads any integer literal up to 2**64 - 1 as an int.
                 return f"{element!r}, outside {datatype}'s range [{low}, {high}]"
             return f"{element!r}, not an integer; {datatype} elements are integers"
         if not low <= element <= high:
