@@ -454,6 +454,58 @@ async def test_an_oversized_body_announced_with_expect_100_continue_is_refused_u
     assert reserved(server) == 0
 
 
+async def test_an_expectation_other_than_100_continue_is_417_unread_and_the_connection_closed(
+    server: RunningServer,
+) -> None:
+    body = json.dumps(ADD_SUB_BODY).encode()
+    for expect, unmet in [
+        ("something", "something"),
+        ("100-continue, foo", "foo"),
+        ("foo=" + "a" * 4000, "foo=" + "a" * 60 + "..."),
+    ]:
+        # The body follows its head at once: it is not read, and nothing after it is served.
+        answer = await exchange(
+            server, infer(body, f"Expect: {expect}", model="add_sub") + SMUGGLED
+        )
+        assert answer.status == 417, answer
+        assert answer.error() == (
+            f"the expectation {unmet!r} cannot be met; "
+            "the one expectation this server meets is 100-continue"
+        )
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as client:
+        for expect in ("something", "100-continue, foo"):
+            refused = await client.post(
+                "/v2/models/add_sub/infer", json=ADD_SUB_BODY, headers={"Expect": expect}
+            )
+            assert refused.status_code == 417, refused.text
+            assert refused.headers["connection"] == "close"
+        # 100-continue is met in any case, alone or in a list.
+        for expect in ("100-Continue", "100-CONTINUE, 100-continue"):
+            answer = await client.post(
+                "/v2/models/add_sub/infer", json=ADD_SUB_BODY, headers={"Expect": expect}
+            )
+            assert answer.status_code == 200, answer.text
+    assert started(server) == 2
+    raw = await Raw.open(server.http_port)
+    await raw.send(infer(body, "Expect: 100-Continue", model="add_sub")[: -len(body)])
+    with trio.fail_after(5):
+        interim = await raw.response()
+        assert interim is not None
+        assert interim.status == 100
+        await raw.send(body)
+        answer = await raw.final()
+    assert answer.status == 200
+    assert not answer.closes
+    await raw.aclose()
+    # Expect is HTTP/1.1's: an HTTP/1.0 request's is ignored.
+    answer = await exchange(
+        server,
+        infer(body, "Expect: something", model="add_sub").replace(b"HTTP/1.1", b"HTTP/1.0", 1),
+    )
+    assert answer.status == 200
+    await Bystander(server).call()
+
+
 # -- chunked bodies ---------------------------------------------------------------------------
 
 

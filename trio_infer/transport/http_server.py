@@ -4,8 +4,8 @@ connection, one request at a time on it.
 The parser is the only C on the REST path: h11, in pure Python, took about 44 us to parse a
 small request and frame its answer, a third of an empty call's CPU; httptools parses one in
 about 3 (``docs/performance.md``, "REST: the HTTP parser"). llhttp checks the syntax; what it
-leaves to its caller (the head's size, ``Host``, the version, the transfer coding) is checked
-by :class:`_Parse`, and responses are framed here (a status line and a header block).
+leaves to its caller (the head's size, ``Host``, the version, the transfer coding, ``Expect``) is
+checked by :class:`_Parse`, and responses are framed here (a status line and a header block).
 
 Ownership, top to bottom::
 
@@ -83,6 +83,7 @@ from trio_infer.transport.content_coding import (
 )
 from trio_infer.transport.lingering import end_connection
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
+from trio_infer.transport.quoting import shown
 
 __all__ = [
     "HttpConnection",
@@ -262,7 +263,8 @@ class _Parse:
 
     llhttp validates the syntax (request line, header names and values, ``Content-Length``,
     chunked framing); what it leaves to its caller is checked here, in the order a request's
-    head completes: the head's size, ``Host``, the HTTP version and ``Transfer-Encoding``.
+    head completes: the head's size, ``Host``, the HTTP version, ``Transfer-Encoding`` and
+    ``Expect``.
     """
 
     def __init__(self, max_header_size: int, max_header_fields: int) -> None:
@@ -326,6 +328,8 @@ class _Parse:
         message.upgrade = parser.should_upgrade()
         version = parser.get_http_version()
         hosts = 0
+        #: The first expectation sent other than 100-continue, the one expectation met here.
+        unmet: bytes | None = None
         for name, value in message.headers:
             if name == b"content-length":
                 message.content_length = int(value)  # llhttp checked it is one number
@@ -344,7 +348,13 @@ class _Parse:
                 previous = message.content_encoding
                 message.content_encoding = coding if previous is None else f"{previous}, {coding}"
             elif name == b"expect":
-                message.expects_continue = value.lower() == b"100-continue"
+                # RFC 9110 10.1.1: a list of expectations (repeated, one list).
+                for member in value.split(b","):
+                    expectation = member.strip(b" \t")
+                    if expectation.lower() == b"100-continue":
+                        message.expects_continue = True
+                    elif expectation and unmet is None:
+                        unmet = expectation
             elif name == _REQUEST_ID and message.request_id is None:
                 message.request_id = value
         if version not in ("1.1", "1.0"):
@@ -352,6 +362,16 @@ class _Parse:
         if version == "1.1" and hosts != 1:
             # RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without exactly one.
             self._refuse(400, f"malformed request: {hosts} Host headers; HTTP/1.1 needs one")
+        if unmet is not None and version == "1.1":
+            # RFC 9110 10.1.1: 417 for an expectation the server cannot meet. Refused before
+            # its body is read, like a 413: the connection closes after the answer, since a
+            # body the client sends anyway cannot be told from a next request. Expect is
+            # HTTP/1.1's: an HTTP/1.0 request's is ignored, as its 100-continue must be.
+            self._refuse(
+                417,
+                f"the expectation {shown(unmet.decode('latin-1'))!r} cannot be met; "
+                "the one expectation this server meets is 100-continue",
+            )
         if message.upgrade and message.content_length != 0:
             # httptools has llhttp skip the body of a request that asks to switch protocols
             # (the bytes after its head would be the new protocol's); none is switched here,
