@@ -15,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import trio
@@ -121,6 +122,7 @@ def test_the_sequence_parameters_are_read_as_tritonclient_sends_them() -> None:
     for bad in (
         {"sequence_id": True},
         {"sequence_id": 1.5},
+        {"sequence_id": -1, "sequence_start": True},
         {"sequence_id": 1, "sequence_start": 1},
         {"sequence_start": True},
     ):
@@ -212,6 +214,36 @@ async def test_a_request_of_a_sequence_not_started_or_ended_is_invalid_like_trit
     assert (await _infer(port, "accumulate", 2, sequence_id=9, sequence_end=True))[0] == 3
     error = await _refused(port, "accumulate", 4, sequence_id=9)
     assert error.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+async def test_a_negative_sequence_id_is_invalid_over_rest_and_grpc(
+    server: RunningServer,
+) -> None:
+    message = "parameter 'sequence_id' must be an unsigned integer or a string, got -5"
+    error = await _refused(server.port, "accumulate", 1, sequence_id=-5, sequence_start=True)
+    assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.message() == message
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as client:
+
+        async def infer(sequence_id: int) -> httpx.Response:
+            return await client.post(
+                "/v2/models/accumulate/infer",
+                json={
+                    "parameters": {
+                        "sequence_id": sequence_id,
+                        "sequence_start": True,
+                        "sequence_end": True,
+                    },
+                    "inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [1]}],
+                },
+            )
+
+        refused = await infer(-5)
+        assert refused.status_code == 400
+        assert refused.json() == {"error": message}
+        # uint64's whole range is an id.
+        assert (await infer(2**64 - 1)).status_code == 200
+    assert (await _infer(server.port, "accumulate", 1, sequence_id=5, sequence_start=True))[0] == 1
 
 
 async def test_a_sequence_idle_past_the_models_limit_is_ended(server: RunningServer) -> None:

@@ -1,10 +1,10 @@
 """Sequences (stateful models): Triton's ``sequence_id``, ``sequence_start`` and ``sequence_end``
 request parameters, and the table that pins each live sequence to one worker.
 
-A request that sets ``sequence_id`` (an integer, or a non-empty string; tritonclient sends it
-with ``infer(..., sequence_id=...)``) belongs to that sequence of its model. The first request of
-a sequence sets ``sequence_start`` (true); the last sets ``sequence_end``. The parameters stay in
-the request's parameters: the model sees the id and both flags. The worker pool
+A request that sets ``sequence_id`` (an unsigned integer, or a non-empty string; tritonclient
+sends it with ``infer(..., sequence_id=...)``) belongs to that sequence of its model. The first
+request of a sequence sets ``sequence_start`` (true); the last sets ``sequence_end``. The
+parameters stay in the request's parameters: the model sees the id and both flags. The worker pool
 (``trio_infer.workers.pool``) runs every request of a live sequence on the worker its first
 request went to, one at a time in arrival order, so a model may keep the sequence's state in its
 process memory. A sequence ends at its ``sequence_end`` request, when it has been idle (no
@@ -47,8 +47,8 @@ def sequence_of(parameters: Mapping[str, ParameterValue]) -> SequenceFlags | Non
     tritonclient's default).
 
     Raises:
-        InvalidInput: ``sequence_id`` is neither an integer nor a string, a flag is not a
-            boolean, or a flag is set without a ``sequence_id``.
+        InvalidInput: ``sequence_id`` is neither an unsigned integer nor a string, a flag is
+            not a boolean, or a flag is set without a ``sequence_id``.
     """
     if not parameters:
         return None  # most requests: no sequence, and no flag to check
@@ -57,7 +57,7 @@ def sequence_of(parameters: Mapping[str, ParameterValue]) -> SequenceFlags | Non
     end = parameters.get("sequence_end", False)
     # bool is an int in Python, but not in the protocol.
     if type(value) not in (int, str):
-        raise InvalidInput(f"parameter 'sequence_id' must be an integer or a string, got {value!r}")
+        raise _not_an_id(value)
     for name, flag in (("sequence_start", start), ("sequence_end", end)):
         if type(flag) is not bool:
             raise InvalidInput(f"parameter {name!r} must be a boolean, got {flag!r}")
@@ -67,8 +67,18 @@ def sequence_of(parameters: Mapping[str, ParameterValue]) -> SequenceFlags | Non
                 "parameters 'sequence_start' and 'sequence_end' need a non-zero 'sequence_id'"
             )
         return None
+    if type(value) is int and value < 0:
+        # Triton's integer ids are uint64: a negative one (a gRPC int64_param, a JSON number)
+        # names no sequence.
+        raise _not_an_id(value)
     assert isinstance(value, int | str)
     return SequenceFlags(value, bool(start), bool(end))
+
+
+def _not_an_id(value: ParameterValue) -> InvalidInput:
+    return InvalidInput(
+        f"parameter 'sequence_id' must be an unsigned integer or a string, got {value!r}"
+    )
 
 
 @dataclass(eq=False)
