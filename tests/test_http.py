@@ -4,6 +4,7 @@ tritonclient.http and raw sockets, compared with the same calls over gRPC."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import textwrap
@@ -428,6 +429,46 @@ async def test_malformed_requests_are_400_with_the_reason_and_the_connection_goe
     statistics = server.statistics().http
     assert statistics is not None
     assert statistics.requests_started == 4
+
+
+async def test_a_bytes_output_asked_for_as_json_that_is_not_utf_8_is_400_saying_how_to_get_it(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    blob = b"".join(struct.pack("<I", len(e)) + e for e in (b"ok", b"\xff\xfe"))
+    size = {"binary_data_size": len(blob)}
+    header = {"inputs": [{"name": "s", "datatype": "BYTES", "shape": [2], "parameters": size}]}
+
+    async def echo(client: httpx.AsyncClient, **fields: Any) -> httpx.Response:
+        text = json.dumps(header | fields).encode()
+        return await client.post(
+            "/v2/models/echo/infer",
+            content=text + blob,
+            headers={"Inference-Header-Content-Length": str(len(text))},
+        )
+
+    async with _client(server) as client:
+        refused = await echo(client)
+        assert refused.status_code == 400
+        assert refused.json() == {
+            "error": "output 's': BYTES element 1 is not UTF-8, so it cannot be written as a "
+            'JSON string; ask for the output as binary data: "binary_data": true in its '
+            'parameters in the request\'s "outputs" (or "binary_data_output": true in the '
+            "request's parameters)"
+        }
+        assert "connection" not in refused.headers
+        # Asked for as binary data, on the same connection, the same bytes come back.
+        for fields in (
+            {"outputs": [{"name": "s", "parameters": {"binary_data": True}}]},
+            {"parameters": {"binary_data_output": True}},
+        ):
+            answer = await echo(client, **fields)
+            assert answer.status_code == 200, answer.text
+            json_length = int(answer.headers["inference-header-content-length"])
+            assert answer.content[json_length:] == blob
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+    statistics = server.statistics().http
+    assert statistics is not None
+    assert statistics.requests_started == 3
 
 
 async def test_a_content_length_over_the_limit_is_refused_before_the_body_is_sent(

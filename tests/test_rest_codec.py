@@ -414,12 +414,6 @@ def test_a_contiguous_binary_output_is_sent_from_its_own_memory() -> None:
     ("array", "binary", "message"),
     [
         (
-            np.array([b"ok", b"\xff"], dtype=object),
-            False,
-            "output 'y': BYTES element 1 is not UTF-8, so it cannot be written as a JSON "
-            "string; request the output as binary data",
-        ),
-        (
             np.array([b"ok", 3], dtype=object),
             True,
             "output 'y': BYTES element 1 is int; BYTES outputs hold bytes or str",
@@ -437,6 +431,16 @@ def test_unwritable_outputs_fail_the_model(array: np.ndarray, binary: bool, mess
     with pytest.raises(ModelFailed) as caught:
         encode_infer_response("m", "1", "", [("y", array)], {}, BinaryOutputs(default=binary))
     assert str(caught.value).startswith(message)
+
+
+def test_a_bytes_output_asked_for_as_json_that_is_not_utf_8_is_the_requests_to_change() -> None:
+    array = np.array([b"ok", b"\xff"], dtype=object)
+    with pytest.raises(InvalidInput) as caught:
+        encode_infer_response("m", "1", "", [("y", array)], {}, BinaryOutputs(default=False))
+    assert str(caught.value).startswith(
+        "output 'y': BYTES element 1 is not UTF-8, so it cannot be written as a JSON string; "
+        'ask for the output as binary data: "binary_data": true'
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -961,8 +961,10 @@ def encode_infer_response(
 
     Raises:
         ModelFailed: If an output's dtype has no datatype, a BYTES element is neither bytes
-            nor str, a JSON BYTES element is not UTF-8, a binary BYTES element is over 4 GiB,
-            or a parameter is not a bool, int, float or str that fits in 64 bits.
+            nor str, a binary BYTES element is over 4 GiB, or a parameter is not a bool, int,
+            float or str that fits in 64 bits.
+        InvalidInput: If a BYTES element of an output the request asked for as JSON is not
+            UTF-8: the request can ask for that output as binary data.
     """
     entries: list[dict[str, Any]] = []
     blobs: list[Buffer] = []
@@ -1005,9 +1007,14 @@ def _json_data(where: str, datatype: str, array: np.ndarray) -> object:
                 try:
                     strings.append(element.decode("utf-8"))
                 except UnicodeDecodeError:
-                    raise ModelFailed(
+                    # BYTES hold any bytes, so the model is not at fault; JSON strings hold
+                    # text, and the request may ask for this output as binary data instead.
+                    raise InvalidInput(
                         f"{where}: BYTES element {position} is not UTF-8, so it cannot be "
-                        "written as a JSON string; request the output as binary data"
+                        "written as a JSON string; ask for the output as binary data: "
+                        f'"{_BINARY_DATA}": true in its parameters in the request\'s '
+                        f'"outputs" (or "{_BINARY_DATA_OUTPUT}": true in the request\'s '
+                        "parameters)"
                     ) from None
             else:
                 raise ModelFailed(
