@@ -1298,7 +1298,7 @@ async def test_percent_encoded_model_names_are_names_never_paths(server: Running
             ("GET", "/v2/models/..%2F..%2Fetc%2Fpasswd", 404, "'../../etc/passwd'"),
             ("POST", "/v2/models/%2E%2E%2Fadd_sub/infer", 404, "'../add_sub'"),
             ("GET", "/v2/models/%00", 404, "'\x00'"),
-            ("GET", "/v2/models/%ff%fe", 404, "'\ufffd\ufffd'"),
+            ("GET", "/v2/models/%ff%fe", 400, "'/v2/models/%ff%fe' is not UTF-8 once"),
             ("GET", "/v2/models/a%0D%0AX-Injected:%201", 404, "'a\r\nX-Injected: 1'"),
             ("GET", "/v2/models/add_sub%20", 404, "'add_sub '"),
             ("GET", "/v2/models/" + "%41" * 4000, 404, "'AAAA"),
@@ -1320,6 +1320,48 @@ async def test_percent_encoded_model_names_are_names_never_paths(server: Running
         assert "x-injected" not in answer.headers
         assert all(value.isprintable() for value in answer.headers.values()), answer.headers
     await Bystander(server).call()
+
+
+async def test_a_path_whose_percent_encoding_is_not_utf_8_is_400_and_the_connection_kept(
+    server: RunningServer,
+) -> None:
+    body = json.dumps(ADD_SUB_BODY).encode()
+    async with await Raw.open(server.http_port) as raw:
+        for request in [
+            head("GET", "/v2/models/%ff"),
+            head("HEAD", "/v2/models/add_sub%ff/ready"),
+            infer(body, model="add_sub%C3"),  # a sequence cut short
+            infer(body, model="%C0%AF"),  # an overlong '/'
+            infer(body, model="%ED%A0%80"),  # a surrogate
+            post("/v2/repository/models/%ff/load", b""),
+            head("GET", "/v2/models/" + "%ff" * 1000),
+        ]:
+            await raw.send(request)
+            with trio.fail_after(5):
+                answer = await raw.final(to_head=request.startswith(b"HEAD"))
+            assert answer.status == 400, (request[:80], answer)
+            assert not answer.closes
+            if not request.startswith(b"HEAD"):
+                message = answer.error()
+                assert message.startswith("the request path '/v2/"), message
+                assert message.endswith("...' is not UTF-8 once percent-decoded") == (
+                    len(request.split(b" ")[1]) > 64
+                ), message
+        # UTF-8 percent-encoded is a name as before: one no model has.
+        await raw.send(head("GET", "/v2/models/%C3%A9"))
+        answer = await raw.final()
+        assert answer.status == 404
+        assert "'\u00e9'" in answer.error()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as client:
+        refused = await client.post("/v2/models/add_sub%FF/infer", json=ADD_SUB_BODY)
+        assert refused.status_code == 400
+        assert refused.json() == {
+            "error": "the request path '/v2/models/add_sub%FF/infer' is not UTF-8 once "
+            "percent-decoded"
+        }
+        answer = await client.post("/v2/models/add_sub/infer", json=ADD_SUB_BODY)
+        assert answer.status_code == 200
+    assert started(server) == 10
 
 
 # -- the repository extension and /metrics ----------------------------------------------------

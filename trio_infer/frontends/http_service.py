@@ -44,7 +44,7 @@ from trio_infer.errors import InferError, InvalidInput, StatusCode, Unimplemente
 from trio_infer.rest import codec
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
 from trio_infer.transport.http_server import HttpError, HttpRequest, error_body
-from trio_infer.transport.quoting import header_text
+from trio_infer.transport.quoting import header_text, shown
 
 __all__ = ["HttpService", "MetricsRenderer", "http_status", "metrics_handler", "serve_metrics"]
 
@@ -195,7 +195,7 @@ class HttpService:
             raise _not_found(request)
         rest = segments[2:]
         if "%" in request.path:
-            rest = [unquote(segment) for segment in rest]
+            rest = _percent_decoded(request, rest)
         if not rest:
             _check_get(request)
             await self._server_metadata(request, "", "")
@@ -436,6 +436,21 @@ def _model_route(rest: list[str]) -> tuple[str, str, str | None]:
     if len(rest) == 1 and rest[0] in ("ready", "infer"):
         return name, version, rest[0]
     return name, version, None
+
+
+def _percent_decoded(request: HttpRequest, segments: list[str]) -> list[str]:
+    """``segments`` of the request's path with their percent-encoding decoded as UTF-8.
+
+    Raises:
+        HttpError: The bytes encoded are not UTF-8 (400): as replacement characters they would
+            name a model no client asked for.
+    """
+    try:
+        return [unquote(segment, errors="strict") for segment in segments]
+    except UnicodeDecodeError:
+        raise HttpError(
+            400, f"the request path {shown(request.path)!r} is not UTF-8 once percent-decoded"
+        ) from None
 
 
 def _check_get(request: HttpRequest) -> None:
