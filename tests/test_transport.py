@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import gc
 import itertools
 import socket
 import time
@@ -25,6 +26,7 @@ import trio
 import trio.testing
 from hyperframe.frame import GoAwayFrame
 
+from tests.support import eventually
 from trio_infer.errors import InvalidInput, StatusCode
 from trio_infer.transport.grpc_server import (
     Call,
@@ -47,6 +49,10 @@ class Harness:
         self.cancelled: list[str] = []
         self.sleeping = trio.Event()
         self.cancel_seen = trio.Event()
+        self.held = 0
+        self.all_held = trio.Event()
+        self.hold_count = 0
+        self.release = trio.Event()
         self.channel = grpc.insecure_channel(
             f"127.0.0.1:{port}",
             options=[
@@ -105,6 +111,13 @@ def make_handler(harness_ref: list[Harness]) -> Callable[[Call], Any]:
             elif method == "Sleep":
                 harness.sleeping.set()
                 await trio.sleep_forever()
+            elif method == "Hold":
+                # Answered once ``hold_count`` calls wait here together and the test releases them.
+                harness.held += 1
+                if harness.held == harness.hold_count:
+                    harness.all_held.set()
+                await harness.release.wait()
+                await call.send_message(data)
         except trio.Cancelled:
             harness.cancelled.append(method)
             harness.cancel_seen.set()
@@ -177,6 +190,54 @@ async def test_a_closed_connection_cancels_its_calls(harness: Harness) -> None:
         await harness.cancel_seen.wait()
     assert harness.cancelled == ["Sleep"]
     assert future.exception() is not None
+
+
+async def test_calls_after_cancelled_and_expired_ones_on_a_connection_run_to_their_end(
+    harness: Harness,
+) -> None:
+    # The tasks that ran the cancelled calls run the next ones: each call has its own scope.
+    for _ in range(3):
+        future = harness.method("Sleep").future(b"x")
+        await harness.sleeping.wait()
+        harness.sleeping = trio.Event()
+        future.cancel()
+        error = await harness.error("Sleep", b"x", timeout=0.2)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await harness.server.calls_in_flight.wait_idle()
+        responses = await trio.to_thread.run_sync(
+            lambda: [
+                f.result() for f in [harness.method("Echo").future(b"%d" % i) for i in range(8)]
+            ]
+        )
+        assert responses == [b"%d" % i for i in range(8)]
+
+
+def _calls_alive() -> int:
+    gc.collect()
+    return sum(1 for thing in gc.get_objects() if type(thing) is Call)
+
+
+async def test_the_tasks_kept_for_a_connections_next_calls_are_bounded_hold_no_call_and_end(
+    harness: Harness,
+) -> None:
+    calls = 40
+    harness.hold_count = calls
+    pool = concurrent.futures.ThreadPoolExecutor(calls)
+    futures = [pool.submit(harness.method("Hold"), b"%d" % i) for i in range(calls)]
+    await harness.all_held.wait()
+    harness.release.set()
+    assert await trio.to_thread.run_sync(lambda: [f.result() for f in futures]) == [
+        b"%d" % i for i in range(calls)
+    ]
+    pool.shutdown()
+    await harness.server.calls_in_flight.wait_idle()
+    (connection,) = harness.server._connections
+    # 40 calls ran at once; as many tasks as the connection keeps wait for the next ones.
+    assert len(connection._idle_runners) == 32
+    assert _calls_alive() == 0
+    harness.channel.close()
+    # The idle tasks end with their connection's nursery; the connection is then gone.
+    await eventually(lambda: harness.server.statistics().connections == 0)
 
 
 async def test_an_oversized_message_fails_only_its_own_call(harness: Harness) -> None:

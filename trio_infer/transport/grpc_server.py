@@ -10,14 +10,22 @@ Ownership, top to bottom::
         ├── watchdog                  closes it after the handshake or the idle timeout
         ├── retirement                with a maximum age: GOAWAY at that age, UNAVAILABLE for
         │                             the calls still in flight after its grace
-        └── call (one per stream)     CancelScope(deadline = arrival + grpc-timeout)
-            └── handler(call)         the service: reads, works, sends
+        └── runner                    runs calls one after another, each in its own
+            │                         scope; a new one only when none is idle
+            └── call (one per stream) CancelScope(deadline = arrival + grpc-timeout)
+                └── handler(call)     the service: reads, works, sends
 
 A call of a method the service answers at once (``immediate``: a synchronous function of the
 server's state) whose whole request arrives in the read that starts it is answered by the reader
 itself, before it reads again: no task and no scope, as nothing in it can wait, time out or need
 cancelling. Any other such call (its request not complete yet, an answer the client's window
 cannot take now, an answer that would wait) runs in a task as every call does.
+
+A task that has run its call waits for the next one the connection starts (at most
+:data:`_MAX_IDLE_RUNNERS` of them wait): waking it costs less than Trio's start and end of a
+task (``docs/performance.md``). A call's scope, status and cleanup are its own
+whichever task runs it, and an idle runner holds no call; the connection's end cancels the idle
+ones with the rest of its nursery.
 
 Invariants:
 
@@ -50,6 +58,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import outcome
 import trio
 
 from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent, write_some
@@ -120,6 +129,10 @@ _MESSAGE_PREFIX = struct.Struct(">?I")
 _OK = StatusCode.OK
 #: The streams reset in a read that resets none (most reads).
 _NO_RESETS: frozenset[int] = frozenset()
+#: Runners a connection keeps waiting for its next calls once theirs have ended: enough for the
+#: calls a client usually keeps in flight on one connection; past it, a runner ends with its
+#: call, as a task per call would.
+_MAX_IDLE_RUNNERS = 32
 
 
 class _InboundQueue:
@@ -598,6 +611,8 @@ class Connection:
         #: The peer broke HTTP/2: a GOAWAY is queued to send before the socket closes.
         self._goodbye_pending = False
         self._nursery: trio.Nursery | None = None
+        #: Runners waiting for a call (:meth:`_runner`), the last to wait last.
+        self._idle_runners: list[trio.lowlevel.Task] = []
         #: Since when the connection has carried no call (Trio clock): what the watchdog reads.
         self._idle_since = trio.current_time()
         #: Set once the client's preface and first SETTINGS have arrived.
@@ -1052,12 +1067,37 @@ class Connection:
             self._start_task(call, self._handler)
 
     def _start_task(self, call: Call, handler: Handler) -> None:
-        """Run ``call`` in a task of the connection's nursery, under its deadline."""
+        """Run ``call`` in a task of the connection's nursery, under its deadline: an idle
+        runner's, or a new runner's."""
         state = _CallState(call, trio.CancelScope(deadline=call.deadline))
         self._calls[call._stream_id] = state
         self._calls_in_flight.increment()
+        self._calls_in_flight.in_tasks += 1
+        if self._idle_runners:
+            trio.lowlevel.reschedule(self._idle_runners.pop(), outcome.Value((state, handler)))
+            return
         assert self._nursery is not None
-        self._nursery.start_soon(self._run_call, state, handler)
+        self._nursery.start_soon(self._runner, state, handler)
+
+    async def _runner(self, state: _CallState, handler: Handler) -> None:
+        """Run ``state``'s call, then each call :meth:`_start_task` hands this task while it
+        waits idle; end when :data:`_MAX_IDLE_RUNNERS` others wait already."""
+        task = trio.lowlevel.current_task()
+        idle = self._idle_runners
+
+        def abort(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            # Cancelled while idle (the connection is ending): no call may be handed to it.
+            idle.remove(task)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        while True:
+            await self._run_call(state, handler)
+            # An idle runner holds nothing of the call it ran (its request, its answer).
+            del state, handler
+            if len(idle) >= _MAX_IDLE_RUNNERS:
+                return
+            idle.append(task)
+            state, handler = await trio.lowlevel.wait_task_rescheduled(abort)
 
     def _answer_held(self) -> None:
         """Answer the calls held since their HEADERS among the events just handled: each one
@@ -1230,6 +1270,8 @@ class TransportStatistics:
         calls: Calls in flight on them.
         calls_started: Calls started since the server started (a stream opened and reset in
             the same slice of a read starts none).
+        calls_in_tasks: Of those, the calls run in a task; the others were answered at once
+            by their connection's reader.
         unsent_bytes: Bytes queued for their clients and not yet written, in all.
         largest_unsent_bytes: The most of those held for one connection.
     """
@@ -1237,6 +1279,7 @@ class TransportStatistics:
     connections: int
     calls: int
     calls_started: int
+    calls_in_tasks: int
     unsent_bytes: int
     largest_unsent_bytes: int
 
@@ -1281,6 +1324,7 @@ class GrpcServer(ConnectionServer[Connection]):
             connections=len(self._connections),
             calls=self.calls_in_flight.count,
             calls_started=self.calls_in_flight.started,
+            calls_in_tasks=self.calls_in_flight.in_tasks,
             unsent_bytes=sum(c.unsent_bytes() for c in self._connections),
             largest_unsent_bytes=max((c.unsent_bytes() for c in self._connections), default=0),
         )

@@ -28,6 +28,8 @@ class CallCounter:
         self._count = 0
         self.started = 0
         """Calls started since the server started."""
+        self.in_tasks = 0
+        """Of those, the calls run in a task (the gRPC transport answers some without one)."""
         #: Made by the first wait for idle, set and dropped when the count reaches zero: one
         #: call at a time would otherwise make and set an event for every call.
         self._idle: trio.Event | None = None
