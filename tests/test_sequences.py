@@ -216,34 +216,61 @@ async def test_a_request_of_a_sequence_not_started_or_ended_is_invalid_like_trit
     assert error.status() == "StatusCode.INVALID_ARGUMENT"
 
 
-async def test_a_negative_sequence_id_is_invalid_over_rest_and_grpc(
+async def test_a_negative_sequence_id_is_400_over_rest_and_its_uint64_over_grpc_as_triton(
     server: RunningServer,
 ) -> None:
-    message = "parameter 'sequence_id' must be an unsigned integer or a string, got -5"
-    error = await _refused(server.port, "accumulate", 1, sequence_id=-5, sequence_start=True)
-    assert error.status() == "StatusCode.INVALID_ARGUMENT"
-    assert error.message() == message
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as client:
+    # Triton's C++ client sends a uint64 id in int64_param, so 2**64 - 7 arrives as -7, and
+    # Triton reads it back as 2**64 - 7: one sequence, whichever form each request uses.
+    sequence = 2**64 - 7
+    client = GrpcioClient(server.port)
 
-        async def infer(sequence_id: int) -> httpx.Response:
-            return await client.post(
+    def request(value: int, kind: str) -> Any:
+        message = pb.ModelInferRequest(model_name="accumulate")
+        encode_inputs(message, [("x", np.array([value], np.int64))], raw=True)
+        setattr(message.parameters["sequence_id"], kind, -7 if kind == "int64_param" else sequence)
+        message.parameters["sequence_start"].bool_param = False
+        message.parameters["sequence_end"].bool_param = False
+        return message
+
+    # tritonclient.grpc sends int64_param too: -7 starts it.
+    total, pid = await _infer(server.port, "accumulate", 1, sequence_id=-7, sequence_start=True)
+    assert total == 1
+    answer = await client.call("ModelInfer", request(2, "uint64_param"), timeout=20)
+    assert decode_outputs(answer)["sum"][0] == 3
+    answers = await trio.to_thread.run_sync(
+        lambda: list(
+            client.stub.ModelStreamInfer(
+                iter([request(3, "int64_param"), request(4, "uint64_param")]), timeout=20
+            )
+        )
+    )
+    assert [a.error_message for a in answers] == ["", ""]
+    assert [decode_outputs(a.infer_response)["sum"][0] for a in answers] == [6, 10]
+    client.channel.close()
+    message = "parameter 'sequence_id' must be an unsigned integer or a string, got -5"
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
+
+        async def infer(sequence_id: int, value: int, start: bool, end: bool) -> httpx.Response:
+            return await http.post(
                 "/v2/models/accumulate/infer",
                 json={
                     "parameters": {
                         "sequence_id": sequence_id,
-                        "sequence_start": True,
-                        "sequence_end": True,
+                        "sequence_start": start,
+                        "sequence_end": end,
                     },
-                    "inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [1]}],
+                    "inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [value]}],
                 },
             )
 
-        refused = await infer(-5)
+        # Triton's REST front-end reads the number as uint64: a negative one is refused.
+        refused = await infer(-5, 1, True, True)
         assert refused.status_code == 400
         assert refused.json() == {"error": message}
-        # uint64's whole range is an id.
-        assert (await infer(2**64 - 1)).status_code == 200
-    assert (await _infer(server.port, "accumulate", 1, sequence_id=5, sequence_start=True))[0] == 1
+        ended = await infer(sequence, 5, False, True)
+        assert ended.status_code == 200, ended.text
+        assert [output["data"] for output in ended.json()["outputs"]] == [[15], [pid]]
+    assert len(server.core.pool._sequences) == 0
 
 
 async def test_a_sequence_idle_past_the_models_limit_is_ended(server: RunningServer) -> None:

@@ -104,6 +104,8 @@ _MAX_SMALL_MESSAGE = 64 * 1024
 #: of tensors.
 MAX_REQUEST_FIELDS = 16 * 1024
 _NO_METADATA: Mapping[str, str] = MappingProxyType({})
+#: What a negative int64 adds up to as the uint64 of the same bits.
+_UINT64 = 1 << 64
 
 
 @dataclass(frozen=True)
@@ -636,12 +638,15 @@ class GrpcService:
         # The arrays are views of their own copies of the raw buffers: the request's are not
         # needed any more, and a large request would otherwise be held twice.
         request.ClearField("raw_input_contents")
+        parameters = decode_parameters(request.parameters)
+        if parameters:  # most requests have none: no call for them
+            _sequence_id_as_uint64(parameters)
         return InferenceRequest(
             model_name=request.model_name,
             model_version=request.model_version,
             id=request.id,
             inputs=inputs,
-            parameters=decode_parameters(request.parameters),
+            parameters=parameters,
             # The inputs' names are the arrays' keys, in the tensors' order (decode_inputs
             # refuses a name that repeats), and the tensors a list already: no second slice of
             # the repeated field, nor a second read of each name.
@@ -917,6 +922,8 @@ class _SequenceTurns:
         value = getattr(parameter, parameter.WhichOneof("parameter_choice") or "int64_param")
         if not value:
             return None
+        if type(value) is int and value < 0:
+            value += _UINT64  # an int64_param is the uint64 of its bits (_sequence_id_as_uint64)
         key = (request.model_name, request.model_version, value)
         done = trio.Event()
         before = self._last.get(key)
@@ -1052,6 +1059,20 @@ def _parsed(route: _Route, data: bytes | bytearray) -> Any:
     except DecodeError:
         # protobuf's message says no more than which type, under the view's name.
         raise InvalidInput(f"the request is not a valid {route.message_name}") from None
+
+
+def _sequence_id_as_uint64(parameters: dict[str, ParameterValue]) -> None:
+    """Read a request's integer ``sequence_id`` as the uint64 it stands for.
+
+    Triton's integer sequence ids are uint64, and int64_param carries them: Triton's C++ client
+    (and perf_analyzer) sends an id of 2**63 or more there as the negative int64 of the same
+    bits, and Triton's server reads it back as that uint64. So a negative int64_param is that
+    id here too, the same sequence as a uint64_param or a REST number of that value; only a
+    REST number (which Triton reads as uint64) can be a negative id, and is refused.
+    """
+    sequence_id = parameters.get("sequence_id")
+    if type(sequence_id) is int and sequence_id < 0:
+        parameters["sequence_id"] = sequence_id + _UINT64
 
 
 def _own_deadline(request: Any) -> float:

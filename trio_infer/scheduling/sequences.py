@@ -68,8 +68,8 @@ def sequence_of(parameters: Mapping[str, ParameterValue]) -> SequenceFlags | Non
             )
         return None
     if type(value) is int and value < 0:
-        # Triton's integer ids are uint64: a negative one (a gRPC int64_param, a JSON number)
-        # names no sequence.
+        # Triton's integer ids are uint64: a negative one (a JSON number) names no sequence.
+        # (The gRPC front-end reads an int64_param as the uint64 of its bits, as Triton does.)
         raise _not_an_id(value)
     assert isinstance(value, int | str)
     return SequenceFlags(value, bool(start), bool(end))
