@@ -506,6 +506,30 @@ async def test_an_expectation_other_than_100_continue_is_417_unread_and_the_conn
     await Bystander(server).call()
 
 
+async def test_a_head_refused_before_any_handler_runs_is_answered_with_a_head_alone(
+    server: RunningServer,
+) -> None:
+    # RFC 9110 9.3.2: no content follows the head of an answer to HEAD, refused or not.
+    for request, status in [
+        (head("HEAD", "/v2/health/live", "Expect: something"), 417),
+        (head("HEAD", "/v2/health/live", "Host: y"), 400),
+        (head("HEAD", "/v2/health/live", "Transfer-Encoding: gzip"), 501),
+    ]:
+        async with await Raw.open(server.http_port) as raw:
+            await raw.send(request)
+            with trio.fail_after(5):
+                answer = await raw.final(to_head=True)
+                assert (answer.status, answer.closes) == (status, True), answer
+                # The length of the body a GET would get; the body itself is not sent.
+                assert int(answer.headers["content-length"]) > 0
+                await raw.ends()
+    # The same refusal of a GET has its body.
+    answer = await exchange(server, head("GET", "/v2/health/live", "Expect: something"))
+    assert answer.status == 417
+    assert answer.error().startswith("the expectation 'something' cannot be met")
+    assert started(server) == 0
+
+
 # -- chunked bodies ---------------------------------------------------------------------------
 
 

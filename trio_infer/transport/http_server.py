@@ -1277,6 +1277,9 @@ class HttpConnection:
                     self.head_only = message.method == b"HEAD"
                     return message
                 if self._broken is not None:
+                    # A head refused once its method was read (a 417, a 505...): a HEAD's
+                    # answer is a head alone, as when a handler refuses it (RFC 9110 9.3.2).
+                    self.head_only = bool(messages) and messages[-1].method == b"HEAD"
                     raise self._broken
                 if self._head_fed > limits.max_header_size:
                     raise HttpError(431, headers_too_large(limits.max_header_size))
