@@ -27,7 +27,9 @@ wherever that gives the same array (else numpy's inference decides).
 
 Every malformed request raises :class:`~trio_infer.errors.InvalidInput` with a message that
 names the tensor and what is wrong; every output that cannot be written raises
-:class:`~trio_infer.errors.ModelFailed` naming the output.
+:class:`~trio_infer.errors.ModelFailed` naming the output, but a BYTES output asked for as JSON
+whose elements are not UTF-8, which the request can ask for as binary data instead
+(``InvalidInput``).
 """
 
 from __future__ import annotations
