@@ -203,6 +203,8 @@ async def test_calls_after_cancelled_and_expired_ones_on_a_connection_run_to_the
         future.cancel()
         error = await harness.error("Sleep", b"x", timeout=0.2)
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Set by the expired call: the next round's wait is for its own call.
+        harness.sleeping = trio.Event()
         await harness.server.calls_in_flight.wait_idle()
         responses = await trio.to_thread.run_sync(
             lambda: [
@@ -210,6 +212,8 @@ async def test_calls_after_cancelled_and_expired_ones_on_a_connection_run_to_the
             ]
         )
         assert responses == [b"%d" % i for i in range(8)]
+    # Each cancelled and each expired call was cancelled in its handler.
+    assert harness.cancelled == ["Sleep"] * 6
 
 
 def _calls_alive() -> int:
