@@ -439,9 +439,16 @@ async def test_an_oversized_body_announced_with_expect_100_continue_is_refused_u
         await raw.ends()
     await raw.aclose()
     # A body within the limit gets its 100 Continue, then its answer, on a kept connection.
+    await continued_and_kept(server, "100-continue")
+    assert reserved(server) == 0
+
+
+async def continued_and_kept(server: RunningServer, expect: str) -> None:
+    """An ``add_sub`` request whose head says ``Expect: {expect}`` gets a 100 Continue, and
+    once its body is sent, its answer, 200, on a connection kept open."""
     raw = await Raw.open(server.http_port)
     body = json.dumps(ADD_SUB_BODY).encode()
-    await raw.send(infer(body, "Expect: 100-continue", model="add_sub")[: -len(body)])
+    await raw.send(infer(body, f"Expect: {expect}", model="add_sub")[: -len(body)])
     with trio.fail_after(5):
         interim = await raw.response()
         assert interim is not None
@@ -451,7 +458,6 @@ async def test_an_oversized_body_announced_with_expect_100_continue_is_refused_u
     assert answer.status == 200
     assert not answer.closes
     await raw.aclose()
-    assert reserved(server) == 0
 
 
 async def test_an_expectation_other_than_100_continue_is_417_unread_and_the_connection_closed(
@@ -486,17 +492,7 @@ async def test_an_expectation_other_than_100_continue_is_417_unread_and_the_conn
             )
             assert answer.status_code == 200, answer.text
     assert started(server) == 2
-    raw = await Raw.open(server.http_port)
-    await raw.send(infer(body, "Expect: 100-Continue", model="add_sub")[: -len(body)])
-    with trio.fail_after(5):
-        interim = await raw.response()
-        assert interim is not None
-        assert interim.status == 100
-        await raw.send(body)
-        answer = await raw.final()
-    assert answer.status == 200
-    assert not answer.closes
-    await raw.aclose()
+    await continued_and_kept(server, "100-Continue")
     # Expect is HTTP/1.1's: an HTTP/1.0 request's is ignored.
     answer = await exchange(
         server,
