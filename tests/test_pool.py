@@ -1013,3 +1013,40 @@ async def test_a_call_sent_to_an_idle_worker_that_died_unnoticed_runs_on_another
     second = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
     assert second != first
     assert pool.statistics().crashed == 1
+
+
+class _ReceiverEnds(trio.abc.Instrument):
+    """Sets ``ended`` as a lane's receiver ends (its worker's connection closed), before the
+    tasks its end wakes have run."""
+
+    def __init__(self) -> None:
+        self.ended = trio.Event()
+
+    def task_exited(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("_Lane._receive"):
+            self.ended.set()
+
+
+async def test_a_call_that_comes_as_a_dead_workers_talk_ends_runs_on_the_next_worker(
+    pool: WorkerPool, repo: dict[str, ModelSettings]
+) -> None:
+    # The receiver has read the dead worker's end and ended the talk; the lane's sender, idle
+    # until then, has not unwound yet. A call that comes now must not be written to the dead
+    # worker's connection, where it would count as one the worker died running. Trio runs the
+    # tasks of one pass in either order, a coin toss a round: in twelve rounds the call comes
+    # before the sender's unwinding in all but one run in 4,096.
+    pid = repo["pid"]
+    instrument = _ReceiverEnds()
+    trio.lowlevel.add_instrument(instrument)
+    try:
+        worker = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
+        for _ in range(12):
+            instrument.ended = trio.Event()
+            os.kill(worker, signal.SIGKILL)
+            await instrument.ended.wait()
+            replacement = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
+            assert replacement != worker
+            worker = replacement
+    finally:
+        trio.lowlevel.remove_instrument(instrument)
+    assert pool.statistics().crashed == 12

@@ -1565,6 +1565,10 @@ class _Lane:
                 view = next(parse)
                 reporting = False
         finally:
+            # The talk is over, its sender cancelled: until it has unwound, a submitting task
+            # must not write a call to this connection (send_now), whose worker is gone. The
+            # call would count as one the worker died running; it waits for the next worker.
+            self._sender_idle = False
             talk.cancel()
 
     def _stop_abandoned(self) -> None:
