@@ -922,9 +922,7 @@ class _SequenceTurns:
         value = getattr(parameter, parameter.WhichOneof("parameter_choice") or "int64_param")
         if not value:
             return None
-        if type(value) is int and value < 0:
-            value += _UINT64  # an int64_param is the uint64 of its bits (_sequence_id_as_uint64)
-        key = (request.model_name, request.model_version, value)
+        key = (request.model_name, request.model_version, _as_uint64(value))
         done = trio.Event()
         before = self._last.get(key)
         self._last[key] = done
@@ -1071,8 +1069,16 @@ def _sequence_id_as_uint64(parameters: dict[str, ParameterValue]) -> None:
     REST number (which Triton reads as uint64) can be a negative id, and is refused.
     """
     sequence_id = parameters.get("sequence_id")
+    if type(sequence_id) is int:
+        parameters["sequence_id"] = _as_uint64(sequence_id)
+
+
+def _as_uint64(sequence_id: ParameterValue) -> ParameterValue:
+    """An integer sequence id as the uint64 of its bits (a negative int64_param's), any other
+    id unchanged: :func:`_sequence_id_as_uint64`, for the request and its stream's turns."""
     if type(sequence_id) is int and sequence_id < 0:
-        parameters["sequence_id"] = sequence_id + _UINT64
+        return sequence_id + _UINT64
+    return sequence_id
 
 
 def _own_deadline(request: Any) -> float:
