@@ -431,6 +431,43 @@ async def test_malformed_requests_are_400_with_the_reason_and_the_connection_goe
     assert statistics.requests_started == 4
 
 
+@pytest.mark.parametrize(
+    ("datatype", "data", "message"),
+    [
+        ("FP32", [1.0, True], "element 1 is a bool (true); FP32 elements are numbers"),
+        ("INT32", [True, 2], "element 0 is a bool (true); INT32 elements are numbers"),
+        ("FP64", [[0.5], [False]], "element 1 is a bool (false); FP64 elements are numbers"),
+        ("UINT8", [False, True], "element 0 is a bool (false); UINT8 elements are numbers"),
+        # Large enough for the simdjson path (FAST_JSON_MIN_ELEMENTS).
+        (
+            "FP32",
+            [*[0.5] * 4000, True, *[0.5] * 95],
+            "element 4000 is a bool (true); FP32 elements are numbers",
+        ),
+        (
+            "INT64",
+            [*[7] * 4095, False],
+            "element 4095 is a bool (false); INT64 elements are numbers",
+        ),
+    ],
+)
+async def test_a_bool_among_a_numeric_tensor_s_json_data_is_400_naming_it(
+    server: RunningServer, datatype: str, data: list[Any], message: str
+) -> None:
+    count = len(data)
+    shape = [count, 1] if isinstance(data[0], list) else [count]
+    tensor = {"name": "x", "datatype": datatype, "shape": shape, "data": data}
+    async with _client(server) as client:
+        response = await client.post("/v2/models/echo/infer", json={"inputs": [tensor]})
+        assert response.status_code == 400
+        assert response.json() == {"error": f"input 'x': {message}"}
+        # A BOOL tensor takes them, on the same connection.
+        flags = {"name": "x", "datatype": "BOOL", "shape": [2], "data": [True, False]}
+        response = await client.post("/v2/models/echo/infer", json={"inputs": [flags]})
+        assert response.status_code == 200
+        assert response.json()["outputs"][0]["data"] == [True, False]
+
+
 async def test_a_bytes_output_asked_for_as_json_that_is_not_utf_8_is_400_saying_how_to_get_it(
     server: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -267,7 +267,7 @@ def test_small_float_data_is_packed_as_doubles(
         return result
 
     monkeypatch.setattr(codec, "_packed_floats", spy)
-    data = [0.5, -2, 1e-3, 3, True, -0.0]
+    data = [0.5, -2, 1e-3, 3, 1, -0.0]
     request = decode_infer_request(*body_of(numbers(datatype, data, [2, 3])))
     assert packed == [True]
     expected = np.array(data, dtype=np.float64).astype(DATATYPES[datatype]).reshape(2, 3)
@@ -661,6 +661,31 @@ def test_malformed_json_is_refused() -> None:
             numbers("FP32", [True]),
             "input 'x': element 0 is a bool (true); FP32 elements are numbers",
         ),
+        # Among numbers, where struct packs it and numpy infers it as 0 or 1.
+        (
+            numbers("FP32", [1.0, True]),
+            "input 'x': element 1 is a bool (true); FP32 elements are numbers",
+        ),
+        (
+            numbers("FP16", [0, False, 2.5]),
+            "input 'x': element 1 is a bool (false); FP16 elements are numbers",
+        ),
+        (
+            numbers("INT32", [True, 2]),
+            "input 'x': element 0 is a bool (true); INT32 elements are numbers",
+        ),
+        (
+            numbers("UINT64", [2**64 - 1, True]),
+            "input 'x': element 1 is a bool (true); UINT64 elements are numbers",
+        ),
+        (
+            numbers("FP64", [[1.0], [True]], [2, 1]),
+            "input 'x': element 1 is a bool (true); FP64 elements are numbers",
+        ),
+        (
+            numbers("INT8", [[1, 2], [3, False]], [2, 2]),
+            "input 'x': element 3 is a bool (false); INT8 elements are numbers",
+        ),
         (numbers("INT16", [None]), "input 'x': element 0 is null; INT16 elements are numbers"),
         (numbers("INT16", [{}]), "input 'x': element 0 is an object; INT16 elements are numbers"),
         (
@@ -705,6 +730,35 @@ def test_json_data_that_does_not_fit_its_datatype_or_shape_is_refused(
     document: Any, message: str
 ) -> None:
     assert refused(document).startswith(message)
+
+
+@pytest.mark.parametrize("spelled", [b"true", b"true ", b"true\t", b"true\r\n", b"false\n  "])
+def test_a_bool_among_numbers_is_refused_however_the_json_around_it_is_spaced(
+    spelled: bytes,
+) -> None:
+    text = b'{"inputs":[{"name":"x","datatype":"INT16","shape":[2],"data":[3,%s]}]}' % spelled
+    with pytest.raises(InvalidInput) as caught:
+        decode_infer_request(text, None)
+    literal = spelled.strip().decode()
+    assert str(caught.value) == (
+        f"input 'x': element 1 is a bool ({literal}); INT16 elements are numbers"
+    )
+
+
+def test_numbers_decode_beside_bools_elsewhere_in_the_request() -> None:
+    document = {
+        "id": "true false",
+        "inputs": [
+            {"name": "b", "datatype": "BOOL", "shape": [2], "data": [True, False]},
+            {"name": "x", "datatype": "FP32", "shape": [2], "data": [1, 0.5]},
+            {"name": "i", "datatype": "INT8", "shape": [2], "data": [[1], [0]]},
+        ],
+        "parameters": {"flag": True, "binary_data_output": False},
+    }
+    request = decode_infer_request(*body_of(document))
+    assert request.inputs["b"].tolist() == [True, False]
+    assert request.inputs["x"].tolist() == [1.0, 0.5]
+    assert request.inputs["i"].tolist() == [1, 0]
 
 
 def binary_input(datatype: str, shape: list[int], size: Any) -> Any:
@@ -990,8 +1044,10 @@ def large(datatype: str, bad: Any, position: int = BAD) -> Any:
     [
         (large("FP32", "2"), f"element {BAD} is a string ('2'); FP32 elements are numbers"),
         (large("FP64", None), f"element {BAD} is null; FP64 elements are numbers"),
-        # Only bools: numpy's inference takes a bool among numbers as a number (a known gap).
         (numbers("FP32", [True] * LARGE), "element 0 is a bool (true); FP32 elements are numbers"),
+        (large("FP32", True), f"element {BAD} is a bool (true); FP32 elements are numbers"),
+        (large("INT32", False), f"element {BAD} is a bool (false); INT32 elements are numbers"),
+        (large("UINT64", True), f"element {BAD} is a bool (true); UINT64 elements are numbers"),
         (large("INT16", {}), f"element {BAD} is an object; INT16 elements are numbers"),
         (large("INT32", 2.5), f"element {BAD} is 2.5, not an integer; INT32 elements are integers"),
         (large("INT64", 1.0), f"element {BAD} is 1.0, not an integer; INT64 elements are integers"),
@@ -1031,23 +1087,12 @@ def test_what_the_fast_path_cannot_decide_the_orjson_path_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     spy = FastPathSpy(monkeypatch)
-    # A bool among integers (numpy's inference takes it as 1), and an integer beyond 2**53
-    # for FP32 (rounded once by the orjson path, twice through a double).
-    document = {
-        "inputs": [
-            {
-                "name": "a",
-                "datatype": "INT32",
-                "shape": [LARGE],
-                "data": [True, *[2] * (LARGE - 1)],
-            },
-            {"name": "b", "datatype": "FP32", "shape": [LARGE], "data": [2**60 + 1] * LARGE},
-        ]
-    }
+    # An integer beyond 2**53 for FP32 (rounded once by the orjson path, twice through a
+    # double).
+    document = numbers("FP32", [2**60 + 1] * LARGE)
     fast, slow = decode_both(body_of(document)[0])
-    assert spy.decided == [False, False]
-    for name in ("a", "b"):
-        assert_identical(fast.inputs[name], slow.inputs[name])
+    assert spy.decided == [False]
+    assert_identical(fast.inputs["x"], slow.inputs["x"])
 
 
 @pytest.mark.parametrize(

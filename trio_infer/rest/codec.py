@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -105,6 +106,12 @@ BYTES_ELEMENT_OVERHEAD = 96
 FAST_JSON_MIN_ELEMENTS = 2048
 
 _COMMA = ord(",")
+#: How a bool ends in JSON text: ``true`` or ``false`` and then whitespace, ``,``, ``]`` or
+#: ``}``. No number has it (an exponent's ``e`` is followed by a digit or a sign), nor a key
+#: (its quote follows): a JSON part without it holds no bool, and its numeric data need not be
+#: looked through for one. One search for both literals: an alternation would defeat the
+#: search's literal prefix, which makes it about ten times faster.
+_BOOL_END = re.compile(rb"e[\t\n\r ,\]}]")
 
 _MAX_ELEMENT_BYTES = 2**32 - 1
 #: Bytes per element of the array numpy infers from a JSON list of numbers (int64, uint64 or
@@ -118,6 +125,8 @@ _INTEGER_RANGE: dict[str, tuple[int, int]] = {
     for name, dtype in DATATYPES.items()
     if dtype.kind in "iu"
 }
+#: The datatypes whose JSON elements are not numbers.
+_NOT_NUMBERS = frozenset(("BOOL", "BYTES"))
 _FLOAT_DATATYPES = frozenset(name for name, dtype in DATATYPES.items() if dtype.kind == "f")
 #: The datatypes the fast path reads, and the 64-bit buffer each is read into: simdjson converts
 #: an integer to a double (exactly up to 2**53) and reads integers into int64/uint64 exactly,
@@ -256,6 +265,9 @@ class ParsedInferRequest:
     the elements' objects and payloads; for binary inputs nothing (views of the body) except
     a copy of those the body does not align."""
     _inputs: list[_InputSpec]
+    _may_hold_bools: bool
+    """Whether a JSON numeric input's ``data`` list may hold a bool: the JSON part has the end
+    of a ``true`` or ``false`` (looked for only when such a list was parsed)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,6 +377,14 @@ def parse_infer_request(
             "the inputs; each input sent binary declares its size in 'binary_data_size'"
         )
 
+    # A bool among numbers is refused, but numpy and struct take it as 0 or 1, and a look at
+    # each element's type costs about as much as numpy's conversion: decoding looks only when
+    # the text spells one, and only for numeric data parsed as lists (a large tensor left in
+    # simdjson's document refuses a bool by itself).
+    may_hold_bools = (
+        any(isinstance(spec.data, list) and spec.datatype not in _NOT_NUMBERS for spec in specs)
+        and _BOOL_END.search(json_part) is not None
+    )
     outputs, by_name, output_parameters = _requested_outputs(document.get("outputs"))
     if by_name:
         binary_outputs = BinaryOutputs(default_binary, by_name)
@@ -379,6 +399,7 @@ def parse_infer_request(
         output_parameters=output_parameters,
         decoded_nbytes=decoded_nbytes,
         _inputs=specs,
+        _may_hold_bools=may_hold_bools,
     )
 
 
@@ -388,9 +409,9 @@ def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
     JSON numbers are converted by numpy from the parsed lists, in C, or for a large numeric
     tensor from simdjson's buffer of them; they must be of the datatype's kind (``true``/
     ``false`` for BOOL, integers within range for the integer datatypes, numbers within range
-    for the float ones), flat or nested any way, as many as the shape's elements (as Triton takes
-    them). BYTES elements are strings, encoded UTF-8. Binary data
-    is checked and viewed.
+    for the float ones; a bool is not a number), flat or nested any way, as many as the
+    shape's elements (as Triton takes them). BYTES elements are strings, encoded UTF-8. Binary
+    data is checked and viewed.
 
     Raises:
         InvalidInput: Naming the input and the first offending element, if the data's
@@ -406,7 +427,9 @@ def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
             inputs[spec.name] = _decode_lazy(where, spec.datatype, spec.shape, spec.data)
         else:
             assert spec.data is not None  # _input_spec requires one of the two
-            inputs[spec.name] = _decode_json(where, spec.datatype, spec.shape, spec.data)
+            inputs[spec.name] = _decode_json(
+                where, spec.datatype, spec.shape, spec.data, parsed._may_hold_bools
+            )
     return RestInferRequest(
         id=parsed.id,
         inputs=inputs,
@@ -694,7 +717,7 @@ def _decode_lazy(
     # Not decidable without the elements as objects: orjson's path converts or refuses, with
     # the message it gives any tensor.
     document = _parse(data.json)
-    return _decode_json(where, datatype, shape, document["inputs"][data.index]["data"])
+    return _decode_json(where, datatype, shape, document["inputs"][data.index]["data"], True)
 
 
 def _fast_json_array(
@@ -739,7 +762,9 @@ def _fast_json_array(
     return converted.reshape(shape)
 
 
-def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[Any]) -> np.ndarray:
+def _decode_json(
+    where: str, datatype: str, shape: tuple[int, ...], data: list[Any], may_hold_bools: bool
+) -> np.ndarray:
     if datatype == "BYTES":
         elements: list[bytes] = []
         for position, element in enumerate(_leaves(where, shape, data)):
@@ -753,6 +778,10 @@ def _decode_json(where: str, datatype: str, shape: tuple[int, ...], data: list[A
         return object_array(elements, shape)
 
     count = math.prod(shape)
+    if may_hold_bools and datatype != "BOOL" and bool in map(type, _leaves(where, shape, data)):
+        # struct packs a bool as a double, and numpy infers a number from bools among numbers;
+        # a bool is not a number in the protocol (Triton's reader refuses it too).
+        _raise_element_error(where, datatype, data, shape)
     if datatype in _PACKED_LIMIT and 0 < count <= _PACKED_MAX_ELEMENTS:
         packed = _packed_floats(datatype, shape, count, data)
         if packed is not None:
@@ -807,14 +836,14 @@ def _packed_floats(
     """A float datatype's array from a flat list of numbers, packed as doubles by ``struct``
     (numpy's inference of the list's dtype costs several times more); ``None`` when the
     general path must decide: nested data, a count other than the shape's, an element that is
-    not a number, a first element that is a bool (the list may be all bools, which numpy infers
-    as BOOL and the general path refuses), or a value at or beyond :data:`_PACKED_LIMIT`.
+    not a number, or a value at or beyond :data:`_PACKED_LIMIT`. The list holds no bool
+    (:func:`_decode_json` refuses one first), which ``struct`` would pack as 0 or 1.
 
     Gives the array the general path gives: numpy infers float64 from floats mixed with
-    integers (bools count as integers) and converts each the way ``struct`` does, and from
-    integers alone int64, which casts to the datatype as their exact doubles do.
+    integers and converts each the way ``struct`` does, and from integers alone int64, which
+    casts to the datatype as their exact doubles do.
     """
-    if len(data) != count or type(data[0]) is bool:
+    if len(data) != count:
         return None
     try:
         # A list, string, null or object among the numbers fails to pack, and so does an
