@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.probe import write_probe_repository
 from tests.support import GrpcioClient, eventually, start_server
 from trio_infer.errors import InferError, InvalidInput, StatusCode
+from trio_infer.frontends.http_service import http_status
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
 from trio_infer.repository.settings import EXAMPLES
@@ -350,3 +351,47 @@ async def test_metrics_are_scraped_over_http_on_the_rest_port_and_the_metrics_po
         # The metrics port serves nothing else: not the protocol, not the models.
         assert (await port.get("/v2/health/ready")).status_code == 404
         assert (await port.post("/v2/models/add_sub/infer", json=body)).status_code == 404
+
+
+async def test_a_rest_request_refused_after_its_model_ran_is_counted_with_the_status_it_got(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start_server(nursery)
+    # Echo's output is its BYTES input, whose second element is not UTF-8: asked for as JSON it
+    # cannot be written, and the request is refused (400) after the model ran.
+    blob = b"".join(len(e).to_bytes(4, "little") + e for e in (b"ok", b"\xff\xfe"))
+    size = {"binary_data_size": len(blob)}
+    header = {"inputs": [{"name": "s", "datatype": "BYTES", "shape": [2], "parameters": size}]}
+
+    async def echo(rest: httpx.AsyncClient, **fields: Any) -> int:
+        text = json.dumps(header | fields).encode()
+        answer = await rest.post(
+            "/v2/models/echo/infer",
+            content=text + blob,
+            headers={"Inference-Header-Content-Length": str(len(text))},
+        )
+        return answer.status_code
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as rest:
+        assert await echo(rest) == http_status(StatusCode.INVALID_ARGUMENT) == 400
+        assert await echo(rest, parameters={"binary_data_output": True}) == 200
+        scraped = await rest.get("/metrics")
+    samples = parse(scraped.text)
+    for status in StatusCode:
+        expected = 1 if status in (StatusCode.OK, StatusCode.INVALID_ARGUMENT) else 0
+        got = value(samples, "trio_infer_requests_total", **model("echo", status=status.name))
+        assert got == expected, status
+    assert value(samples, "trio_infer_request_duration_seconds_count", **model("echo")) == 2
+    assert value(samples, "trio_infer_compute_duration_seconds_count", **model("echo")) == 1
+
+    stub = GrpcioClient(server.port)
+    try:
+        response = await stub.call("ModelStatistics", pb.ModelStatisticsRequest(name="echo"))
+    finally:
+        stub.channel.close()
+    (statistics,) = response.model_stats
+    inference = statistics.inference_stats
+    # Requests by how they ended; the model ran both times.
+    assert (inference.success.count, inference.fail.count) == (1, 1)
+    assert (inference.queue.count, inference.compute_infer.count) == (1, 1)
+    assert (statistics.execution_count, statistics.inference_count) == (2, 2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Hashable
 from contextlib import AbstractAsyncContextManager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import trio
@@ -71,6 +72,9 @@ CORE_EXTENSIONS = (
     "sequence",
     "statistics",
 )
+
+#: What a front-end's encoding of an answer gives (see :meth:`InferenceCore.infer`).
+_Encoded = TypeVar("_Encoded")
 
 #: How many times its announced size a request reserves before its body is read: the message,
 #: its decoded tensors and an answer as large.
@@ -274,16 +278,43 @@ class InferenceCore:
         """
         return self.registry.lookup(name, version).decoupled
 
-    async def infer(self, request: InferenceRequest, context: RequestContext) -> InferenceResponse:
-        """Run one inference request on its model and return the outputs it asked for.
+    @overload
+    async def infer(
+        self, request: InferenceRequest, context: RequestContext, encode: None = None
+    ) -> InferenceResponse: ...
+
+    @overload
+    async def infer(
+        self,
+        request: InferenceRequest,
+        context: RequestContext,
+        encode: Callable[[InferenceResponse], Awaitable[_Encoded]],
+    ) -> _Encoded: ...
+
+    async def infer(
+        self,
+        request: InferenceRequest,
+        context: RequestContext,
+        encode: Callable[[InferenceResponse], Awaitable[Any]] | None = None,
+    ) -> Any:
+        """Run one inference request on its model and return the outputs it asked for, or
+        what ``encode`` makes of them.
 
         Runs in the caller's cancel scope, whose deadline is ``context.deadline``: cancelling it
         takes the request out of whatever queue it is in, and stops a worker call that nobody
         else waits for.
 
+        Args:
+            request: The request.
+            context: What the core needs of its entrance.
+            encode: The front-end's encoding of the answer, when it can fail (or be cancelled)
+                after the model ran: it runs within the request's statistics, so the status
+                they record is the one the client gets.
+
         Raises:
             Unimplemented: The model is decoupled (as Triton: UNSUPPORTED, gRPC's UNIMPLEMENTED).
-            InferError: With the status the status table gives its cause.
+            InferError: With the status the status table gives its cause; or what ``encode``
+                raised.
         """
         settings = self.registry.lookup(request.model_name, request.model_version)
         served = self._served_as(settings)
@@ -314,7 +345,10 @@ class InferenceCore:
                 )
             finally:
                 admission.release_slot(settings)
-            return _response(served, request, outputs, batch)
+            response = _response(served, request, outputs, batch)
+            if encode is None:
+                return response
+            return await encode(response)
 
     async def infer_each(
         self,

@@ -36,10 +36,17 @@ from urllib.parse import unquote
 
 import trio
 
+from trio_infer.buffers import Buffer
 from trio_infer.core.repository import ModelManager, config_override, json_object
 from trio_infer.core.service import RESERVED_PER_BYTE, InferenceCore
 from trio_infer.core.timeouts import TIMED_OUT, take_timeout
-from trio_infer.core.types import InferenceRequest, RequestContext, Reservation, TensorSpec
+from trio_infer.core.types import (
+    InferenceRequest,
+    InferenceResponse,
+    RequestContext,
+    Reservation,
+    TensorSpec,
+)
 from trio_infer.errors import InferError, InvalidInput, StatusCode, Unimplemented
 from trio_infer.rest import codec
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
@@ -359,38 +366,47 @@ class HttpService:
                 input_parameters=decoded.input_parameters,
                 outputs=decoded.outputs,
             )
+            # Encoded within the core's call: a refusal of the answer (a BYTES output asked for
+            # as JSON that is not UTF-8) is then the status its statistics record.
+            encode = partial(self._encoded, decoded.binary_outputs)
+            del decoded, body
             if own == math.inf:
                 # No timeout of its own: the request's scope bounds it, and a scope costs
                 # microseconds.
-                answer = await self.core.infer(inference, context)
+                headers, buffers = await self.core.infer(inference, context, encode)
             else:
                 with trio.move_on_at(own) as timed:
-                    answer = await self.core.infer(inference, context)
+                    headers, buffers = await self.core.infer(inference, context, encode)
                 if timed.cancelled_caught:
                     raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
-            binary_outputs = decoded.binary_outputs
-            del decoded, body
-            encode = partial(
-                codec.encode_infer_response,
-                answer.model_name,
-                answer.model_version,
-                answer.id,
-                answer.outputs,
-                {},
-                binary_outputs,
-            )
-            if sum(array.size for _, array in answer.outputs) > _OFF_LOOP_ELEMENTS:
-                buffers, json_length = await trio.to_thread.run_sync(
-                    encode, limiter=self._off_loop, abandon_on_cancel=False
-                )
-            else:
-                buffers, json_length = encode()
-            headers = [*answer.headers.items(), *answer.trailers.items()]
-            if json_length is None:
-                headers.append(_JSON)
-            else:
-                headers += [_OCTETS, (_HEADER_LENGTH, str(json_length))]
             await request.respond(200, headers, buffers)
+
+    async def _encoded(
+        self, binary_outputs: codec.BinaryOutputs, answer: InferenceResponse
+    ) -> tuple[list[tuple[str, str]], list[Buffer]]:
+        """The response's header fields and body buffers for ``answer``; encoded in a thread
+        when its outputs are large."""
+        encode = partial(
+            codec.encode_infer_response,
+            answer.model_name,
+            answer.model_version,
+            answer.id,
+            answer.outputs,
+            {},
+            binary_outputs,
+        )
+        if sum(array.size for _, array in answer.outputs) > _OFF_LOOP_ELEMENTS:
+            buffers, json_length = await trio.to_thread.run_sync(
+                encode, limiter=self._off_loop, abandon_on_cancel=False
+            )
+        else:
+            buffers, json_length = encode()
+        headers = [*answer.headers.items(), *answer.trailers.items()]
+        if json_length is None:
+            headers.append(_JSON)
+        else:
+            headers += [_OCTETS, (_HEADER_LENGTH, str(json_length))]
+        return headers, buffers
 
     async def _decoded(
         self, body: bytearray, header_length: int | None, reservation: Reservation
