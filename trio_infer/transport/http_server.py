@@ -362,11 +362,14 @@ class _Parse:
         if version == "1.1" and hosts != 1:
             # RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without exactly one.
             self._refuse(400, f"malformed request: {hosts} Host headers; HTTP/1.1 needs one")
-        if unmet is not None and version == "1.1":
+        if unmet is not None and version == "1.1" and message.content_length != 0:
             # RFC 9110 10.1.1: 417 for an expectation the server cannot meet. Refused before
             # its body is read, like a 413: the connection closes after the answer, since a
-            # body the client sends anyway cannot be told from a next request. Expect is
-            # HTTP/1.1's: an HTTP/1.0 request's is ignored, as its 100-continue must be.
+            # body the client sends anyway cannot be told from a next request. A request
+            # without a body (no Content-Length, or 0, and not chunked) is served, its
+            # expectation ignored, as Triton's libevent serves it (it reads Expect only before
+            # a body; RFC 9110 allows either). Expect is HTTP/1.1's: an HTTP/1.0 request's is
+            # ignored, as its 100-continue must be.
             self._refuse(
                 417,
                 f"the expectation {shown(unmet.decode('latin-1'))!r} cannot be met; "
