@@ -35,6 +35,7 @@ from trio_infer.workers.pool import WorkerPool
 # model.py and names its class as "model.<Class>", as a user's repository would.
 MODELS = '''
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -211,6 +212,27 @@ class SlowWorkerOnly(Model):
         return {"out": np.zeros(2).view(WorkerOnly)}
 
 
+class HoldsSockets(Model):
+    """Starts a child process that keeps its worker's sockets open (its connection to the pool
+    among them) and closes every other file it inherited (trio-parallel's pipes, whose end is
+    how the pool sees the worker exit). The child exits after a minute."""
+
+    def predict(self, inputs, parameters):
+        holder = os.fork()
+        if holder == 0:
+            try:
+                for fd in map(int, os.listdir("/proc/self/fd")):
+                    try:
+                        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                            os.close(fd)
+                    except OSError:
+                        pass  # listdir's own descriptor, closed already
+                time.sleep(60)
+            finally:
+                os._exit(0)
+        return {"pid": np.array([os.getpid()]), "holder": np.array([holder])}
+
+
 class Which(Model):
     def predict(self, inputs, parameters):
         return {"folder": np.array([Path(__file__).parent.name.encode()], dtype=object)}
@@ -258,6 +280,7 @@ def repo(tmp_path: Path) -> dict[str, ModelSettings]:
         ("returns_unsendable", "ReturnsUnsendable"),
         ("returns_worker_only", "ReturnsWorkerOnly"),
         ("slow_worker_only", "SlowWorkerOnly"),
+        ("holds_sockets", "HoldsSockets"),
         ("which_a", "Which"),
         ("which_b", "Which"),
     ]:
@@ -1015,15 +1038,17 @@ async def test_a_call_sent_to_an_idle_worker_that_died_unnoticed_runs_on_another
     assert pool.statistics().crashed == 1
 
 
-class _ReceiverEnds(trio.abc.Instrument):
-    """Sets ``ended`` as a lane's receiver ends (its worker's connection closed), before the
-    tasks its end wakes have run."""
+class _LaneTaskEnds(trio.abc.Instrument):
+    """Sets ``ended`` as a lane's task running ``method`` ends, before the tasks its end wakes
+    have run: ``_receive`` once its worker's connection closed, ``_run_process`` once its
+    worker process exited."""
 
-    def __init__(self) -> None:
+    def __init__(self, method: str) -> None:
+        self._name = f"_Lane.{method}"
         self.ended = trio.Event()
 
     def task_exited(self, task: trio.lowlevel.Task) -> None:
-        if task.name.endswith("_Lane._receive"):
+        if task.name.endswith(self._name):
             self.ended.set()
 
 
@@ -1036,7 +1061,7 @@ async def test_a_call_that_comes_as_a_dead_workers_talk_ends_runs_on_the_next_wo
     # tasks of one pass in either order, a coin toss a round: in twelve rounds the call comes
     # before the sender's unwinding in all but one run in 4,096.
     pid = repo["pid"]
-    instrument = _ReceiverEnds()
+    instrument = _LaneTaskEnds("_receive")
     trio.lowlevel.add_instrument(instrument)
     try:
         worker = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
@@ -1050,3 +1075,37 @@ async def test_a_call_that_comes_as_a_dead_workers_talk_ends_runs_on_the_next_wo
     finally:
         trio.lowlevel.remove_instrument(instrument)
     assert pool.statistics().crashed == 12
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+async def test_calls_after_the_worker_exited_run_on_the_next_while_a_child_holds_its_connection(
+    pool: WorkerPool, repo: dict[str, ModelSettings], calls: int
+) -> None:
+    # The worker's child holds the worker's connection open, so no end of it comes when the
+    # worker is killed: the lane reads it for the worker's last reports a while longer. Calls
+    # that come once the lane knows its worker exited must not be written to that connection,
+    # which takes them, where the first would count as one the worker died running. Three are
+    # more than the worker would have been sent at once: the third waits in the pool's queue.
+    exited = _LaneTaskEnds("_run_process")
+    trio.lowlevel.add_instrument(exited)
+    ran_in: list[int] = []
+
+    async def call() -> None:
+        ran_in.append(int((await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"][0]))
+
+    try:
+        out = await pool.predict(repo["holds_sockets"], {}, NO_PARAMETERS)
+        worker, holder = int(out["pid"][0]), int(out["holder"][0])
+        try:
+            os.kill(worker, signal.SIGKILL)
+            await exited.ended.wait()
+            async with trio.open_nursery() as nursery:
+                for _ in range(calls):
+                    nursery.start_soon(call)
+        finally:
+            os.kill(holder, signal.SIGKILL)
+    finally:
+        trio.lowlevel.remove_instrument(exited)
+    assert len(ran_in) == calls
+    assert worker not in ran_in
+    assert pool.statistics().crashed == 1

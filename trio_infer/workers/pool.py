@@ -47,6 +47,8 @@ their later ones until a ``sequence_start``.
 
 Error handling: a worker that dies mid-call fails that call with ``Unavailable`` naming the
 signal or exit code; the calls sent after it go back to the queue, and the pool keeps serving.
+Once its lane knows it has exited, a worker is sent no call, though its connection may outlive it
+(a child process the model started holds it open): calls wait for the replacement.
 Each death is one WARNING line: the worker's pid, the cause and the calls it failed. A model's
 error is logged where its call ends, in this process, at most one line per model per interval
 (``trio_infer.scheduling.model_errors.ModelErrorLog``).
@@ -1087,6 +1089,11 @@ class _Lane:
         # nothing read: then every report the worker sent has been taken (None otherwise).
         self._awaiting_report: socket.socket | None = None
         self._killed = False
+        # Whether the current worker's serve has ended (its process exited, or serve returned).
+        # A call written to its connection from then on would never run, though the connection
+        # may still take it (a child process the model started holds it open), and would be
+        # failed as one the worker died running: _take takes none, calls wait for the next.
+        self._worker_ended = False
         self._moved_on = False
         self._leaving = False
         self._exit_cause = "cause unknown"
@@ -1275,7 +1282,7 @@ class _Lane:
             trio.CancelScope(),
             trio.CancelScope(),
         )
-        self._killed = self._moved_on = self._leaving = False
+        self._killed = self._worker_ended = self._moved_on = self._leaving = False
         self._exit_cause = "cause unknown"
         self.pid = None
         self.live = True
@@ -1360,6 +1367,7 @@ class _Lane:
             returned = True
             self._exit_cause = f"{type(exc).__name__}: {exc}"
         finally:
+            self._worker_ended = True
             if not returned:
                 # Killed on cancel, or broken: trio-parallel's kill may not have reached it.
                 self._pool._kill(self.pid)
@@ -1476,7 +1484,7 @@ class _Lane:
         return None, None
 
     def _take(self) -> _Call | None:
-        if self._killed:
+        if self._killed or self._worker_ended:
             return None
         if self.private:
             return self.private.popleft()
