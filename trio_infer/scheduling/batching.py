@@ -42,9 +42,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate, pairwise
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -160,14 +160,16 @@ def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hasha
     # names are unique, so sorting items never compares two arrays or two mappings; a single
     # item is taken without a sort or a list, an empty mapping's part is () without a call, and
     # the request's parameters are read from their dict, not through Parameters' Python
-    # __len__. Tuples are made from lists (cheaper than from generators).
-    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
+    # __len__. Tuples are made from lists (cheaper than from generators). A dtype stands as
+    # itself, not as its ``str`` (a string made at each read): numpy keeps a dtype's hash, and
+    # equal dtypes are equal keys.
+    tensors: tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
     if len(inputs) == 1:
         for name, array in inputs.items():
-            tensors = ((name, array.dtype.str, array.shape[1:]),)
+            tensors = ((name, array.dtype, array.shape[1:]),)
     else:
         tensors = tuple(
-            [(name, array.dtype.str, array.shape[1:]) for name, array in sorted(inputs.items())]
+            [(name, array.dtype, array.shape[1:]) for name, array in sorted(inputs.items())]
         )
     values: Mapping[str, ParameterValue] = parameters.__dict__["_values"]
     per_tensor = parameters.inputs
@@ -491,20 +493,49 @@ class _BatchCounts:
 # --- the pipeline ----------------------------------------------------------------------------
 
 
-# eq=False: members are compared by identity (list.remove), never by their arrays.
-@dataclass(eq=False)
-class _Member:
-    inputs: dict[str, np.ndarray]
-    parameters: Parameters
-    priority: int
-    key: Hashable
-    rows: int
-    arrived: float
-    deadline: float
-    reply: Reply[ModelOutputs] = field(default_factory=Reply)
-    batch: _Batch | None = None
-    timing: Timing = field(default_factory=Timing)
-    """Its request's, filled when its batch succeeds."""
+class _Member(Reply[ModelOutputs]):
+    """A request in a model's queue or batch: its own reply slot (one object a request, not
+    two), and what the planning and its batch read of it. Compared by identity
+    (``list.remove``), never by its arrays."""
+
+    __slots__ = (
+        "arrived",
+        "batch",
+        "deadline",
+        "inputs",
+        "key",
+        "parameters",
+        "priority",
+        "rows",
+        "timing",
+    )
+
+    def __init__(
+        self,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        priority: int,
+        key: Hashable,
+        rows: int,
+        arrived: float,
+        deadline: float,
+        timing: Timing,
+    ) -> None:
+        # Reply's fields set here rather than by its __init__: one call less per request.
+        self.filled = False
+        self._result = None
+        self._error = None
+        self._waiter = None
+        self.inputs = inputs
+        self.parameters = parameters
+        self.priority = priority
+        self.key = key
+        self.rows = rows
+        self.arrived = arrived
+        self.deadline = deadline
+        self.batch: _Batch | None = None
+        self.timing = timing
+        """Its request's, filled when its batch succeeds."""
 
 
 class _Batch:
@@ -653,13 +684,14 @@ class ModelBatcher:
         # (a wave of a closed loop, read in one pass) form one batch rather than one going alone.
         self._one_at_a_time = False
         key = (priority, batch_key(inputs, parameters))
-        member = _Member(inputs, parameters, priority, key, rows, arrived, deadline, timing=timing)
+        member = _Member(inputs, parameters, priority, key, rows, arrived, deadline, timing)
         self._waiting.append(member)
-        self._notify()
+        if self._watched:  # most requests of a wave join after the first woke the planner
+            self._notify()
         try:
-            return await member.reply.wait()
+            return await member.wait()
         finally:
-            if not member.reply.filled:
+            if not member.filled:
                 self._abandon(member)
 
     async def _alone(
@@ -856,22 +888,22 @@ class ModelBatcher:
                     # and computed for as long as the whole batch did.
                     member.timing.started = timing.started
                     member.timing.compute = timing.compute
-                    member.reply.set_result(part)
+                    member.set_result(part)
                 self._recorder.executed(sum(rows), timing.compute)
         except InferError as error:
             for member in members:
-                member.reply.set_error(error)
+                member.set_error(error)
         except Exception:
             # A bug: the batcher is replaced (_batcher), and these requests fail.
             for member in members:
-                member.reply.set_error(_crashed(self.settings.name))
+                member.set_error(_crashed(self.settings.name))
             raise
         except BaseException:
             # Cancelled: by the last member leaving (nobody reads these) or by a shutdown. The
             # other ways out have answered every member.
             stopped = Unavailable(f"model '{self.settings.name}': batching stopped")
             for member in members:
-                member.reply.set_error(stopped)
+                member.set_error(stopped)
             raise
         finally:
             self._in_pool -= 1
@@ -909,7 +941,7 @@ class ModelBatcher:
     def _fail_waiting(self, error: InferError) -> None:
         waiting, self._waiting = self._waiting, []
         for member in waiting:
-            member.reply.set_error(error)
+            member.set_error(error)
         self._notify()
 
 
