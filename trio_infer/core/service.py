@@ -11,9 +11,10 @@ to its own (the status table is :mod:`trio_infer.errors`).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from contextlib import AbstractAsyncContextManager
 from importlib.metadata import PackageNotFoundError, version
+from types import MappingProxyType
 from typing import Any, TypeVar, overload
 
 import numpy as np
@@ -41,7 +42,7 @@ from trio_infer.repository.registry import ModelRegistry
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.admission import Admission, OutputSize, Reservation
 from trio_infer.scheduling.batching import Batching, batch_rows
-from trio_infer.scheduling.priority import take_priority
+from trio_infer.scheduling.priority import DEFAULT_PRIORITY, take_priority
 from trio_infer.scheduling.sequences import SequenceFlags, sequence_of
 from trio_infer.scheduling.statistics import ModelRecorder, RequestTiming, StatisticsRecorder
 from trio_infer.workers.pool import CALLS_PER_WORKER, WorkerPool
@@ -318,7 +319,7 @@ class InferenceCore:
         """
         settings = self.registry.lookup(request.model_name, request.model_version)
         served = self._served_as(settings)
-        with served.recorder.request(context.deadline, served.now) as timing:
+        with RequestTiming(served.recorder, context.deadline, served.now) as timing:
             if settings.decoupled:
                 raise Unimplemented(
                     f"model '{settings.name}' is decoupled (0..N responses per request): call it "
@@ -331,18 +332,18 @@ class InferenceCore:
             admission = self.admission
             admission.take_slot(settings)
             try:
-                priority, parameters = _model_parameters(request, context)
-                outputs = await self._predict(
-                    settings,
-                    request.inputs,
-                    parameters,
-                    priority,
-                    context.deadline,
-                    # The request's own dict, whose values ``parameters`` holds: read without
-                    # a Python call per Parameters.get.
-                    sequence_of(request.parameters),
-                    timing,
-                )
+                priority, parameters, sequence = _model_parameters(request, context)
+                deadline = context.deadline
+                if settings.timeout is None:
+                    # The call's own scope enforces its deadline: the worker's (or batcher's)
+                    # coroutine is awaited here, without a coroutine of the core around it.
+                    outputs = await self._run_on_worker(
+                        settings, request.inputs, parameters, priority, deadline, sequence, timing
+                    )
+                else:
+                    outputs = await self._predict(
+                        settings, request.inputs, parameters, priority, deadline, sequence, timing
+                    )
             finally:
                 admission.release_slot(settings)
             response = _response(served, request, outputs, batch)
@@ -373,12 +374,11 @@ class InferenceCore:
             await respond(await self.infer(request, context))
             return
         served = self._served_as(settings)
-        with served.recorder.request(context.deadline, served.now) as timing:
+        with RequestTiming(served.recorder, context.deadline, served.now) as timing:
             batch = self._admit(served, request, context)
             # Cancellable: a generator may never end, and its model's unload must.
             with self.admission.model_slot(settings, cancellable=True):
-                priority, parameters = _model_parameters(request, context)
-                sequence = sequence_of(request.parameters)
+                priority, parameters, sequence = _model_parameters(request, context)
 
                 async def each(outputs: ModelOutputs) -> None:
                     await respond(_response(served, request, outputs, batch))
@@ -448,12 +448,11 @@ class InferenceCore:
         sequence: SequenceFlags | None,
         timing: RequestTiming,
     ) -> ModelOutputs:
-        # The caller's deadline is already the call's cancel scope. A model's own timeout
-        # bounds callers that set none (or a later one), so a hung model cannot hold a worker
-        # and a caller forever.
-        limit = deadline
-        if settings.timeout is not None:
-            limit = min(deadline, trio.current_time() + settings.timeout)
+        # For a model with a ``timeout``. The caller's deadline is already the call's cancel
+        # scope. A model's own timeout bounds callers that set none (or a later one), so a hung
+        # model cannot hold a worker and a caller forever.
+        assert settings.timeout is not None
+        limit = min(deadline, trio.current_time() + settings.timeout)
         if limit >= deadline:
             # The call's own scope enforces its deadline.
             return await self._run_on_worker(
@@ -468,7 +467,7 @@ class InferenceCore:
             StatusCode.DEADLINE_EXCEEDED,
         )
 
-    async def _run_on_worker(
+    def _run_on_worker(
         self,
         settings: ModelSettings,
         inputs: dict[str, np.ndarray],
@@ -477,23 +476,39 @@ class InferenceCore:
         limit: float,
         sequence: SequenceFlags | None,
         timing: RequestTiming,
-    ) -> ModelOutputs:
+    ) -> Awaitable[ModelOutputs]:
+        """The model call of a request, to be awaited by the caller: the batcher's own
+        coroutine when the model batches (it dispatches the batch in time for ``limit`` and
+        records its executions), else :meth:`_unbatched`."""
         batcher = self.batching.get(settings.name)
         if batcher is None or sequence is not None:
-            # A sequence's requests run one at a time on its worker: never in a batch. (A
-            # batcher sets the queue's start of the requests it takes.)
-            timing.queued = trio.current_time()
-            outputs = await self.pool.predict(
-                settings, inputs, parameters, priority, sequence, timing, limit
+            return self._unbatched(
+                settings, inputs, parameters, priority, limit, sequence, timing, batcher is None
             )
-            # Triton's counts: a request of a model that does not batch is one inference,
-            # one of a model that does is as many as its rows.
-            rows = None if batcher is None else batch_rows(inputs)
-            timing.executed(1 if rows is None else rows)
-            return outputs
-        # The batch is dispatched in time for the call's limit; the batcher records its
-        # executions.
-        return await batcher.predict(inputs, parameters, limit, priority, timing)
+        return batcher.predict(inputs, parameters, limit, priority, timing)
+
+    async def _unbatched(
+        self,
+        settings: ModelSettings,
+        inputs: dict[str, np.ndarray],
+        parameters: Parameters,
+        priority: int,
+        limit: float,
+        sequence: SequenceFlags | None,
+        timing: RequestTiming,
+        one_inference: bool,
+    ) -> ModelOutputs:
+        # A sequence's requests run one at a time on its worker: never in a batch. (A batcher
+        # sets the queue's start of the requests it takes.)
+        timing.queued = trio.current_time()
+        outputs = await self.pool.predict(
+            settings, inputs, parameters, priority, sequence, timing, limit
+        )
+        # Triton's counts: a request of a model that does not batch is one inference, one of
+        # a model that does is as many as its rows.
+        rows = None if one_inference else batch_rows(inputs)
+        timing.executed(1 if rows is None else rows)
+        return outputs
 
 
 class _Served:
@@ -525,27 +540,51 @@ def _response(
         validate_outputs(
             outputs.outputs if isinstance(outputs, Response) else outputs, declared, name, batch
         )
+    # Positional, and no metadata shares one empty mapping: a class called with keywords gets
+    # them as a dict made for the call, and the defaults would make two empty dicts a request.
     if isinstance(outputs, Response):
         return InferenceResponse(
-            model_name=name,
-            model_version=served.version,
-            id=request.id,
-            outputs=select_outputs(outputs.outputs, request.outputs, name),
-            headers=outputs.headers,
-            trailers=outputs.trailers,
+            name,
+            served.version,
+            request.id,
+            select_outputs(outputs.outputs, request.outputs, name),
+            outputs.headers,
+            outputs.trailers,
         )
     return InferenceResponse(
-        model_name=name,
-        model_version=served.version,
-        id=request.id,
-        outputs=select_outputs(outputs, request.outputs, name),
+        name,
+        served.version,
+        request.id,
+        select_outputs(outputs, request.outputs, name),
+        _NO_METADATA,
+        _NO_METADATA,
     )
 
 
-def _model_parameters(request: InferenceRequest, context: RequestContext) -> tuple[int, Parameters]:
-    """The request's priority level, taken out of its parameters, and the parameters its model
-    sees."""
-    priority = take_priority(request.parameters)
-    return priority, Parameters(
-        values=request.parameters, inputs=request.input_parameters, headers=context.headers
+#: The metadata of a response that has none: read-only, as every front-end only reads it.
+_NO_METADATA: Mapping[str, str] = MappingProxyType({})
+
+
+def _model_parameters(
+    request: InferenceRequest, context: RequestContext
+) -> tuple[int, Parameters, SequenceFlags | None]:
+    """The request's priority level, taken out of its parameters, the parameters its model
+    sees, and the sequence it belongs to."""
+    values = request.parameters
+    if not values:
+        # Most requests: no parameter, so the default level and no sequence, without the calls
+        # that would find them.
+        return (
+            DEFAULT_PRIORITY,
+            Parameters(values, request.input_parameters, context.headers),
+            None,
+        )
+    priority = take_priority(values)
+    # Positional: a class called with keywords gets them as a dict made for the call. The
+    # sequence is read from the request's own dict, whose values ``parameters`` holds, without
+    # a Python call per Parameters.get.
+    return (
+        priority,
+        Parameters(values, request.input_parameters, context.headers),
+        sequence_of(values),
     )
