@@ -332,7 +332,7 @@ class InferenceCore:
             admission = self.admission
             admission.take_slot(settings)
             try:
-                priority, parameters, sequence = _model_parameters(request, context)
+                priority, parameters, sequence = _model_parameters(served, request, context)
                 deadline = context.deadline
                 if settings.timeout is None:
                     # The call's own scope enforces its deadline: the worker's (or batcher's)
@@ -378,7 +378,7 @@ class InferenceCore:
             batch = self._admit(served, request, context)
             # Cancellable: a generator may never end, and its model's unload must.
             with self.admission.model_slot(settings, cancellable=True):
-                priority, parameters, sequence = _model_parameters(request, context)
+                priority, parameters, sequence = _model_parameters(served, request, context)
 
                 async def each(outputs: ModelOutputs) -> None:
                     await respond(_response(served, request, outputs, batch))
@@ -517,7 +517,7 @@ class _Served:
     its declared tensors as the checks take them and its outputs' estimated size; and the
     run's clock, read directly (made at a request, so in the run that serves it)."""
 
-    __slots__ = ("declared", "now", "output_size", "recorder", "settings", "version")
+    __slots__ = ("declared", "now", "output_size", "parameters", "recorder", "settings", "version")
 
     def __init__(self, settings: ModelSettings, recorder: StatisticsRecorder) -> None:
         self.now = trio.lowlevel.current_clock().current_time
@@ -526,6 +526,8 @@ class _Served:
         self.recorder = recorder.model(settings.name, self.version)
         self.declared = DeclaredTensors(settings)
         self.output_size = OutputSize(settings.outputs)
+        # The Parameters of the model's last request without request-level parameters.
+        self.parameters: Parameters | None = None
 
 
 def _response(
@@ -566,19 +568,25 @@ _NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 
 def _model_parameters(
-    request: InferenceRequest, context: RequestContext
+    served: _Served, request: InferenceRequest, context: RequestContext
 ) -> tuple[int, Parameters, SequenceFlags | None]:
     """The request's priority level, taken out of its parameters, the parameters its model
     sees, and the sequence it belongs to."""
     values = request.parameters
     if not values:
         # Most requests: no parameter, so the default level and no sequence, without the calls
-        # that would find them.
-        return (
-            DEFAULT_PRIORITY,
-            Parameters(values, request.input_parameters, context.headers),
-            None,
-        )
+        # that would find them; and the same per-input parameters and headers as the model's
+        # request before, whose Parameters (immutable: every holder only reads it) serves
+        # again rather than copies of them made for each request.
+        last = served.parameters
+        if (
+            last is not None
+            and last.headers == context.headers
+            and last.inputs == request.input_parameters
+        ):
+            return DEFAULT_PRIORITY, last, None
+        last = served.parameters = Parameters(values, request.input_parameters, context.headers)
+        return DEFAULT_PRIORITY, last, None
     priority = take_priority(values)
     # Positional: a class called with keywords gets them as a dict made for the call. The
     # sequence is read from the request's own dict, whose values ``parameters`` holds, without

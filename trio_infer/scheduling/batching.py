@@ -44,7 +44,7 @@ import math
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import trio
@@ -155,22 +155,28 @@ def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hasha
         (``shape[1:]``), and the parameters with their types (``True``, ``1`` and ``1.0`` are
         equal in Python but a model may tell them apart).
     """
-    # Every request of a batching model that overlaps others comes here, most with one input,
-    # no parameters, that input's own parameters empty and one header (the client's agent):
-    # names are unique, so sorting items never compares two arrays or two mappings; a single
-    # item is taken without a sort or a list, an empty mapping's part is () without a call, and
-    # the request's parameters are read from their dict, not through Parameters' Python
-    # __len__. Tuples are made from lists (cheaper than from generators). A dtype stands as
-    # itself, not as its ``str`` (a string made at each read): numpy keeps a dtype's hash, and
-    # equal dtypes are equal keys.
-    tensors: tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
+    return _tensors_key(inputs), _parameters_key(parameters)
+
+
+# Every request of a batching model that overlaps others comes to these two, most with one
+# input, no parameters, that input's own parameters empty and one header (the client's agent):
+# names are unique, so sorting items never compares two arrays or two mappings; a single item
+# is taken without a sort or a list, an empty mapping's part is () without a call, and the
+# request's parameters are read from their dict, not through Parameters' Python __len__. Tuples
+# are made from lists (cheaper than from generators).
+
+
+def _tensors_key(inputs: Mapping[str, np.ndarray]) -> Hashable:
+    """:func:`batch_key`'s part of the inputs. A dtype stands as itself, not as its ``str`` (a
+    string made at each read): numpy keeps a dtype's hash, and equal dtypes are equal keys."""
     if len(inputs) == 1:
         for name, array in inputs.items():
-            tensors = ((name, array.dtype, array.shape[1:]),)
-    else:
-        tensors = tuple(
-            [(name, array.dtype, array.shape[1:]) for name, array in sorted(inputs.items())]
-        )
+            return ((name, array.dtype, array.shape[1:]),)
+    return tuple([(name, array.dtype, array.shape[1:]) for name, array in sorted(inputs.items())])
+
+
+def _parameters_key(parameters: Parameters) -> Hashable:
+    """:func:`batch_key`'s part of the parameters."""
     values: Mapping[str, ParameterValue] = parameters.__dict__["_values"]
     per_tensor = parameters.inputs
     own: tuple[tuple[str, _Typed], ...]
@@ -183,7 +189,6 @@ def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hasha
         )
     headers = parameters.headers
     return (
-        tensors,
         _typed(values) if values else (),
         own,
         (tuple(headers.items()) if len(headers) == 1 else tuple(sorted(headers.items())))
@@ -618,6 +623,9 @@ class ModelBatcher:
         # queue, on again when a batch of one ends with nothing else of the model running or
         # waiting (_ended_alone; see predict).
         self._one_at_a_time = True
+        # The last request's Parameters and their part of its batch key (see predict).
+        self._keyed: Parameters | None = None
+        self._parameters_key: Hashable = ()
 
     async def predict(
         self,
@@ -683,7 +691,13 @@ class ModelBatcher:
         # Requests overlap: they go through the batchers, which let those that arrive together
         # (a wave of a closed loop, read in one pass) form one batch rather than one going alone.
         self._one_at_a_time = False
-        key = (priority, batch_key(inputs, parameters))
+        # A Parameters object is immutable: the key of the last one seen serves while the same
+        # object comes again (the core hands a model's requests without request-level
+        # parameters one object while their per-input parameters and headers repeat).
+        if parameters is not self._keyed:
+            self._keyed = parameters
+            self._parameters_key = _parameters_key(parameters)
+        key = (priority, _tensors_key(inputs), self._parameters_key)
         member = _Member(inputs, parameters, priority, key, rows, arrived, deadline, timing)
         self._waiting.append(member)
         if self._watched:  # most requests of a wave join after the first woke the planner
