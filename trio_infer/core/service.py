@@ -259,7 +259,8 @@ class InferenceCore:
             Overloaded: The budget cannot make room in time, or the connection's share is
                 full (RESOURCE_EXHAUSTED).
         """
-        return self.admission.reserve(RESERVED_PER_BYTE * announced, deadline, owner, wait=wait)
+        # Admission.reserve's object made here, without its call.
+        return Reservation(self.admission, RESERVED_PER_BYTE * announced, owner, deadline, wait)
 
     def reserve_nowait(self, announced: int, owner: Hashable | None = None) -> Reservation | None:
         """What :meth:`reserve` holds for a request of ``announced`` bytes, held now if it
@@ -538,28 +539,24 @@ def _response(
     ``_admit`` returned it."""
     name = served.settings.name
     declared = served.declared.outputs
-    if declared:
-        validate_outputs(
-            outputs.outputs if isinstance(outputs, Response) else outputs, declared, name, batch
-        )
-    # Positional, and no metadata shares one empty mapping: a class called with keywords gets
-    # them as a dict made for the call, and the defaults would make two empty dicts a request.
     if isinstance(outputs, Response):
-        return InferenceResponse(
-            name,
-            served.version,
-            request.id,
-            select_outputs(outputs.outputs, request.outputs, name),
-            outputs.headers,
-            outputs.trailers,
-        )
+        headers: Mapping[str, str] = outputs.headers
+        trailers: Mapping[str, str] = outputs.trailers
+        outputs = outputs.outputs
+    else:
+        # No metadata shares one empty mapping: the defaults would make two empty dicts a
+        # request.
+        headers = trailers = _NO_METADATA
+    if declared:
+        validate_outputs(outputs, declared, name, batch)
+    # Positional: a class called with keywords gets them as a dict made for the call.
     return InferenceResponse(
         name,
         served.version,
         request.id,
         select_outputs(outputs, request.outputs, name),
-        _NO_METADATA,
-        _NO_METADATA,
+        headers,
+        trailers,
     )
 
 

@@ -384,10 +384,16 @@ def _split_rows(
             )
     if len(rows) == 1:
         return [dict(outputs)]
-    return [
-        {name: array[start:stop].copy() for name, array in outputs.items()}
-        for start, stop in pairwise(accumulate(rows, initial=0))
-    ]
+    # Loops, not a comprehension of comprehensions: each member's dict would be a function
+    # made and called (Python 3.11).
+    items = list(outputs.items())
+    parts: list[dict[str, np.ndarray]] = []
+    for start, stop in pairwise(accumulate(rows, initial=0)):
+        part = {}
+        for name, array in items:
+            part[name] = array[start:stop].copy()
+        parts.append(part)
+    return parts
 
 
 # --- statistics ------------------------------------------------------------------------------

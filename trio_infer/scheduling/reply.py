@@ -73,16 +73,16 @@ class Reply(Generic[_T]):
         else:
             assert self._waiter is None, "a reply has one reader"
             self._waiter = trio.lowlevel.current_task()
-
-            def abort(_: object) -> trio.lowlevel.Abort:
-                # Cancelled while unfilled: the fill must not wake the task again.
-                self._waiter = None
-                return trio.lowlevel.Abort.SUCCEEDED
-
-            await trio.lowlevel.wait_task_rescheduled(abort)
+            # A bound method, not a closure made for each wait.
+            await trio.lowlevel.wait_task_rescheduled(self._abort)
         if self._error is not None:
             raise self._error
         return cast(_T, self._result)
+
+    def _abort(self, _: object) -> trio.lowlevel.Abort:
+        # Cancelled while unfilled: the fill must not wake the task again.
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class ReplyStream(Generic[_T]):
