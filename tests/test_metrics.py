@@ -29,6 +29,7 @@ from trio_infer.repository.settings import EXAMPLES
 from trio_infer.scheduling.statistics import (
     Histogram,
     ModelRecorder,
+    RequestTiming,
     Timing,
     final_status,
 )
@@ -77,10 +78,10 @@ async def test_a_request_cut_by_its_deadline_is_deadline_exceeded_and_a_cancelle
 ) -> None:
     recorder = ModelRecorder("m", "1")
     deadline = trio.current_time() + 1.0
-    with trio.move_on_at(deadline), recorder.request(deadline):
+    with trio.move_on_at(deadline), RequestTiming(recorder, deadline):
         assert recorder.in_flight == 1
         await trio.sleep(5)
-    with trio.CancelScope() as scope, recorder.request(math.inf):
+    with trio.CancelScope() as scope, RequestTiming(recorder, math.inf):
         scope.cancel()
         await trio.sleep(5)
     statistics = recorder.statistics()
@@ -98,14 +99,14 @@ async def test_a_successful_request_records_its_wait_compute_and_execution(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     recorder = ModelRecorder("m")
-    with recorder.request(math.inf) as timing:
+    with RequestTiming(recorder, math.inf) as timing:
         await trio.sleep(0.5)
         timing.queued = trio.current_time()
         await trio.sleep(0.25)
         timing.ran(trio.current_time(), 0.125)
         await trio.sleep(0.125)
         timing.executed(3)
-    with pytest.raises(InvalidInput), recorder.request(math.inf):
+    with pytest.raises(InvalidInput), RequestTiming(recorder, math.inf):
         raise InvalidInput("bad")
     statistics = recorder.statistics()
     assert (

@@ -9,7 +9,7 @@ format: the Prometheus collector (``trio_infer.observability.metrics``) and Trit
 Who records what:
 
 - :class:`trio_infer.core.service.InferenceCore` runs each request of a served model in a
-  :class:`RequestTiming` block (``with recorder.request(deadline) as timing``), which records
+  :class:`RequestTiming` block (``with RequestTiming(recorder, deadline) as timing``), which records
   the status it ended with and its duration, whichever way it ends (a cancel by its deadline is
   DEADLINE_EXCEEDED, any other CANCELLED). It sets ``timing.queued`` when it hands the request
   to the pool; a batcher sets it when the request reaches it.
@@ -162,9 +162,10 @@ class Timing:
 
 class RequestTiming(Timing):
     """The :class:`Timing` of one request, which records the request in its model's
-    :class:`ModelRecorder`: made by :meth:`ModelRecorder.request`, entered when the request
-    starts; its exit records the status the request ended with (:func:`final_status`), its
-    duration and, on success, its queue wait and compute time, whatever ended it.
+    :class:`ModelRecorder`: entered when the request starts; its exit records the status the
+    request ended with (:func:`final_status`), its duration and, on success, its queue wait and
+    compute time, whatever ended it. ``now`` reads the Trio clock: a caller that knows the run
+    passes its clock's own ``current_time``, two calls fewer than ``trio.current_time``.
     """
 
     __slots__ = ("_began", "_deadline", "_now", "_recorder")
@@ -267,20 +268,6 @@ class ModelRecorder:
         self._batch_sizes: dict[int, int] = {}
         self._batch_compute: dict[int, float] = {}
         self._last_inference = 0.0
-
-    def request(
-        self, deadline: float, now: Callable[[], float] = trio.current_time
-    ) -> RequestTiming:
-        """A request's timing, which records the request when its ``with`` block exits.
-
-        Args:
-            deadline: The request's deadline (Trio clock): a cancellation at or past it is
-                DEADLINE_EXCEEDED, any other CANCELLED.
-            now: Reads the Trio clock: by default ``trio.current_time``, which finds the run's
-                clock through two more calls than the clock's own ``current_time`` (what a
-                caller that knows the run passes).
-        """
-        return RequestTiming(self, deadline, now)
 
     def finished(self, status: StatusCode, seconds: float, timing: Timing) -> None:
         """Record a request's end (:class:`RequestTiming` calls it).
