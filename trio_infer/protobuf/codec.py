@@ -574,18 +574,28 @@ def _decode_tensors(
     decoded: dict[str, np.ndarray] = {}
     for index, (tensor, typed) in enumerate(zip(tensors, contents, strict=True)):
         name = tensor.name
+        datatype = tensor.datatype
+        # A slice first: a protobuf repeated field is iterated by indexing until an IndexError.
+        shape = tuple(tensor.shape[:])
+        if raw:
+            # Typed data beside raw data was refused before this: typed is None. A layout
+            # seen valid before, with the bytes it needs, is every check passed already.
+            buffer = raw[index]
+            layout = _RAW_LAYOUTS.get((datatype, shape))
+            if layout is not None and len(buffer) == layout[1] and name not in decoded:
+                decoded[name] = np.ndarray(shape, layout[0], buffer)
+                continue
         where = f"{side.role} '{name}'"
         if name in decoded:
             raise side.error(f"{where} appears more than once in the {side.message}")
-        datatype = _checked_datatype(where, tensor.datatype, side)
-        shape = _checked_shape(where, tensor.shape, datatype, side)
+        _check_datatype(where, datatype, side)
+        _check_shape(where, shape, datatype, side)
         if datatype == "BYTES" and math.prod(shape) > MAX_BYTES_ELEMENTS:
             raise side.error(
                 f"{where}: shape {shape_text(shape)} has {math.prod(shape)} BYTES elements; "
                 f"at most {MAX_BYTES_ELEMENTS} are taken"
             )
         if raw:
-            # Typed data beside raw data was refused before this: typed is None.
             decoded[name] = _decode_raw(where, datatype, shape, raw[index], index, side)
         else:
             decoded[name] = _decode_typed(
@@ -594,21 +604,26 @@ def _decode_tensors(
     return decoded
 
 
-def _checked_datatype(where: str, datatype: str, side: _Side) -> str:
+#: The dtype and byte size of a raw tensor by (datatype, shape), for the numeric datatypes whose
+#: every byte string of that size is valid (not BOOL, not BYTES), once one such tensor has been
+#: decoded: a model's tensors repeat a few layouts, and the checks cost more than the decode.
+#: Bounded like :data:`_METADATA`; only dict operations touch it (decodes off the loop share it).
+_RAW_LAYOUTS: dict[tuple[str, tuple[int, ...]], tuple[np.dtype[Any], int]] = {}
+_RAW_LAYOUT_ENTRIES = 1024
+_RAW_LAYOUT_RANK = 8
+
+
+def _check_datatype(where: str, datatype: str, side: _Side) -> None:
     if datatype not in DATATYPES:
         raise side.error(
             f"{where}: unknown datatype '{datatype}'; valid datatypes are {_VALID_DATATYPES}"
         )
-    return datatype
 
 
-def _checked_shape(where: str, dims: Sequence[int], datatype: str, side: _Side) -> tuple[int, ...]:
-    # A slice first: a protobuf repeated field is iterated by indexing until an IndexError.
-    shape = tuple(dims[:])
+def _check_shape(where: str, shape: tuple[int, ...], datatype: str, side: _Side) -> None:
     problem = shape_problem(shape, DATATYPES[datatype].itemsize, side.message)
     if problem is not None:
         raise side.error(f"{where}: {problem}")
-    return shape
 
 
 def _set_fields(contents: _Contents) -> list[str]:
@@ -645,6 +660,10 @@ def _decode_raw(
                 f"{where}: raw BOOL element {position} is byte {int(octets[position])}; "
                 "BOOL elements must be 0 or 1"
             )
+    elif len(shape) <= _RAW_LAYOUT_RANK:
+        if len(_RAW_LAYOUTS) >= _RAW_LAYOUT_ENTRIES:
+            _RAW_LAYOUTS.clear()  # a model whose shapes never repeat: start again
+        _RAW_LAYOUTS[datatype, shape] = (dtype, size)
     # The array of its shape over the buffer (exactly its size, checked above) in one call, not
     # frombuffer's flat array and a reshaped view of it; read-only, as the buffer is bytes.
     # Positional: numpy parses keyword arguments apart, at a cost on every input.
