@@ -1143,6 +1143,12 @@ _COST_CASES: dict[str, list[tuple[str, np.ndarray]]] = {
     "int8 negative": [("x", np.full(300_000, -1, np.int8))],
     "uint32": [("x", np.arange(300_000, dtype=np.uint32) * 1000)],
     "fp32 big-endian": [("x", np.ones(300_000, ">f4"))],
+    "small": [
+        ("x", np.ones(10_000, np.float32)),
+        ("y", np.ones(6_000, ">f8")),
+        ("z", np.arange(30_000) % 3 == 0),
+        ("w", np.ones((100, 100), np.int8)[:, ::2]),
+    ],
     "fp64 strided": [("x", np.ones(600_000)[::2])],
     "bool": [("x", np.arange(300_000) % 2 == 0)],
     "bytes short": [("x", np.array([b"ab"] * 300_000, dtype=object))],
@@ -1177,9 +1183,12 @@ def test_the_cost_of_outputs_counts_the_arrays_and_the_work() -> None:
     cost = encoding_cost([("n", numeric), ("s", elements)], raw=False)
     assert cost.outputs == numeric.nbytes + elements.nbytes + 50 * (BYTES_ELEMENT_OVERHEAD + 3)
     assert cost.elements == 1050
-    # Raw, a little-endian C-order numeric output is sent as it is: no work, no bytes.
+    # Raw, a little-endian C-order numeric output is sent as it is: no work, and no bytes
+    # from 64 KiB on; a smaller one is joined with the answer's records, its bytes copied once.
     raw = encoding_cost([("n", numeric)], raw=True)
     assert raw == EncodingCost(raw.nbytes, numeric.nbytes, 0, ["INT64"])
-    assert raw.nbytes <= 8192  # its metadata
+    assert numeric.nbytes <= raw.nbytes <= numeric.nbytes + 8192  # the copy, its metadata
+    large = np.zeros((100, 100), np.int64)
+    assert encoding_cost([("n", large)], raw=True).nbytes <= 8192  # its metadata
     # One FP16 output makes every output raw, as in encode_response.
     assert encoding_cost([("n", numeric), ("h", np.zeros(1, np.float16))], raw=False).elements == 0

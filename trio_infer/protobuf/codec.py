@@ -798,8 +798,9 @@ class EncodingCost:
 
     nbytes: int
     """Bytes :func:`encode_response` allocates: typed contents' packed blobs, framed BYTES
-    outputs, copies of arrays not already little-endian C-order, and its temporaries. An
-    output sent from its array's own memory costs nothing here."""
+    outputs, copies of arrays not already little-endian C-order, small raw outputs joined with
+    the answer's records, and its temporaries. An output sent from its array's own memory (raw,
+    64 KiB or more) costs nothing here."""
     outputs: int
     """Bytes the output arrays themselves hold: numeric ones their ``nbytes``, BYTES ones
     their elements as Python objects (:data:`BYTES_ELEMENT_OVERHEAD` each) and payloads. The
@@ -851,19 +852,29 @@ def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> En
             elements += count
             continue
         held += array.nbytes
+        # A blob under _SEPARATE_BLOB (raw contents, a fixed-width or BOOL field's packed
+        # payload), copied or not, is copied again when joined with the answer's records.
         if raw:
+            size = array.nbytes
             if not _is_little_c_order(array, _LITTLE[datatype]):
-                nbytes += array.nbytes
+                nbytes += size
                 elements += count
+            if size < _SEPARATE_BLOB:
+                nbytes += size
             continue
         field = _CONTENTS_FIELD[datatype]
         assert field is not None  # FP16, the only datatype without one, forces raw above
         elements += count
         if field in _FIXED_FIELDS:
+            size = count * _FIELD_DTYPE[field].itemsize
             if not _is_little_c_order(array, _FIELD_LITTLE[field]):
-                nbytes += count * _FIELD_DTYPE[field].itemsize
+                nbytes += size
+            if size < _SEPARATE_BLOB:
+                nbytes += size
         elif datatype == "BOOL":
             if _bool_copy_needed(array):
+                nbytes += count
+            if count < _SEPARATE_BLOB:
                 nbytes += count
         elif count:
             nbytes += count * _widest_varint(array) + wire.varint_encode_scratch(count)
@@ -887,10 +898,11 @@ def encode_response(
     contents are written after it as the length-delimited records protobuf would write: typed
     numeric contents as one packed blob made with numpy (fixed-width elements as their
     little-endian bytes, varint fields with :func:`~trio_infer.protobuf.wire.encode_varint_parts`),
-    BYTES as one buffer of length-prefixed (raw) or keyed (typed) elements. Blobs of more than
-    a few KiB stay separate buffers, as raw outputs do, so they reach the socket without a
-    join; a typed FP32 or FP64 output, like a raw one, is sent from its array's own memory when
-    that is already little-endian C-order.
+    BYTES as one buffer of length-prefixed (raw) or keyed (typed) elements. Blobs and raw
+    contents of 64 KiB or more stay separate buffers, so they reach the socket without a join;
+    smaller ones are joined with the records around them (the transport would copy them into
+    its frame anyway). A typed FP32 or FP64 output, like a raw one, is sent from its array's own
+    memory when that is already little-endian C-order.
 
     ``response`` should hold no outputs or raw contents; it is not changed. ``datatypes``, when
     given, are the outputs' as :func:`encoding_cost` found them (:attr:`EncodingCost.datatypes`).
@@ -904,18 +916,26 @@ def encode_response(
     else:
         arrays, raw = outputs, _all_raw(raw, datatypes)
     writer = _Writer(response.SerializeToString())
-    raw_contents: list[memoryview] = []
+    # Each raw output's contents: an array, or bytes of one, joinable as they are.
+    raw_contents: list[np.ndarray | memoryview] = []
     for (name, array), datatype in zip(arrays, datatypes, strict=True):
-        meta = _output_metadata(name, datatype, array.shape)
+        meta, record = _output_metadata(name, datatype, array.shape)
         if raw:
             if datatype == "BYTES":
                 where = f"output '{name}'"
                 elements, lengths, _ = _bytes_lengths(where, array, _RESPONSE_OUT)
                 _check_raw_lengths(where, lengths, _RESPONSE_OUT)
-                raw_contents.append(_frame_elements(elements, lengths, raw=True).data)
+                raw_contents.append(_frame_elements(elements, lengths, raw=True))
+            elif (
+                array.nbytes < _SEPARATE_BLOB
+                and array.flags.c_contiguous
+                and array.dtype == _LITTLE[datatype]
+            ):
+                # Joined with the small parts: its bytes as they are, no view made of them.
+                raw_contents.append(array)
             else:
                 raw_contents.append(_raw_view(array, datatype))
-            writer.small(_OUTPUT_KEY + _varint(len(meta)) + meta)
+            writer.small(record, len(record))
             continue
         if datatype == "BYTES":
             elements, lengths, _ = _bytes_lengths(f"output '{name}'", array, _RESPONSE_OUT)
@@ -931,40 +951,45 @@ def encode_response(
         contents_size = len(field_header) + blob_size
         contents_header = _CONTENTS_KEY + _varint(contents_size)
         tensor_size = len(meta) + len(contents_header) + contents_size
-        writer.small(_OUTPUT_KEY + _varint(tensor_size) + meta + contents_header + field_header)
+        head = _OUTPUT_KEY + _varint(tensor_size) + meta + contents_header + field_header
+        writer.small(head, len(head))
         # Each part is let go once written: joined small parts then replace, not add to, them.
         queue = collections.deque(blobs)
         del blobs
         while queue:
             writer.blob(queue.popleft())
-    parts = writer.finish()
-    for view in raw_contents:
-        parts.append(_RAW_OUTPUT_KEY + _varint(view.nbytes))
-        parts.append(view)
-    return parts
+    for contents in raw_contents:
+        size = contents.nbytes
+        key = _RAW_OUTPUT_KEY + _varint(size)
+        writer.small(key, len(key))
+        writer.blob(contents)
+    return writer.finish()
 
 
-def _output_metadata(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
-    """An output tensor's name, datatype and shape, serialised (an ``InferOutputTensor``):
-    remembered, as a model's outputs repeat a few names and shapes, and protobuf takes
+def _output_metadata(name: str, datatype: str, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
+    """An output tensor's name, datatype and shape, serialised (an ``InferOutputTensor``), and
+    the record of a raw output's tensor in the response (the metadata after its key and
+    length): remembered, as a model's outputs repeat a few names and shapes, and protobuf takes
     microseconds to make and serialise one."""
     key = (name, datatype, shape)
-    meta = _METADATA.get(key)
-    if meta is None:
+    found = _METADATA.get(key)
+    if found is None:
         meta = ModelInferResponse.InferOutputTensor(
             name=name, datatype=datatype, shape=shape
         ).SerializeToString()
+        found = meta, _OUTPUT_KEY + _varint(len(meta)) + meta
         if len(name) <= _METADATA_NAME_LENGTH and len(shape) <= _METADATA_RANK:
             if len(_METADATA) >= _METADATA_ENTRIES:
                 _METADATA.clear()  # a model whose shapes never repeat: start again
-            _METADATA[key] = meta
-    return meta
+            _METADATA[key] = found
+    return found
 
 
-#: Serialised output metadata by (name, datatype, shape), :func:`_output_metadata`'s: at most
-#: this many entries, each of names and ranks at most these (a few hundred KiB in all). Only
-#: dict operations touch it, atomic under the GIL: encodes off the loop share it safely.
-_METADATA: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
+#: Serialised output metadata and raw records by (name, datatype, shape),
+#: :func:`_output_metadata`'s: at most this many entries, each of names and ranks at most these
+#: (a few hundred KiB in all). Only dict operations touch it, atomic under the GIL: encodes off
+#: the loop share it safely.
+_METADATA: dict[tuple[str, str, tuple[int, ...]], tuple[bytes, bytes]] = {}
 _METADATA_ENTRIES = 1024
 _METADATA_NAME_LENGTH = 128
 _METADATA_RANK = 8
@@ -989,29 +1014,36 @@ _JOINED_BYTES = 1 << 20
 
 
 class _Writer:
-    """Buffers in order: small pieces joined, large blobs kept as they are."""
+    """Buffers in order: small pieces joined, large blobs kept as they are (one per answer:
+    slotted)."""
+
+    __slots__ = ("_parts", "_pending", "_pending_size")
 
     def __init__(self, first: bytes) -> None:
         self._parts: list[Buffer] = []
-        self._pending: list[Buffer] = [first]
+        self._pending: list[Buffer | np.ndarray] = [first]
         self._pending_size = len(first)
 
-    def small(self, data: Buffer) -> None:
+    def small(self, data: Buffer | np.ndarray, size: int) -> None:
+        """Add ``data`` of ``size`` bytes (C-contiguous) to what is joined."""
         self._pending.append(data)
-        self._pending_size += memoryview(data).nbytes
+        self._pending_size += size
         if self._pending_size >= _JOINED_BYTES:
             self._flush()
 
-    def blob(self, blob: np.ndarray) -> None:
-        if blob.nbytes < _SEPARATE_BLOB:
-            self.small(blob.data)
+    def blob(self, blob: np.ndarray | memoryview) -> None:
+        """Add ``blob`` (C-contiguous), joined if small, else as a buffer of its own."""
+        size = blob.nbytes
+        if size < _SEPARATE_BLOB:
+            self.small(blob, size)
             return
         self._flush()
-        self._parts.append(blob.data)
+        self._parts.append(blob.data if isinstance(blob, np.ndarray) else blob)
 
     def _flush(self) -> None:
         if self._pending_size:
-            self._parts.append(b"".join(self._pending))
+            # C-contiguous arrays are bytes-like; numpy's stubs do not say so.
+            self._parts.append(b"".join(self._pending))  # type: ignore[arg-type]
         self._pending = []
         self._pending_size = 0
 
@@ -1225,6 +1257,8 @@ def _varint(value: int) -> bytes:
     """``value`` (at least 0) in the protocol buffer varint encoding."""
     if value < 0x80:
         return _ONE_BYTE_VARINTS[value]
+    if value < 0x4000:  # a tensor of 128 bytes to 16 KiB: its length without a loop
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)

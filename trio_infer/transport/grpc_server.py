@@ -498,8 +498,11 @@ def _data_frames(message: Buffer | Sequence[Buffer]) -> list[memoryview]:
     prefix, the protobuf fields and the output's field key, then the output. A payload larger
     than the client's window or frame size is cut when it is sent.
     """
-    if type(message) is bytes and len(message) < BY_REFERENCE_BYTES:  # a small serialised one
-        return [memoryview(_MESSAGE_PREFIX.pack(False, len(message)) + message)]
+    whole = message
+    if type(message) is list and len(message) == 1:
+        whole = message[0]  # an answer its encoder joined in one buffer
+    if type(whole) is bytes and len(whole) < BY_REFERENCE_BYTES:  # a small serialised one
+        return [memoryview(_MESSAGE_PREFIX.pack(False, len(whole)) + whole)]
     parts = [message] if isinstance(message, bytes | bytearray | memoryview) else message
     views = [memoryview(part).cast("B") for part in parts]
     frames: list[memoryview] = []
