@@ -645,10 +645,11 @@ class GrpcService:
             parameters,
             # input_parameters: the inputs' names are the arrays' keys, in the tensors' order
             # (decode_inputs refuses a name that repeats), and the tensors a list already: no
-            # second slice of the repeated field, nor a second read of each name.
+            # second slice of the repeated field, nor a second read of each name. Indexed, not
+            # zipped: zip's strict= is a keyword, which costs a call a dict.
             {
-                name: decode_parameters(tensor.parameters)
-                for name, tensor in zip(inputs, tensors, strict=True)
+                name: decode_parameters(tensors[index].parameters)
+                for index, name in enumerate(inputs)
             },
             [output.name for output in request.outputs[:]],  # outputs
         ), _Decoded(raw, decoded.nbytes, message_size)

@@ -443,7 +443,10 @@ def decoding_cost(request: ModelInferRequest | WireInputs, message_size: int) ->
         nbytes = 0
     elements = 0
     payloads = False
-    for tensor, typed in zip(tensors, contents, strict=True):
+    # Indexed, not zipped: zip's strict= is a keyword, which costs a call a dict (every list
+    # here is one entry per tensor, made so).
+    for index, tensor in enumerate(tensors):
+        typed = contents[index]
         datatype = tensor.datatype
         if raw:
             if datatype == "BYTES":
@@ -572,7 +575,8 @@ def _decode_tensors(
             f"{side.role} order"
         )
     decoded: dict[str, np.ndarray] = {}
-    for index, (tensor, typed) in enumerate(zip(tensors, contents, strict=True)):
+    for index, tensor in enumerate(tensors):  # indexed: see decoding_cost
+        typed = contents[index]
         name = tensor.name
         datatype = tensor.datatype
         # A slice first: a protobuf repeated field is iterated by indexing until an IndexError.
@@ -830,7 +834,8 @@ def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> En
     nbytes = 0
     held = 0
     elements = 0
-    for (name, array), datatype in zip(arrays, datatypes, strict=True):
+    for index, (name, array) in enumerate(arrays):  # indexed: see decoding_cost
+        datatype = datatypes[index]
         count = array.size
         # The tensor's metadata and the records' keys and lengths, serialised.
         nbytes += _METADATA_ALLOWANCE + 4 * len(name) + wire.MAX_VARINT_BYTES * array.ndim
@@ -918,7 +923,8 @@ def encode_response(
     writer = _Writer(response.SerializeToString())
     # Each raw output's contents: an array, or bytes of one, joinable as they are.
     raw_contents: list[np.ndarray | memoryview] = []
-    for (name, array), datatype in zip(arrays, datatypes, strict=True):
+    for index, (name, array) in enumerate(arrays):  # indexed: see decoding_cost
+        datatype = datatypes[index]
         meta, record = _output_metadata(name, datatype, array.shape)
         if raw:
             if datatype == "BYTES":
