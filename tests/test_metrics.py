@@ -396,3 +396,55 @@ async def test_a_rest_request_refused_after_its_model_ran_is_counted_with_the_st
     assert (inference.success.count, inference.fail.count) == (1, 1)
     assert (inference.queue.count, inference.compute_infer.count) == (1, 1)
     assert (statistics.execution_count, statistics.inference_count) == (2, 2)
+
+
+GROWS = """
+import numpy as np
+
+from trio_infer import Model
+
+
+class Grows(Model):
+    def predict(self, inputs, parameters):
+        return {"y": np.zeros(parameters.get("n", 1), np.float32)}
+"""
+
+
+async def test_a_grpc_answer_the_budget_refuses_is_counted_with_the_status_it_got(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    folder = tmp_path / "grows"
+    folder.mkdir()
+    (folder / "grows_model.py").write_text(GROWS)
+    (folder / "model-settings.json").write_text(
+        json.dumps({"name": "grows", "implementation": "grows_model.Grows"})
+    )
+    # A 1 MiB budget: a request of a few bytes is admitted, its 4 MB answer is refused as it is
+    # encoded, after the model ran.
+    server = await start_server(nursery, tmp_path, memory_budget=1 << 20)
+    client = GrpcioClient(server.port)
+
+    def grows(n: int) -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name="grows")
+        encode_inputs(request, [("x", np.zeros(1, np.float32))], raw=True)
+        encode_parameters(request.parameters, {"n": n})
+        return request
+
+    try:
+        error = await client.error("ModelInfer", grows(1_000_000))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the encoded outputs" in (error.details() or "")
+        answer = await client.call("ModelInfer", grows(10))
+        assert decode_outputs(answer)["y"].shape == (10,)
+        response = await client.call("ModelStatistics", pb.ModelStatisticsRequest(name="grows"))
+    finally:
+        client.channel.close()
+    samples = scrape(server)
+    for status in StatusCode:
+        expected = 1 if status in (StatusCode.OK, StatusCode.RESOURCE_EXHAUSTED) else 0
+        got = value(samples, "trio_infer_requests_total", **model("grows", status=status.name))
+        assert got == expected, status
+    (statistics,) = response.model_stats
+    inference = statistics.inference_stats
+    assert (inference.success.count, inference.fail.count) == (1, 1)
+    assert (statistics.execution_count, statistics.inference_count) == (2, 2)

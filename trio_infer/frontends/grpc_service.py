@@ -598,9 +598,20 @@ class GrpcService:
     async def _infer(self, request: Any, context: RequestContext) -> _Answer:
         """Decode ``request`` (a WireInferRequest: a ModelInferRequest whose inputs' contents
         are still serialised, see trio_infer.protobuf.wire), run it through the core and
-        encode its answer (a serialised ModelInferResponse, as buffers in order)."""
+        encode its answer (a serialised ModelInferResponse, as buffers in order).
+
+        The answer is encoded within the core's call: a refusal of it (its size over the memory
+        budget, an output no datatype can carry) is then the status its statistics record.
+        """
         decoded, state = await self._decoded(request, context)
-        answer = await self.core.infer(decoded, context)
+        return await self.core.infer(
+            decoded, context, functools.partial(self._answer, state, context)
+        )
+
+    async def _answer(
+        self, state: _Decoded, context: RequestContext, answer: InferenceResponse
+    ) -> _Answer:
+        """``answer`` encoded, with the metadata its model set."""
         encoded = await self._encoded(answer, state, context.reservation)
         return _Answer(encoded, answer.headers, answer.trailers)
 
