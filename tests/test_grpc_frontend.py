@@ -4,6 +4,9 @@ a grpcio client."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import numpy as np
 import trio
 
@@ -23,11 +26,18 @@ from trio_infer.workers.pool import WorkerPool
 class TaggingCore(InferenceCore):
     """The real core, which also answers with the request's id in a header and a trailer."""
 
-    async def infer(self, request: InferenceRequest, context: RequestContext) -> InferenceResponse:
-        response = await super().infer(request, context)
-        response.headers = {"x-call": request.id}
-        response.trailers = {"x-served-by": response.model_name}
-        return response
+    async def infer(  # type: ignore[override]
+        self,
+        request: InferenceRequest,
+        context: RequestContext,
+        encode: Callable[[InferenceResponse], Awaitable[Any]] | None = None,
+    ) -> Any:
+        async def tagged(response: InferenceResponse) -> Any:
+            response.headers = {"x-call": request.id}
+            response.trailers = {"x-served-by": response.model_name}
+            return response if encode is None else await encode(response)
+
+        return await super().infer(request, context, tagged)
 
 
 async def test_response_headers_and_trailers_from_the_core_reach_the_client(
