@@ -303,6 +303,23 @@ async def test_parameters_and_headers_reach_the_model(custom_server: RunningServ
     client.channel.close()
 
 
+async def test_each_request_s_input_parameters_reach_the_model_with_their_own_types(
+    custom_server: RunningServer,
+) -> None:
+    # True, 1 and 1.0 are equal in Python, and so are 0.0 and -0.0; each request's must reach
+    # the model as sent: a Parameters object shared between requests of equal parameters must
+    # not be one of another type's, or sign's.
+    client = GrpcioClient(custom_server.port)
+    for value in (True, 1, 1.0, 1, True, 0.0, -0.0, 0.0):
+        request = infer_request("inspect", {"x": np.zeros(1, np.int32)})
+        encode_parameters(request.inputs[0].parameters, {"scale": value})
+        response = await client.call("ModelInfer", request)
+        seen = json.loads(outputs_of(response)["seen"][0])
+        scale = seen["tensor_parameters"]["x"]["scale"]
+        assert (type(scale), repr(scale)) == (type(value), repr(value))
+    client.channel.close()
+
+
 async def test_a_model_exception_is_internal_with_the_models_message(
     custom_server: RunningServer,
 ) -> None:
