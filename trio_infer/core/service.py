@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from contextlib import AbstractAsyncContextManager
 from importlib.metadata import PackageNotFoundError, version
-from math import copysign
 from types import MappingProxyType
 from typing import Any, TypeVar, overload
 
@@ -38,7 +37,7 @@ from trio_infer.core.validation import (
     validate_outputs,
 )
 from trio_infer.errors import InferError, ModelNotFound, StatusCode, Unavailable, Unimplemented
-from trio_infer.model import ModelOutputs, Parameters, ParameterValue, Response
+from trio_infer.model import ModelOutputs, Parameters, Response
 from trio_infer.repository.registry import ModelRegistry
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.admission import Admission, OutputSize, Reservation
@@ -561,27 +560,6 @@ def _response(
     )
 
 
-def _same_values(
-    held: Mapping[str, Mapping[str, ParameterValue]],
-    given: Mapping[str, Mapping[str, ParameterValue]],
-) -> bool:
-    """Whether per-input parameters ``held`` (a Parameters object's) are ``given``, each value
-    of its own type and sign: ``==`` alone takes ``True`` for ``1`` and ``1.0``, and ``0.0``
-    for ``-0.0``, which a model may tell apart, and would hand a request another's."""
-    if held != given:
-        return False
-    for name, values in given.items():
-        if values:  # most inputs have none: no loop for them
-            own = held[name]
-            for key, value in values.items():
-                other = own[key]
-                if type(other) is not type(value):
-                    return False
-                if isinstance(value, float) and copysign(1.0, value) != copysign(1.0, float(other)):
-                    return False
-    return True
-
-
 #: The metadata of a response that has none: read-only, as every front-end only reads it.
 _NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
@@ -595,13 +573,17 @@ def _model_parameters(
     if not values:
         # Most requests: no parameter, so the default level and no sequence, without the calls
         # that would find them; and the same per-input parameters and headers as the model's
-        # request before, whose Parameters (immutable: every holder only reads it) serves
-        # again rather than copies of them made for each request.
+        # request before, whose Parameters serves again rather than copies of them made for
+        # each request: every holder in this process only reads it (the batcher, the key, the
+        # pool's pickler), and a model gets its own copy in its worker process.
         last = served.parameters
         if (
             last is not None
             and last.headers == context.headers
-            and _same_values(last.inputs, request.input_parameters)
+            and last.inputs == request.input_parameters
+            # Only empty per-input parameters: == takes True for 1 and 1.0, and 0.0 for -0.0,
+            # which a model may tell apart; a request would get another's values.
+            and not any(request.input_parameters.values())
         ):
             return DEFAULT_PRIORITY, last, None
         last = served.parameters = Parameters(values, request.input_parameters, context.headers)
