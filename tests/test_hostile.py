@@ -1140,3 +1140,35 @@ async def test_response_header_blocks_follow_the_clients_table_size_changes(
         assert fields["content-type"] == "application/grpc", fields
         assert fields["grpc-status"] == "0", fields
         assert fields["x-request-id"], fields
+
+
+async def test_a_request_shaped_like_a_served_one_but_short_of_bytes_is_refused(
+    server: RunningServer,
+) -> None:
+    # The decoder remembers a (datatype, shape) it found valid; a request of that layout with
+    # fewer bytes, or a name twice, is refused as before, and the good calls go on.
+    client = GrpcioClient(server.port)
+
+    def add_sub(first: bytes, second: bytes, name: str = "INPUT1") -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name="add_sub")
+        for each in ("INPUT0", name):
+            request.inputs.add(name=each, datatype="FP32", shape=[1, 16])
+        request.raw_input_contents.extend([first, second])
+        return request
+
+    ones = np.ones(16, np.float32).tobytes()
+    try:
+        for _ in range(2):
+            answer = await client.call("ModelInfer", add_sub(ones, ones))
+            assert decode_outputs(answer)["OUTPUT0"].tolist() == [[2.0] * 16]
+            short = await client.error("ModelInfer", add_sub(ones, ones[:-4]))
+            assert short.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert short.details() == (
+                "input 'INPUT1': shape [1, 16] has 16 elements but raw_input_contents[1] holds "
+                "15 FP32 elements (60 bytes)"
+            )
+            twice = await client.error("ModelInfer", add_sub(ones, ones, name="INPUT0"))
+            assert twice.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert twice.details() == "input 'INPUT0' appears more than once in the request"
+    finally:
+        client.channel.close()

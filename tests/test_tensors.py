@@ -322,6 +322,27 @@ def test_duplicate_input_names() -> None:
     assert decode_error(request) == "input 'A' appears more than once in the request"
 
 
+def test_a_layout_decoded_before_still_refuses_a_wrong_size_and_a_repeated_name() -> None:
+    # The first request's (datatype, shape) is remembered as valid; what differs from it in
+    # bytes or names takes the full checks, with their messages.
+    good = raw_request(("L", "FP32", [3, 7], bytes(84)))
+    assert decode_inputs(good)["L"].shape == (3, 7)
+    assert decode_error(raw_request(("L", "FP32", [3, 7], bytes(80)))) == (
+        "input 'L': shape [3, 7] has 21 elements but raw_input_contents[0] holds "
+        "20 FP32 elements (80 bytes)"
+    )
+    twice = raw_request(("L", "FP32", [3, 7], bytes(84)), ("L", "FP32", [3, 7], bytes(84)))
+    assert decode_error(twice) == "input 'L' appears more than once in the request"
+    # BOOL bytes are checked every time, whatever came before in that shape.
+    assert decode_inputs(raw_request(("B", "BOOL", [2], b"\x00\x01")))["B"].tolist() == [
+        False,
+        True,
+    ]
+    assert "raw BOOL element 1 is byte 2" in decode_error(
+        raw_request(("B", "BOOL", [2], b"\x00\x02"))
+    )
+
+
 def test_unknown_datatype_lists_valid_ones() -> None:
     message = decode_error(raw_request(("A", "FLOAT32", [1], bytes(4))))
     assert "input 'A': unknown datatype 'FLOAT32'; valid datatypes are BOOL, UINT8," in message
