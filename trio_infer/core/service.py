@@ -372,7 +372,8 @@ class InferenceCore:
         """
         settings = self.registry.lookup(request.model_name, request.model_version)
         if not settings.decoupled:
-            await respond(await self.infer(request, context))
+            # Answered within the request's statistics, as a decoupled model's responses are.
+            await self.infer(request, context, respond)
             return
         served = self._served_as(settings)
         with RequestTiming(served.recorder, context.deadline, served.now) as timing:
