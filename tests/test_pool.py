@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import tempfile
@@ -29,6 +30,7 @@ from trio_infer.repository.settings import (
     load_model_settings,
     load_repository,
 )
+from trio_infer.scheduling.sequences import SequenceFlags
 from trio_infer.workers.pool import WorkerPool
 
 # Test models, written into a temporary repository: each model folder gets its own copy of
@@ -1108,4 +1110,181 @@ async def test_calls_after_the_worker_exited_run_on_the_next_while_a_child_holds
         trio.lowlevel.remove_instrument(exited)
     assert len(ran_in) == calls
     assert worker not in ran_in
+    assert pool.statistics().crashed == 1
+
+
+async def test_while_an_exited_workers_connection_is_held_open_other_lanes_serve_at_once(
+    repo: dict[str, ModelSettings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker's child holds the worker's connection open after the worker is killed: the
+    # lane's talk goes on until the child exits (its bound on reading the last reports lifted,
+    # so that the child's life alone decides it, whatever the machine's speed). Once the lane
+    # knows its worker exited it is no worker the pool has: the other lane, which had none,
+    # starts one for a call that comes then, and new sequences are pinned there, each served
+    # while the dead worker's connection is still read.
+    from trio_infer.workers import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_LAST_REPORTS_TIME", math.inf)
+    exited = _LaneTaskEnds("_run_process")
+    trio.lowlevel.add_instrument(exited)
+    try:
+        async with WorkerPool.open(2) as pool:
+            out = await pool.predict(repo["holds_sockets"], {}, NO_PARAMETERS)
+            worker, holder = int(out["pid"][0]), int(out["holder"][0])
+            try:
+                # One call started one worker: the other lane has none.
+                assert pool.statistics().started == 1
+                [dead] = [lane for lane in pool._lanes if lane.pid == worker]
+                os.kill(worker, signal.SIGKILL)
+                await exited.ended.wait()
+
+                def served_while_the_dead_workers_talk_goes_on(out: dict[str, Any]) -> int:
+                    assert not _dead(holder)
+                    assert dead.connected
+                    pid = int(out["pid"][0])
+                    assert pid != worker
+                    return pid
+
+                out = await pool.predict(repo["pid"], {}, NO_PARAMETERS)
+                other = served_while_the_dead_workers_talk_goes_on(out)
+                # Two sequences: each start goes to the least loaded lane, and the dead one
+                # has neither calls nor sequences.
+                for sequence in (1, 2):
+                    flags = SequenceFlags(sequence, start=True, end=False)
+                    out = await pool.predict(repo["pid"], {}, NO_PARAMETERS, sequence=flags)
+                    assert served_while_the_dead_workers_talk_goes_on(out) == other
+            finally:
+                os.kill(holder, signal.SIGKILL)
+            # The talk ends with the child: the worker's death is settled, and the sequences,
+            # never the dead worker's, go on.
+            await eventually(lambda: pool.statistics().crashed == 1)
+            for sequence in (1, 2):
+                flags = SequenceFlags(sequence, start=False, end=True)
+                out = await pool.predict(repo["pid"], {}, NO_PARAMETERS, sequence=flags)
+                assert int(out["pid"][0]) == other
+    finally:
+        trio.lowlevel.remove_instrument(exited)
+
+
+async def test_a_busy_worker_takes_a_call_behind_its_own_rather_than_leave_it_to_an_exited_one(
+    repo: dict[str, ModelSettings], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker sent a call while it runs one leaves it to a free worker, which starts it
+    # sooner; a lane whose worker exited, its connection held open by the worker's child (as
+    # long as the child lives: the bound on reading the last reports lifted), is none: the busy
+    # worker is sent the call at once.
+    from trio_infer.workers import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_LAST_REPORTS_TIME", math.inf)
+    exited = _LaneTaskEnds("_run_process")
+    trio.lowlevel.add_instrument(exited)
+    try:
+        async with WorkerPool.open(2) as pool, trio.open_nursery() as nursery:
+            assert await pool.warm_up([repo["pid"]]) == 2
+            busy, release = await _hold_a_worker(pool, repo, nursery, tmp_path)
+            [gated] = [lane for lane in pool._lanes if lane.outstanding]
+            out = await pool.predict(repo["holds_sockets"], {}, NO_PARAMETERS)
+            worker, holder = int(out["pid"][0]), int(out["holder"][0])
+            try:
+                [dead] = [lane for lane in pool._lanes if lane.pid == worker]
+                assert dead is not gated
+                os.kill(worker, signal.SIGKILL)
+                await exited.ended.wait()
+                ran_in: list[int] = []
+
+                async def call() -> None:
+                    ran_in.append(
+                        int((await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"][0])
+                    )
+
+                async with trio.open_nursery() as calls:
+                    calls.start_soon(call)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert len(gated.outstanding) == 2
+                    assert not _dead(holder)
+                    assert dead.connected
+                    release.touch()
+                assert ran_in == [busy]
+            finally:
+                os.kill(holder, signal.SIGKILL)
+    finally:
+        trio.lowlevel.remove_instrument(exited)
+
+
+async def test_a_call_left_to_a_killed_idle_worker_is_taken_by_a_busy_one_once_it_exited(
+    repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    # A worker whose result cannot be read here is killed with no call left: until its lane
+    # knows it exited, it takes no call yet counts as a free worker, so a busy worker leaves
+    # a call that comes then to it. Once the lane knows, the busy worker must take that call
+    # behind its own at once, not leave it to the killed one's replacement.
+    exited = _LaneTaskEnds("_run_process")
+    trio.lowlevel.add_instrument(exited)
+    try:
+        async with WorkerPool.open(2) as pool, trio.open_nursery() as nursery:
+            assert await pool.warm_up([repo["pid"]]) == 2
+            busy, release = await _hold_a_worker(pool, repo, nursery, tmp_path)
+            [gated] = [lane for lane in pool._lanes if lane.outstanding]
+            ran_in: list[int] = []
+
+            async def call() -> None:
+                ran_in.append(int((await pool.predict(repo["pid"], {}, NO_PARAMETERS))["pid"][0]))
+
+            async with trio.open_nursery() as calls:
+                with pytest.raises(ModelFailed, match=r"^ModuleNotFoundError: "):
+                    await pool.predict(repo["returns_worker_only"], {}, NO_PARAMETERS)
+                calls.start_soon(call)
+                await exited.ended.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(gated.outstanding) == 2
+                release.touch()
+            assert ran_in == [busy]
+            assert pool.statistics().killed == 1
+    finally:
+        trio.lowlevel.remove_instrument(exited)
+
+
+async def test_a_sequence_started_as_its_only_lanes_worker_exited_runs_on_the_next_worker(
+    pool: WorkerPool, repo: dict[str, ModelSettings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One lane, whose worker exited while its child holds the worker's connection open (as
+    # long as the child lives: the bound on reading the last reports lifted): a sequence
+    # started then can only be pinned to that lane, and is not the dead worker's. It waits for
+    # the next worker, which starts once the talk with the dead one has ended (when the child
+    # exits), and runs there rather than being lost with the dead worker.
+    from trio_infer.workers import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_LAST_REPORTS_TIME", math.inf)
+    exited = _LaneTaskEnds("_run_process")
+    trio.lowlevel.add_instrument(exited)
+    ran_in: list[int] = []
+
+    async def start_a_sequence() -> None:
+        flags = SequenceFlags("s", start=True, end=False)
+        out = await pool.predict(repo["pid"], {}, NO_PARAMETERS, sequence=flags)
+        ran_in.append(int(out["pid"][0]))
+
+    try:
+        out = await pool.predict(repo["holds_sockets"], {}, NO_PARAMETERS)
+        worker, holder = int(out["pid"][0]), int(out["holder"][0])
+        try:
+            os.kill(worker, signal.SIGKILL)
+            await exited.ended.wait()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(start_a_sequence)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not ran_in
+                assert not _dead(holder)
+                os.kill(holder, signal.SIGKILL)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # reaped already
+                os.kill(holder, signal.SIGKILL)
+    finally:
+        trio.lowlevel.remove_instrument(exited)
+    [replacement] = ran_in
+    assert replacement != worker
+    flags = SequenceFlags("s", start=False, end=True)
+    assert (await pool.predict(repo["pid"], {}, NO_PARAMETERS, sequence=flags))["pid"][0] == (
+        replacement
+    )
     assert pool.statistics().crashed == 1

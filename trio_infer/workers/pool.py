@@ -43,12 +43,15 @@ the lane its sequence is pinned to (the least loaded one when the sequence start
 that lane's ``pinned`` queue, in arrival order, which the lane takes after its ``private`` calls
 and before the pool's queue, and no other lane takes. When a lane's worker ends, its sequences are
 lost (their state was in the process): their waiting calls fail with ``Unavailable``, and so do
-their later ones until a ``sequence_start``.
+their later ones until a ``sequence_start``. They are lost as soon as the lane knows its worker
+ended: a sequence started from then on is a new worker's, on that lane only if no other will do.
 
 Error handling: a worker that dies mid-call fails that call with ``Unavailable`` naming the
 signal or exit code; the calls sent after it go back to the queue, and the pool keeps serving.
 Once its lane knows it has exited, a worker is sent no call, though its connection may outlive it
-(a child process the model started holds it open): calls wait for the replacement.
+(a child process the model started holds it open): the lane counts as having no worker, the
+other lanes are woken to take the pool's calls (or start a worker for them), and only the lane's
+own calls wait for the replacement.
 Each death is one WARNING line: the worker's pid, the cause and the calls it failed. A model's
 error is logged where its call ends, in this process, at most one line per model per interval
 (``trio_infer.scheduling.model_errors.ModelErrorLog``).
@@ -617,7 +620,9 @@ class WorkerPool:
         return PoolStatistics(
             workers=len(self._lanes),
             busy=sum(1 for lane in self._lanes if lane.outstanding),
-            idle=sum(1 for lane in self._lanes if lane.connected and not lane.outstanding),
+            idle=sum(
+                1 for lane in self._lanes if lane.live and lane.connected and not lane.outstanding
+            ),
             waiting=len(self._queue) + sum(lane.waiting() for lane in self._lanes),
             crashed=self._crashed,
             not_started=self._not_started,
@@ -753,12 +758,14 @@ class WorkerPool:
             self._sequences.finished(call.pin, trio.current_time())
 
     def _least_loaded_lane(self) -> _Lane:
-        """Where a new sequence runs: a lane that is up, with the fewest calls, then the fewest
+        """Where a new sequence runs: a lane that is up and not still reading a worker that
+        ended (its next worker is not started yet), with the fewest calls, then the fewest
         sequences."""
         return min(
             self._lanes,
             key=lambda lane: (
                 lane.down,
+                lane.connected and not lane.live,
                 len(lane.outstanding) + len(lane.pinned),
                 self._sequences.held_by(lane),
                 lane.index,
@@ -1080,7 +1087,10 @@ class _Lane:
         # worker was gone before it could read it, so it never ran there (see _settle).
         self._undelivered: _Call | None = None
         self._head_started = 0.0
-        # The current process's life:
+        # The current process's life. live: the lane has a worker process, starting or running;
+        # False from the moment the lane knows it ended (see _worker_ended), though its
+        # connection may still be read for its last reports. Only a live lane takes calls, and
+        # only a live one without calls counts as a free worker (_has_work, _take).
         self.live = False
         self._process = trio.CancelScope()
         self._connecting = trio.CancelScope()
@@ -1089,11 +1099,9 @@ class _Lane:
         # nothing read: then every report the worker sent has been taken (None otherwise).
         self._awaiting_report: socket.socket | None = None
         self._killed = False
-        # Whether the current worker's serve has ended (its process exited, or serve returned).
-        # A call written to its connection from then on would never run, though the connection
-        # may still take it (a child process the model started holds it open), and would be
-        # failed as one the worker died running: _take takes none, calls wait for the next.
-        self._worker_ended = False
+        # Whether the current life's worker has connected: its sequences are then lost when it
+        # ends (_worker_ended), rather than with a start that failed (_not_started_at_all).
+        self._connected_in_life = False
         self._moved_on = False
         self._leaving = False
         self._exit_cause = "cause unknown"
@@ -1282,7 +1290,7 @@ class _Lane:
             trio.CancelScope(),
             trio.CancelScope(),
         )
-        self._killed = self._worker_ended = self._moved_on = self._leaving = False
+        self._killed = self._connected_in_life = self._moved_on = self._leaving = False
         self._exit_cause = "cause unknown"
         self.pid = None
         self.live = True
@@ -1291,7 +1299,7 @@ class _Lane:
             async with trio.open_nursery() as life:
                 connection = await self._start(life)
                 if connection is not None:
-                    connected = True
+                    connected = self._connected_in_life = True
                     with connection, self._talking:
                         self.connected = True
                         try:
@@ -1367,7 +1375,9 @@ class _Lane:
             returned = True
             self._exit_cause = f"{type(exc).__name__}: {exc}"
         finally:
-            self._worker_ended = True
+            # A call written to its connection from now on would never run, though the
+            # connection may still take it (a child process the model started holds it open).
+            self.live = False
             if not returned:
                 # Killed on cancel, or broken: trio-parallel's kill may not have reached it.
                 self._pool._kill(self.pid)
@@ -1377,6 +1387,26 @@ class _Lane:
             self._talking.deadline = min(
                 self._talking.deadline, trio.current_time() + _LAST_REPORTS_TIME
             )
+        # Not reached when the life is cancelled (the pool shuts down, or the lane crashed),
+        # whose calls the pool fails.
+        self._worker_ended()
+
+    def _worker_ended(self) -> None:
+        """The current worker process has exited (or its serve returned), and the lane knows it."""
+        pool = self._pool
+        if self._connected_in_life and not pool._closing:
+            # Now, not when the talk ends: a sequence started meanwhile (pinned here when no other
+            # lane will do) waits for the next worker, rather than being lost with this one.
+            pool._lose_sequences(self, self._loss_cause())
+        # Calls other lanes left for this one as a free worker: they take them now, or start
+        # a worker for them.
+        pool._wake_lanes()
+
+    def _loss_cause(self) -> str:
+        """Why the current worker's sequences are lost: its process, and how it ended."""
+        pid = self.pid if self.pid is not None else "pid unknown"
+        crashed = not self._killed and not self._leaving
+        return f"process {pid}, {self._exit_cause if crashed else 'stopped by the pool'}"
 
     async def _talk(self, connection: socket.socket) -> None:
         async with trio.open_nursery() as talk:
@@ -1484,7 +1514,7 @@ class _Lane:
         return None, None
 
     def _take(self) -> _Call | None:
-        if self._killed or self._worker_ended:
+        if self._killed or not self.live:
             return None
         if self.private:
             return self.private.popleft()
@@ -1747,14 +1777,19 @@ class _Lane:
             calls.remove(call)
             call.reply.set_error(Unavailable(f"worker process was stopped while {call.what}"))
             failed += 1
+        # The sequences' state went with the process (they were lost when it ended): their calls
+        # it held fail. The calls in pinned came since, for the next worker.
+        sequences = [call for call in calls if call.pin is not None]
+        calls = [call for call in calls if call.pin is None]
+        for call in sequences:
+            assert call.pin is not None
+            # One that ended (sequence_end) had left the table, which did not mark it.
+            call.pin.lose(self._loss_cause())
+            call.reply.set_error(Unavailable(call.pin.lost or ""))
+        failed += len(sequences)
         for call in reversed(calls):
             call.lane = None
             call.home.appendleft(call)
-        # Its sequences' state went with the process: their waiting calls fail, as will their
-        # later ones until a sequence_start begins them again.
-        pid = self.pid if self.pid is not None else "pid unknown"
-        cause = self._exit_cause if crashed else "stopped by the pool"
-        pool._lose_sequences(self, f"process {pid}, {cause}")
         if crashed:
             _log.warning(
                 "worker process %s died (%s): %d call(s) failed with it, %d sent back to the "
