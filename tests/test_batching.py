@@ -41,7 +41,6 @@ from trio_infer.scheduling.batching import (
     BatchStatistics,
     ModelBatcher,
     batch_key,
-    batch_rows,
     batching_enabled,
     concatenate_inputs,
     plan_batch,
@@ -206,14 +205,6 @@ def test_requests_that_differ_otherwise_have_different_keys(
     assert batch_key(inputs, parameters) != reference
 
 
-def test_batch_rows_is_the_common_first_dimension_or_none() -> None:
-    assert batch_rows({"a": np.zeros((3, 2)), "b": np.zeros(3)}) == 3
-    assert batch_rows({"a": np.zeros((0, 2))}) == 0
-    assert batch_rows({"a": np.zeros((3, 2)), "b": np.zeros(2)}) is None
-    assert batch_rows({"a": np.zeros(())}) is None
-    assert batch_rows({}) is None
-
-
 def test_batching_is_on_for_max_batch_size_above_one_with_a_batch_dimension() -> None:
     examples = {settings.name: settings for settings in load_repository(EXAMPLES)}
     assert [name for name, s in examples.items() if batching_enabled(s)] == ["add_sub", "dense"]
@@ -312,7 +303,7 @@ async def test_a_crashing_batcher_fails_only_the_requests_it_held_and_is_replace
     async def request(key: int = 0) -> None:
         parameters = Parameters({"key": key})
         try:
-            outputs = await batcher.predict({"x": np.full((1, 2), key)}, parameters, math.inf)
+            outputs = await batcher.predict({"x": np.full((1, 2), key)}, 1, parameters, math.inf)
         except InferError as exc:
             errors.append(exc)
         else:
@@ -366,7 +357,7 @@ async def test_a_batcher_that_crashes_while_planning_fails_the_queue_it_planned_
 
     async def request() -> None:
         with pytest.raises(InferError) as caught:
-            await batcher.predict({"x": np.zeros((1, 2))}, Parameters(), math.inf)
+            await batcher.predict({"x": np.zeros((1, 2))}, 1, Parameters(), math.inf)
         errors.append(caught.value)
 
     async with trio.open_nursery() as nursery:
@@ -377,7 +368,7 @@ async def test_a_batcher_that_crashes_while_planning_fails_the_queue_it_planned_
         await eventually(lambda: batcher.statistics().waiting == 2)
         await nursery.start(batcher.run)
         await eventually(lambda: len(errors) == 2)
-        outputs = await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+        outputs = await batcher.predict({"x": np.ones((1, 2))}, 1, Parameters(), math.inf)
         nursery.cancel_scope.cancel()
     assert [(e.code, e.message) for e in errors] == [(StatusCode.INTERNAL, CRASHED)] * 2
     assert outputs["y"].tolist() == [[1.0, 1.0]]
@@ -405,7 +396,7 @@ async def test_a_request_that_finds_nothing_of_its_model_running_or_waiting_goes
     served: list[int] = []
 
     async def request() -> None:
-        outputs = await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+        outputs = await batcher.predict({"x": np.ones((1, 2))}, 1, Parameters(), math.inf)
         served.append(len(outputs["y"]))
 
     async with trio.open_nursery() as nursery:
@@ -431,8 +422,8 @@ async def test_a_request_that_finds_nothing_of_its_model_running_or_waiting_goes
     async with trio.open_nursery() as nursery:
         await nursery.start(crashing.run)
         with pytest.raises(InferError) as caught:
-            await crashing.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
-        outputs = await crashing.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+            await crashing.predict({"x": np.ones((1, 2))}, 1, Parameters(), math.inf)
+        outputs = await crashing.predict({"x": np.ones((1, 2))}, 1, Parameters(), math.inf)
         nursery.cancel_scope.cancel()
     assert (caught.value.code, caught.value.message) == (StatusCode.INTERNAL, CRASHED)
     assert outputs["y"].tolist() == [[1.0, 1.0]]
@@ -486,7 +477,7 @@ async def test_a_request_waits_in_the_queue_from_when_it_reaches_the_batcher(
 
     async def request(timing: Timing) -> None:
         arrivals.append(trio.current_time())
-        await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf, timing=timing)
+        await batcher.predict({"x": np.ones((1, 2))}, 1, Parameters(), math.inf, timing=timing)
         served.append(timing)
 
     async with trio.open_nursery() as nursery:
@@ -511,7 +502,7 @@ async def test_only_a_full_batch_goes_to_the_pool_ahead_of_a_free_worker() -> No
     served: list[int] = []
 
     async def request() -> None:
-        out = await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf)
+        out = await batcher.predict({"x": np.ones((1, 2))}, 1, Parameters(), math.inf)
         served.append(len(out["y"]))
 
     async with trio.open_nursery() as nursery:
@@ -541,7 +532,7 @@ async def test_a_request_that_fills_a_batch_alone_goes_to_the_pool_directly() ->
     batcher = ModelBatcher(settings, pool, batchers=1)
 
     async def request(rows: int) -> None:
-        out = await batcher.predict({"x": np.ones((rows, 2))}, Parameters(), math.inf)
+        out = await batcher.predict({"x": np.ones((rows, 2))}, rows, Parameters(), math.inf)
         assert len(out["y"]) == rows
 
     async with trio.open_nursery() as nursery:
@@ -564,7 +555,7 @@ async def test_batches_of_a_higher_priority_run_first_and_levels_never_share_one
     batcher = ModelBatcher(settings, pool, batchers=1)
 
     async def request(priority: int) -> None:
-        await batcher.predict({"x": np.ones((1, 2))}, Parameters(), math.inf, priority)
+        await batcher.predict({"x": np.ones((1, 2))}, 1, Parameters(), math.inf, priority)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(batcher.run)
@@ -606,11 +597,21 @@ class Rows(Model):
             os._exit(3)
         x = inputs["x"]
         rows = len(x) - 1 if action == "short" else len(x)
-        return {
+        outputs = {
             "y": x,
             "batch_rows": np.full(rows, len(x), np.int64),
             "pid": np.full(rows, os.getpid(), np.int64),
         }
+        # Answers that are not the declared outputs (when the settings declare them).
+        if action == "wide":
+            outputs["y"] = np.zeros((len(x), x.shape[1] + 1), x.dtype)
+        elif action == "int32":
+            outputs["pid"] = outputs["pid"].astype(np.int32)
+        elif action == "missing":
+            del outputs["pid"]
+        elif action == "extra":
+            outputs["z"] = x
+        return outputs
 """
 
 
@@ -865,6 +866,82 @@ async def test_a_failing_batch_fails_only_its_own_members_each_with_the_error(
             assert (error.code(), error.details()) == expected[action]
     stats = statistics(server, "rows")
     assert (stats.batches, stats.max_batch_requests, stats.requests) == (4, 2, 8)
+
+
+ROWS_TENSORS: dict[str, Any] = {
+    "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 3]}],
+    "outputs": [
+        {"name": "y", "datatype": "FP32", "shape": [-1, 3]},
+        {"name": "batch_rows", "datatype": "INT64", "shape": [-1]},
+        {"name": "pid", "datatype": "INT64", "shape": [-1]},
+    ],
+}
+
+
+async def test_outputs_that_are_not_the_declared_ones_fail_every_member_with_its_own_message(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Each batch is full with a request of one row and one of two (max_batch_size 3), so each
+    # member's outputs are its rows of the batch's; a shape's message names the member's own.
+    repository = Repository(tmp_path).add(
+        "rows", max_batch_size=3, max_batch_time=5.0, **ROWS_TENSORS
+    )
+    server = await start_server(nursery, repository.root)
+    calls = Calls(GrpcioClient(server.port))
+    actions = ["wide", "int32", "missing", "extra", "ok"]
+    futures = {
+        action: [calls.start(rows_request(rows, action=action)) for rows in (1, 2)]
+        for action in actions
+    }
+    ok = [await calls.outputs(future) for future in futures.pop("ok")]
+    assert [outputs["batch_rows"].tolist() for outputs in ok] == [[3], [3, 3]]
+    expected = {
+        "wide": [
+            f"model 'rows' output 'y' has shape [{rows}, 4], but the model declares [-1, 3] "
+            f"(its first dimension is the request's batch size, {rows})"
+            for rows in (1, 2)
+        ],
+        "int32": ["model 'rows' output 'pid' is INT32, but the model declares INT64"] * 2,
+        "missing": ["model 'rows' did not return its declared output(s) 'pid'"] * 2,
+        "extra": [
+            "model 'rows' returned output 'z', which it does not declare; its declared outputs "
+            "are 'y', 'batch_rows', 'pid'"
+        ]
+        * 2,
+    }
+    for action, members in futures.items():
+        errors = [await calls.error(future) for future in members]
+        assert [(e.code(), e.details()) for e in errors] == [
+            (grpc.StatusCode.INTERNAL, message) for message in expected[action]
+        ]
+    stats = statistics(server, "rows")
+    assert (stats.batches, stats.max_batch_requests, stats.requests) == (5, 2, 10)
+    [model] = server.core.model_statistics("rows")
+    assert model.requests[StatusCode.OK] == 2
+    assert model.requests[StatusCode.INTERNAL] == 8
+    assert (model.executions, model.inferences) == (5, 15)
+
+
+async def test_a_fixed_first_output_dimension_is_checked_against_each_members_rows(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # y declares 2 rows: a batch of two one-row requests has them, but neither request does.
+    tensors = json.loads(json.dumps(ROWS_TENSORS))
+    tensors["outputs"][0]["shape"] = [2, 3]
+    repository = Repository(tmp_path).add("rows", max_batch_size=2, max_batch_time=5.0, **tensors)
+    server = await start_server(nursery, repository.root)
+    calls = Calls(GrpcioClient(server.port))
+    members = [calls.start(rows_request(1)) for _ in range(2)]
+    for future in members:
+        error = await calls.error(future)
+        assert (error.code(), error.details()) == (
+            grpc.StatusCode.INTERNAL,
+            "model 'rows' output 'y' has shape [1, 3], but the model declares [2, 3]",
+        )
+    alone = await calls.outputs(calls.start(rows_request(2)))
+    assert alone["y"].shape == (2, 3)
+    stats = statistics(server, "rows")
+    assert (stats.batches, stats.max_batch_requests, stats.alone) == (1, 2, 1)
 
 
 async def test_a_batchs_requests_are_freed_when_answered_not_left_to_the_cyclic_collector(

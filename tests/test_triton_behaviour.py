@@ -20,7 +20,7 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.support import GrpcioClient, start_server, write_repository
-from trio_infer.core.validation import validate_batch, validate_outputs
+from trio_infer.core.validation import validate_batch, validate_inputs, validate_outputs
 from trio_infer.errors import InvalidInput, ModelFailed
 from trio_infer.protobuf import wire
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
@@ -381,3 +381,32 @@ def test_the_batch_is_the_first_dimension_every_input_shares() -> None:
     assert caught.value.message.startswith(
         "input 's' has no shape but model requires batch dimension for 'm'"
     )
+
+
+def test_the_batch_is_read_with_the_inputs_checks_and_its_errors_come_after_theirs() -> None:
+    specs = {name: TensorSpec(name, "FP32", (-1, 2)) for name in ("a", "b", "c")}
+    three, four = np.zeros((3, 2), np.float32), np.zeros((4, 2), np.float32)
+    differs = (
+        "input 'b' batch size does not match other inputs for 'm': 'b' has 4 (shape [4, 2]), "
+        "'a' has 3 (shape [3, 2])"
+    )
+    cases = [
+        ({"a": three, "b": four}, "model 'm': request is missing input(s) 'c'"),
+        (
+            {"a": three, "b": four, "c": np.zeros((3, 2), np.int32)},
+            "model 'm' input 'c': expected datatype FP32, got INT32",
+        ),
+        ({"a": three, "b": four, "c": three}, differs),
+        ({"a": three, "b": four, "c": four}, differs),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(InvalidInput) as caught:
+            validate_inputs(inputs, specs, "m", batched=True)
+        assert caught.value.message == message
+    agreeing = {"a": four, "b": four, "c": four}
+    assert validate_inputs(agreeing, specs, "m", batched=True) == 4
+    assert validate_inputs(agreeing, specs, "m") is None
+    # Without declared inputs, the batch is validate_batch's.
+    assert validate_inputs({"x": np.zeros(5)}, {}, "m", batched=True) == 5
+    with pytest.raises(InvalidInput, match="input 'y' batch size does not match"):
+        validate_inputs({"x": np.zeros(5), "y": np.zeros(2)}, {}, "m", batched=True)

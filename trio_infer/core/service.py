@@ -31,8 +31,8 @@ from trio_infer.core.types import (
 )
 from trio_infer.core.validation import (
     DeclaredTensors,
+    outputs_check,
     select_outputs,
-    validate_batch,
     validate_inputs,
     validate_outputs,
 )
@@ -41,7 +41,7 @@ from trio_infer.model import ModelOutputs, Parameters, Response
 from trio_infer.repository.registry import ModelRegistry
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.admission import Admission, OutputSize, Reservation
-from trio_infer.scheduling.batching import Batching, batch_rows
+from trio_infer.scheduling.batching import Batching, ModelBatcher
 from trio_infer.scheduling.priority import DEFAULT_PRIORITY, take_priority
 from trio_infer.scheduling.sequences import SequenceFlags, sequence_of
 from trio_infer.scheduling.statistics import ModelRecorder, RequestTiming, StatisticsRecorder
@@ -120,6 +120,9 @@ class InferenceCore:
             ahead=workers * (CALLS_PER_WORKER - 1),
             model_errors=pool.model_errors,
             recorder=self.recorder,
+            # A batcher checks its model's outputs, once for a batch where that tells each
+            # member's check: the core checks the others' (see _response).
+            outputs_check=outputs_check,
         )
         """The batchers of the models that batch; the server runs and stops them."""
         self.draining = False
@@ -335,19 +338,38 @@ class InferenceCore:
             try:
                 priority, parameters, sequence = _model_parameters(served, request, context)
                 deadline = context.deadline
+                # A sequence's requests run one at a time on its worker: never in a batch.
+                batcher = None if sequence is not None else self.batching.get(settings.name)
                 if settings.timeout is None:
                     # The call's own scope enforces its deadline: the worker's (or batcher's)
                     # coroutine is awaited here, without a coroutine of the core around it.
                     outputs = await self._run_on_worker(
-                        settings, request.inputs, parameters, priority, deadline, sequence, timing
+                        settings,
+                        batcher,
+                        request.inputs,
+                        batch,
+                        parameters,
+                        priority,
+                        deadline,
+                        sequence,
+                        timing,
                     )
                 else:
                     outputs = await self._predict(
-                        settings, request.inputs, parameters, priority, deadline, sequence, timing
+                        settings,
+                        batcher,
+                        request.inputs,
+                        batch,
+                        parameters,
+                        priority,
+                        deadline,
+                        sequence,
+                        timing,
                     )
             finally:
                 admission.release_slot(settings)
-            response = _response(served, request, outputs, batch)
+            # A batcher's answers are checked already.
+            response = _response(served, request, outputs, batch, batcher is None)
             if encode is None:
                 return response
             return await encode(response)
@@ -383,7 +405,7 @@ class InferenceCore:
                 priority, parameters, sequence = _model_parameters(served, request, context)
 
                 async def each(outputs: ModelOutputs) -> None:
-                    await respond(_response(served, request, outputs, batch))
+                    await respond(_response(served, request, outputs, batch, True))
 
                 limit = context.deadline
                 if settings.timeout is not None:
@@ -419,7 +441,7 @@ class InferenceCore:
         self, served: _Served, request: InferenceRequest, context: RequestContext
     ) -> int | None:
         """Check that the model is ready and the request fits it and the budget; return its
-        batch size when the model has a batch dimension (:func:`validate_batch`), else None."""
+        batch size when the model has a batch dimension (:func:`validate_inputs`), else None."""
         settings = served.settings
         # Draining is not checked here: a request accepted before shutdown is served to the end.
         if not self.registry.is_ready(settings.name):
@@ -428,10 +450,7 @@ class InferenceCore:
                 f"model '{settings.name}' is not ready" + (f": {reason}" if reason else "")
             )
         declared = served.declared
-        validate_inputs(request.inputs, declared.inputs, settings.name)
-        batch = None
-        if declared.batched:
-            batch = validate_batch(request.inputs, settings.name)
+        batch = validate_inputs(request.inputs, declared.inputs, settings.name, declared.batched)
         reservation = context.reservation
         extra = (
             served.output_size.estimate(request.inputs) - reservation.granted // RESERVED_PER_BYTE
@@ -443,7 +462,9 @@ class InferenceCore:
     async def _predict(
         self,
         settings: ModelSettings,
+        batcher: ModelBatcher | None,
         inputs: dict[str, np.ndarray],
+        batch: int | None,
         parameters: Parameters,
         priority: int,
         deadline: float,
@@ -458,11 +479,11 @@ class InferenceCore:
         if limit >= deadline:
             # The call's own scope enforces its deadline.
             return await self._run_on_worker(
-                settings, inputs, parameters, priority, deadline, sequence, timing
+                settings, batcher, inputs, batch, parameters, priority, deadline, sequence, timing
             )
         with trio.move_on_at(limit):
             return await self._run_on_worker(
-                settings, inputs, parameters, priority, limit, sequence, timing
+                settings, batcher, inputs, batch, parameters, priority, limit, sequence, timing
             )
         raise InferError(
             f"model '{settings.name}' did not answer within its timeout of {settings.timeout:g} s",
@@ -472,22 +493,34 @@ class InferenceCore:
     def _run_on_worker(
         self,
         settings: ModelSettings,
+        batcher: ModelBatcher | None,
         inputs: dict[str, np.ndarray],
+        batch: int | None,
         parameters: Parameters,
         priority: int,
         limit: float,
         sequence: SequenceFlags | None,
         timing: RequestTiming,
     ) -> Awaitable[ModelOutputs]:
-        """The model call of a request, to be awaited by the caller: the batcher's own
-        coroutine when the model batches (it dispatches the batch in time for ``limit`` and
-        records its executions), else :meth:`_unbatched`."""
-        batcher = self.batching.get(settings.name)
-        if batcher is None or sequence is not None:
+        """The model call of a request of ``batch`` rows (as ``_admit`` returned it), to be
+        awaited by the caller: ``batcher``'s own coroutine (the model's, None for a sequence's
+        request; it dispatches the batch in time for ``limit`` and records its executions),
+        else :meth:`_unbatched`."""
+        if batcher is None:
+            # Triton's counts: a request of a model that does not batch is one inference, one
+            # of a model that does (here only in a sequence) is as many as its rows.
+            one_inference = sequence is None or self.batching.get(settings.name) is None
             return self._unbatched(
-                settings, inputs, parameters, priority, limit, sequence, timing, batcher is None
+                settings,
+                inputs,
+                parameters,
+                priority,
+                limit,
+                sequence,
+                timing,
+                1 if one_inference or batch is None else batch,
             )
-        return batcher.predict(inputs, parameters, limit, priority, timing)
+        return batcher.predict(inputs, batch, parameters, limit, priority, timing)
 
     async def _unbatched(
         self,
@@ -498,7 +531,7 @@ class InferenceCore:
         limit: float,
         sequence: SequenceFlags | None,
         timing: RequestTiming,
-        one_inference: bool,
+        inferences: int,
     ) -> ModelOutputs:
         # A sequence's requests run one at a time on its worker: never in a batch. (A batcher
         # sets the queue's start of the requests it takes.)
@@ -506,10 +539,7 @@ class InferenceCore:
         outputs = await self.pool.predict(
             settings, inputs, parameters, priority, sequence, timing, limit
         )
-        # Triton's counts: a request of a model that does not batch is one inference, one of
-        # a model that does is as many as its rows.
-        rows = None if one_inference else batch_rows(inputs)
-        timing.executed(1 if rows is None else rows)
+        timing.executed(inferences)
         return outputs
 
 
@@ -533,11 +563,15 @@ class _Served:
 
 
 def _response(
-    served: _Served, request: InferenceRequest, outputs: ModelOutputs, batch: int | None
+    served: _Served,
+    request: InferenceRequest,
+    outputs: ModelOutputs,
+    batch: int | None,
+    check: bool,
 ) -> InferenceResponse:
     """The answer to ``request`` from its model's outputs (and metadata), which must be the
-    declared outputs (``ModelFailed`` otherwise); ``batch``: the request's batch size, as
-    ``_admit`` returned it."""
+    declared outputs (``ModelFailed`` otherwise), checked here when ``check`` (not by a
+    batcher); ``batch``: the request's batch size, as ``_admit`` returned it."""
     name = served.settings.name
     declared = served.declared.outputs
     if isinstance(outputs, Response):
@@ -548,7 +582,7 @@ def _response(
         # No metadata shares one empty mapping: the defaults would make two empty dicts a
         # request.
         headers = trailers = _NO_METADATA
-    if declared:
+    if check and declared:
         validate_outputs(outputs, declared, name, batch)
     # Positional: a class called with keywords gets them as a dict made for the call.
     return InferenceResponse(

@@ -11,7 +11,7 @@ there is the model's fault and raises :class:`~trio_infer.errors.ModelFailed` (I
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from trio_infer.repository.settings import ModelSettings, TensorSpec
 __all__ = [
     "DeclaredTensors",
     "has_batch_dimension",
+    "outputs_check",
     "select_outputs",
     "validate_batch",
     "validate_inputs",
@@ -55,25 +56,39 @@ def _by_name(specs: Sequence[TensorSpec]) -> dict[str, TensorSpec]:
 
 
 def validate_inputs(
-    inputs: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec], model_name: str
-) -> None:
-    """Check a request's input names, datatypes and shapes against a model's declared inputs.
+    inputs: Mapping[str, np.ndarray],
+    specs: Mapping[str, TensorSpec],
+    model_name: str,
+    batched: bool = False,
+) -> int | None:
+    """Check a request's input names, datatypes and shapes against a model's declared inputs,
+    and, for a model with a batch dimension, that they agree on it (:func:`validate_batch`,
+    whose errors come after these).
 
-    Only metadata is read, not data. A model that declares no inputs accepts anything. ``-1`` in
-    a declared shape matches any size.
+    Only metadata is read, not data. A model that declares no inputs accepts anything (but
+    inputs that disagree on a batch dimension). ``-1`` in a declared shape matches any size.
 
     Args:
         inputs: The request's decoded inputs, by name.
         specs: The model's declared inputs by name, in the declared order
             (:attr:`DeclaredTensors.inputs`).
         model_name: Named in error messages.
+        batched: Whether the model has a batch dimension (:func:`has_batch_dimension`).
+
+    Returns:
+        With ``batched``, the batch size, as :func:`validate_batch` returns it; else None.
 
     Raises:
         InvalidInput: If the request sends an input the model does not declare, omits a
-            declared one, or sends one with another datatype, rank or fixed dimension.
+            declared one, or sends one with another datatype, rank or fixed dimension; or,
+            with ``batched``, as :func:`validate_batch`.
     """
     if not specs:
-        return
+        return validate_batch(inputs, model_name) if batched else None
+    # With batched, every declared shape has -1 first, so every input (of the declared rank
+    # once checked) has a first dimension: the batch is read in this loop, not another.
+    rows = -1
+    differs: str | None = None
     for name, array in inputs.items():
         spec = specs.get(name)
         if spec is None:
@@ -100,11 +115,22 @@ def validate_inputs(
         for want, got in zip(declared_shape, shape):  # noqa: B905
             if want != got and want != -1:
                 raise _dimension_differs(model_name, name, declared_shape, shape)
+        if batched:
+            if rows < 0:
+                rows = shape[0]
+            elif shape[0] != rows and differs is None:
+                differs = name
     # Every input is declared (checked above) and named once (a mapping's keys): fewer inputs
     # than declared ones is the one way to miss one.
     if len(inputs) < len(specs):
         missing = [name for name in specs if name not in inputs]
         raise InvalidInput(f"model '{model_name}': request is missing input(s) {_quoted(missing)}")
+    if not batched:
+        return None
+    if differs is not None:
+        raise _batch_differs(inputs, differs, model_name)
+    # As many inputs as declared ones, so at least one: rows is the first one's.
+    return rows
 
 
 def _dimension_differs(
@@ -150,7 +176,7 @@ def validate_batch(inputs: Mapping[str, np.ndarray], model_name: str) -> int | N
         InvalidInput: If an input is a scalar (it has no batch dimension), or its first
             dimension is not the first input's; the message names both inputs and sizes.
     """
-    first: tuple[str, np.ndarray] | None = None
+    rows: int | None = None
     for name, array in inputs.items():
         if not array.ndim:
             raise InvalidInput(
@@ -158,15 +184,21 @@ def validate_batch(inputs: Mapping[str, np.ndarray], model_name: str) -> int | N
                 f"'{model_name}' (its max_batch_size is above 0: every input's first "
                 "dimension is the batch)"
             )
-        if first is None:
-            first = name, array
-        elif array.shape[0] != first[1].shape[0]:
-            raise InvalidInput(
-                f"input '{name}' batch size does not match other inputs for '{model_name}': "
-                f"'{name}' has {array.shape[0]} (shape {shape_text(array.shape)}), "
-                f"'{first[0]}' has {first[1].shape[0]} (shape {shape_text(first[1].shape)})"
-            )
-    return None if first is None else int(first[1].shape[0])
+        if rows is None:
+            rows = int(array.shape[0])
+        elif array.shape[0] != rows:
+            raise _batch_differs(inputs, name, model_name)
+    return rows
+
+
+def _batch_differs(inputs: Mapping[str, np.ndarray], name: str, model_name: str) -> InvalidInput:
+    """The error for input ``name``, whose first dimension is not the first input's."""
+    first, array = next(iter(inputs.items())), inputs[name]
+    return InvalidInput(
+        f"input '{name}' batch size does not match other inputs for '{model_name}': "
+        f"'{name}' has {array.shape[0]} (shape {shape_text(array.shape)}), "
+        f"'{first[0]}' has {first[1].shape[0]} (shape {shape_text(first[1].shape)})"
+    )
 
 
 def validate_outputs(
@@ -225,6 +257,23 @@ def validate_outputs(
                 f"model '{model_name}' output '{name}' has shape {shape_text(shape)}, but the "
                 f"model declares {shape_text(want)}{batched}"
             )
+
+
+def outputs_check(
+    settings: ModelSettings,
+) -> Callable[[Mapping[str, np.ndarray], int | None], None] | None:
+    """:func:`validate_outputs` against a model's declared outputs, as one call of the outputs
+    and the request's batch size: what a batcher checks a model's answer with. None when the
+    model declares no outputs (it may return anything)."""
+    specs = _by_name(settings.outputs)
+    if not specs:
+        return None
+    model_name = settings.name
+
+    def check(outputs: Mapping[str, np.ndarray], batch: int | None) -> None:
+        validate_outputs(outputs, specs, model_name, batch)
+
+    return check
 
 
 def _fits(shape: tuple[int, ...], want: tuple[int, ...], batch: int | None) -> bool:

@@ -10,7 +10,8 @@ A request task calls :meth:`ModelBatcher.predict`: it joins its model's queue an
 reply slot (a request that fills a batch by itself goes to the pool directly). A batcher takes a
 batch out of the queue (:func:`plan_batch` decides which requests and when), concatenates their
 inputs along dimension 0, awaits ``pool.predict`` and fills every member's slot with its rows of
-the outputs, or with the error. As many batches as there are
+the outputs (checked against the declared ones, once for the batch when that tells each
+member's check), or with the error. As many batches as there are
 workers may be in the pool at once, and full ones besides: the pool sends those to a worker
 ahead of time, so it starts them as soon as it is done with the one before. A batch that can
 still grow stays in the queue instead, where the requests that come meanwhile can join it.
@@ -62,10 +63,10 @@ __all__ = [
     "BatchStatistics",
     "Batching",
     "ModelBatcher",
+    "OutputsCheck",
     "Pending",
     "Predictor",
     "batch_key",
-    "batch_rows",
     "batching_enabled",
     "concatenate_inputs",
     "plan_batch",
@@ -83,6 +84,12 @@ _RUN_TIME_WEIGHT = 0.2
 _DISPATCH_SLACK = 0.025
 #: Seconds a batcher that replaces a crashed one waits before it starts.
 _RESTART_PAUSE = 0.1
+
+
+#: A model's check of what it returned for a request: its outputs (a ``Response``'s outputs) and
+#: the request's batch size (None when its inputs have none). It raises ``ModelFailed`` when
+#: they are not the declared ones (``trio_infer.core.validation.outputs_check``).
+OutputsCheck = Callable[[Mapping[str, np.ndarray], int | None], None]
 
 
 class Predictor(Protocol):
@@ -114,32 +121,9 @@ def batching_enabled(settings: ModelSettings) -> bool:
     Returns:
         True when ``max_batch_size`` is more than 1 and every declared input has ``-1`` as its
         first dimension (a model that declares no inputs qualifies; its requests are batched
-        when their inputs allow it, see :func:`batch_rows`).
+        when their inputs share a first dimension).
     """
     return settings.max_batch_size > 1 and all(spec.shape[:1] == (-1,) for spec in settings.inputs)
-
-
-def batch_rows(inputs: Mapping[str, np.ndarray]) -> int | None:
-    """The number of rows a request adds to a batch.
-
-    Args:
-        inputs: The request's input tensors.
-
-    Returns:
-        The common size of every input's first dimension, or None when there is none (no
-        inputs, a scalar input, or first dimensions that differ): such a request runs alone.
-    """
-    # A loop, not a set of the sizes: every request of a batching model comes here.
-    rows = None
-    for array in inputs.values():
-        if not array.ndim:
-            return None
-        size: int = array.shape[0]
-        if rows is None:
-            rows = size
-        elif size != rows:
-            return None
-    return rows
 
 
 def batch_key(inputs: Mapping[str, np.ndarray], parameters: Parameters) -> Hashable:
@@ -221,7 +205,7 @@ class Pending(Protocol):
 
     @property
     def rows(self) -> int:
-        """Its :func:`batch_rows`."""
+        """The rows it adds to a batch: its inputs' common first dimension."""
         ...
 
     @property
@@ -582,6 +566,8 @@ class ModelBatcher:
         model_errors: Where the model's errors are logged (shared with the pool).
         recorder: Where the model's executions are counted (see
             :mod:`trio_infer.scheduling.statistics`); by default one of its own.
+        check_outputs: What every request's outputs are checked with before it gets them
+            (:meth:`predict` raises its error); None: only their rows are.
     """
 
     def __init__(
@@ -593,6 +579,7 @@ class ModelBatcher:
         ahead: int = 0,
         model_errors: ModelErrorLog | None = None,
         recorder: ModelRecorder | None = None,
+        check_outputs: OutputsCheck | None = None,
     ) -> None:
         if batchers < 1:
             raise ValueError(f"batchers must be at least 1, got {batchers}")
@@ -632,10 +619,17 @@ class ModelBatcher:
         # The last request's Parameters and their part of its batch key (see predict).
         self._keyed: Parameters | None = None
         self._parameters_key: Hashable = ()
+        self._check_outputs = check_outputs
+        # One check of a batch's outputs, for its total rows, serves every member when it
+        # passes only if each member's part then passes for the member's rows: so when every
+        # declared output's first dimension is -1 (the split gave each member its own rows). A
+        # fixed first dimension can fit the total and not a member's rows.
+        self._check_once = all(spec.shape[:1] == (-1,) for spec in settings.outputs)
 
     async def predict(
         self,
         inputs: dict[str, np.ndarray],
+        rows: int | None,
         parameters: Parameters,
         deadline: float,
         priority: int = DEFAULT_PRIORITY,
@@ -648,6 +642,8 @@ class ModelBatcher:
 
         Args:
             inputs: The request's input tensors.
+            rows: The size of the first dimension every input shares, as the caller found it
+                checking them; None when there is none (no inputs): the request runs alone.
             parameters: The request's parameters.
             deadline: When the caller stops waiting (Trio clock), the effective deadline of its
                 cancel scopes: its batch is dispatched in time for it, and the pool is given it
@@ -660,11 +656,12 @@ class ModelBatcher:
 
         Returns:
             The request's rows of the batch's outputs (with the batch's metadata, when the
-            model returned a ``Response``).
+            model returned a ``Response``), checked with ``check_outputs``.
 
         Raises:
             InferError: The model raised one, for the whole batch (its status is kept).
-            ModelFailed: The model failed otherwise, or an output lacks the batch's rows.
+            ModelFailed: The model failed otherwise, an output lacks the batch's rows, or the
+                request's outputs fail ``check_outputs`` (its error).
             Unavailable: The worker died during the batch, or batching has stopped.
         """
         if self._stopped is not None:
@@ -673,14 +670,17 @@ class ModelBatcher:
             timing = Timing()
         # One read of the clock: the request's arrival in the queue, and a batch of one's start.
         arrived = timing.queued = self._now()
-        rows = batch_rows(inputs)
         if rows is None:
-            return await self._alone(inputs, parameters, priority, timing, 1, deadline)
+            outputs = await self._alone(inputs, parameters, priority, timing, 1, deadline)
+            self._check(outputs, None)
+            return outputs
         if rows >= self.settings.max_batch_size:
             # It would run alone, as a full batch: it goes to the pool as one, without the
             # queue, the planning and two task switches, which cost more than the call saves.
             self._counts.alone += 1
-            return await self._alone(inputs, parameters, priority, timing, rows, deadline)
+            outputs = await self._alone(inputs, parameters, priority, timing, rows, deadline)
+            self._check(outputs, rows)
+            return outputs
         if (
             self._one_at_a_time
             and not self._in_pool
@@ -742,6 +742,7 @@ class ModelBatcher:
             outputs = await alone
             self._learn_run_time(self._now() - started)
             (part,) = self._split(outputs, [rows])
+            self._check(part, rows)
             return part
         except InferError:
             raise
@@ -778,6 +779,34 @@ class ModelBatcher:
             # The model's fault, found here rather than in the pool: logged here.
             self._model_errors.record(self.settings.name, error)
             raise
+
+    def _check(self, outputs: ModelOutputs, rows: int | None) -> None:
+        """Check a request's outputs (of ``rows`` rows) with ``check_outputs``."""
+        if self._check_outputs is not None:
+            self._check_outputs(outputs.outputs if isinstance(outputs, Response) else outputs, rows)
+
+    def _failed_checks(
+        self, outputs: ModelOutputs, parts: list[ModelOutputs], rows: list[int]
+    ) -> list[ModelFailed | None] | None:
+        """Each member's error of ``check_outputs`` (None if it passes) for its part of a
+        batch's ``outputs``, in batch order; None when the whole batch passes at once."""
+        if self._check_outputs is None:
+            return None
+        if self._check_once:
+            try:
+                self._check(outputs, sum(rows))
+                return None
+            except ModelFailed:
+                # Each member's error names its own shape and rows: checked one by one.
+                pass
+        errors: list[ModelFailed | None] = []
+        for part, count in zip(parts, rows, strict=True):
+            try:
+                self._check(part, count)
+                errors.append(None)
+            except ModelFailed as error:
+                errors.append(error)
+        return errors
 
     def statistics(self) -> BatchStatistics:
         """Return a snapshot of this model's batching."""
@@ -903,12 +932,17 @@ class ModelBatcher:
                 self._learn_run_time(self._now() - started)
                 rows = [m.rows for m in members]
                 parts = self._split(outputs, rows)
-                for member, part in zip(members, parts, strict=True):
+                errors = self._failed_checks(outputs, parts, rows)
+                for index, (member, part) in enumerate(zip(members, parts, strict=True)):
                     # As Triton counts a batch: each member waited until the batch started,
                     # and computed for as long as the whole batch did.
                     member.timing.started = timing.started
                     member.timing.compute = timing.compute
-                    member.set_result(part)
+                    error = None if errors is None else errors[index]
+                    if error is None:
+                        member.set_result(part)
+                    else:
+                        member.set_error(error)
                 self._recorder.executed(sum(rows), timing.compute)
         except InferError as error:
             for member in members:
@@ -980,6 +1014,8 @@ class Batching:
             :class:`ModelBatcher`).
         model_errors: Where model errors are logged (shared with the pool).
         recorder: Where each model's executions are counted; by default one of its own.
+        outputs_check: A model's ``check_outputs`` (see :class:`ModelBatcher`), from its
+            settings; None: outputs are checked for their rows only.
     """
 
     def __init__(
@@ -991,8 +1027,10 @@ class Batching:
         ahead: int = 0,
         model_errors: ModelErrorLog | None = None,
         recorder: StatisticsRecorder | None = None,
+        outputs_check: Callable[[ModelSettings], OutputsCheck | None] | None = None,
     ) -> None:
         self._pool = pool
+        self._outputs_check = outputs_check
         self._batchers = batchers
         self._ahead = ahead
         self._model_errors = model_errors
@@ -1016,6 +1054,9 @@ class Batching:
                 ahead=self._ahead,
                 model_errors=self._model_errors,
                 recorder=self._recorder.model(settings.name, settings.version),
+                check_outputs=(
+                    None if self._outputs_check is None else self._outputs_check(settings)
+                ),
             )
         if settings.max_batch_size > 1:
             fixed = [spec.name for spec in settings.inputs if spec.shape[:1] != (-1,)]
