@@ -73,7 +73,12 @@ from trio_infer.server import RunningServer
 def test_the_outputs_size_is_estimated_from_the_declared_outputs_and_the_batch_size(
     outputs: tuple[TensorSpec, ...], inputs: dict[str, np.ndarray], expected: int
 ) -> None:
-    assert OutputSize(outputs).estimate(inputs) == expected
+    size = OutputSize(outputs)
+    assert size.estimate(inputs) == expected
+    # The batch size read already by the caller stands for the inputs' first dimension.
+    first = next(iter(inputs.values()), np.zeros(()))
+    rows = first.shape[0] if first.ndim else 1
+    assert size.estimate({}, rows) == expected
 
 
 async def test_reservations_are_granted_first_come_first_served() -> None:

@@ -453,7 +453,8 @@ class InferenceCore:
         batch = validate_inputs(request.inputs, declared.inputs, settings.name, declared.batched)
         reservation = context.reservation
         extra = (
-            served.output_size.estimate(request.inputs) - reservation.granted // RESERVED_PER_BYTE
+            served.output_size.estimate(request.inputs, batch)
+            - reservation.granted // RESERVED_PER_BYTE
         )
         if extra > 0:
             reservation.grow_nowait(extra, f"the outputs of model '{settings.name}'")

@@ -582,11 +582,15 @@ class OutputSize:
             else:
                 self._fixed += shape[0] * size
 
-    def estimate(self, inputs: Mapping[str, np.ndarray]) -> int:
-        """The estimated bytes of the outputs of a request of these ``inputs``."""
+    def estimate(self, inputs: Mapping[str, np.ndarray], batch: int | None = None) -> int:
+        """The estimated bytes of the outputs of a request of these ``inputs``; ``batch``: its
+        batch size when the caller has read it already (every input's first dimension), so
+        that it is not read again."""
         per_row = self._per_row
         if per_row is None:
             return 0
+        if batch is not None:
+            return batch * per_row + self._fixed
         rows = 1
         for first in inputs.values():
             if first.ndim:
