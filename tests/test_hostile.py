@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from tests.support import GrpcioClient, Peaks, eventually, start_server
+from trio_infer.datatypes import DATATYPES
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
@@ -1170,5 +1171,86 @@ async def test_a_request_shaped_like_a_served_one_but_short_of_bytes_is_refused(
             twice = await client.error("ModelInfer", add_sub(ones, ones, name="INPUT0"))
             assert twice.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert twice.details() == "input 'INPUT0' appears more than once in the request"
+    finally:
+        client.channel.close()
+
+
+async def test_a_remembered_layout_with_a_wrong_datatype_typed_data_or_an_entry_missing_is_refused(
+    server: RunningServer,
+) -> None:
+    # Inputs of layouts the decoder remembers are decoded in one pass only when each is exactly
+    # one, with its bytes, under a name of its own, with no contents beside and one raw entry
+    # each: anything else takes the full checks and is refused in their words, unary and on a
+    # stream, and the good calls around it are answered.
+    client = GrpcioClient(server.port)
+    ones = np.ones(16, np.float32).tobytes()
+
+    def add_sub(
+        *,
+        datatype: str = "FP32",
+        second: bytes = ones,
+        name: str = "INPUT1",
+        typed: bool = False,
+        entries: int = 2,
+    ) -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name="add_sub")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=[1, 16])
+        if typed:
+            tensor.contents.fp32_contents.extend([1.0] * 16)
+        request.raw_input_contents.extend([ones, second][:entries])
+        return request
+
+    refused = [
+        (
+            add_sub(second=ones[:-4]),
+            "input 'INPUT1': shape [1, 16] has 16 elements but raw_input_contents[1] holds "
+            "15 FP32 elements (60 bytes)",
+        ),
+        (add_sub(name="INPUT0"), "input 'INPUT0' appears more than once in the request"),
+        (
+            add_sub(datatype="FLOAT32"),
+            "input 'INPUT1': unknown datatype 'FLOAT32'; valid datatypes are "
+            + ", ".join(DATATYPES),
+        ),
+        (
+            add_sub(datatype="INT32"),
+            "model 'add_sub' input 'INPUT1': expected datatype FP32, got INT32",
+        ),
+        (
+            add_sub(typed=True),
+            "contents field must not be specified when using raw_input_contents for 'INPUT1' "
+            "for model 'add_sub': send every input raw or every input typed, not both",
+        ),
+        (
+            add_sub(entries=1),
+            "request has 2 inputs but 1 raw_input_contents entries; raw_input_contents needs "
+            "exactly one entry per input, in input order",
+        ),
+    ]
+    try:
+        for _ in range(2):
+            answer = await client.call("ModelInfer", add_sub())
+            assert decode_outputs(answer)["OUTPUT0"].tolist() == [[2.0] * 16]
+            for request, message in refused:
+                error = await client.error("ModelInfer", request)
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert error.details() == message
+        # A stream answers its messages as they end: matched by id.
+        sent = [add_sub(), *(request for request, _ in refused), add_sub()]
+        for index, request in enumerate(sent):
+            request.id = str(index)
+        answers = await trio.to_thread.run_sync(
+            lambda: list(client.stub.ModelStreamInfer(iter(sent)))
+        )
+        by_id = {answer.infer_response.id: answer for answer in answers}
+        assert {key: answer.error_message for key, answer in by_id.items()} == {
+            "0": "",
+            **{str(index + 1): message for index, (_, message) in enumerate(refused)},
+            str(len(sent) - 1): "",
+        }
+        for key in ("0", str(len(sent) - 1)):
+            outputs = decode_outputs(by_id[key].infer_response)
+            assert outputs["OUTPUT1"].tolist() == [[0.0] * 16]
     finally:
         client.channel.close()

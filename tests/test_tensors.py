@@ -28,6 +28,7 @@ from trio_infer.protobuf.codec import (
     DecodingCost,
     EncodingCost,
     decode_inputs,
+    decode_known_raw,
     decode_outputs,
     decode_parameters,
     decoding_cost,
@@ -36,8 +37,10 @@ from trio_infer.protobuf.codec import (
     encode_parameters,
     encode_response,
     encoding_cost,
+    prepare_inputs,
     serialize_response,
 )
+from trio_infer.protobuf.wire import WireInferRequest
 from trio_infer.repository.settings import TensorSpec
 
 NUMERIC = [name for name in DATATYPES if name != "BYTES"]
@@ -341,6 +344,82 @@ def test_a_layout_decoded_before_still_refuses_a_wrong_size_and_a_repeated_name(
     assert "raw BOOL element 1 is byte 2" in decode_error(
         raw_request(("B", "BOOL", [2], b"\x00\x02"))
     )
+
+
+def as_wire(request: ModelInferRequest) -> Any:
+    """The request as the server parses it (a WireInferRequest)."""
+    return WireInferRequest.FromString(request.SerializeToString())
+
+
+def staged(request: ModelInferRequest) -> dict[str, np.ndarray]:
+    """``request`` through the server's stages: prepared, costed, decoded."""
+    prepared = prepare_inputs(as_wire(request))
+    decoding_cost(prepared, request.ByteSize())
+    return decode_inputs(prepared)
+
+
+def staged_error(request: ModelInferRequest) -> str:
+    """The refusal of ``request`` by the server's stages."""
+    with pytest.raises(InvalidInput) as caught:
+        staged(request)
+    return caught.value.message
+
+
+def test_remembered_raw_layouts_decode_in_one_pass_and_anything_else_takes_the_stages() -> None:
+    # A shape no other test sends: not remembered until decoded once.
+    values = np.arange(18, dtype="<f4").reshape(3, 1, 6)
+    good = raw_request(("K", "FP32", [3, 1, 6], values.tobytes()), ("J", "INT64", [0], b""))
+    assert decode_known_raw(as_wire(good)) is None
+    through_stages = staged(good)
+    known = decode_known_raw(as_wire(good))
+    assert known is not None
+    tensors, arrays = known
+    assert [tensor.name for tensor in tensors] == ["K", "J"]
+    assert list(arrays) == list(through_stages) == ["K", "J"]
+    for name, array in arrays.items():
+        expected = through_stages[name]
+        assert (array.dtype, array.shape) == (expected.dtype, expected.shape)
+        np.testing.assert_array_equal(array, expected)
+        assert not array.flags.writeable
+    assert decoding_cost(prepare_inputs(as_wire(good)), good.ByteSize()).nbytes == 0
+
+    # Each of these is of remembered layouts but for one thing: not decoded in one pass, and
+    # refused by the stages in their words (or, for an empty contents, decoded by them).
+    short = raw_request(("K", "FP32", [3, 1, 6], bytes(68)), ("J", "INT64", [0], b""))
+    twice = raw_request(("K", "FP32", [3, 1, 6], bytes(72)), ("K", "FP32", [3, 1, 6], bytes(72)))
+    unknown = raw_request(("K", "FP-32", [3, 1, 6], bytes(72)))
+    typed_beside = raw_request(("K", "FP32", [3, 1, 6], bytes(72)))
+    typed_beside.inputs[0].contents.fp32_contents.append(1.0)
+    empty_beside = raw_request(("K", "FP32", [3, 1, 6], bytes(72)))
+    empty_beside.inputs[0].contents.SetInParent()
+    missing = raw_request(("K", "FP32", [3, 1, 6], bytes(72)), ("J", "INT64", [0], b""))
+    del missing.raw_input_contents[1]
+    extra = raw_request(("K", "FP32", [3, 1, 6], bytes(72)))
+    extra.raw_input_contents.append(b"")
+    typed = typed_request("K", "FP32", [3, 1, 6], fp32_contents=[0.0] * 18)
+    for request in (short, twice, unknown, typed_beside, empty_beside, missing, extra, typed):
+        assert decode_known_raw(as_wire(request)) is None
+    assert staged_error(short) == (
+        "input 'K': shape [3, 1, 6] has 18 elements but raw_input_contents[0] holds "
+        "17 FP32 elements (68 bytes)"
+    )
+    assert staged_error(twice) == "input 'K' appears more than once in the request"
+    assert staged_error(unknown).startswith("input 'K': unknown datatype 'FP-32'; valid")
+    assert staged_error(typed_beside) == (
+        "contents field must not be specified when using raw_input_contents for 'K' for "
+        "model '': send every input raw or every input typed, not both"
+    )
+    assert staged(empty_beside)["K"].shape == (3, 1, 6)
+    assert staged_error(missing) == (
+        "request has 2 inputs but 1 raw_input_contents entries; raw_input_contents needs "
+        "exactly one entry per input, in input order"
+    )
+    assert staged_error(extra).startswith("request has 1 inputs but 2 raw_input_contents")
+    assert staged(typed)["K"].shape == (3, 1, 6)
+    # BOOL is never remembered: its bytes are checked every time.
+    bools = raw_request(("B", "BOOL", [3, 1, 6], bytes(18)))
+    staged(bools)
+    assert decode_known_raw(as_wire(bools)) is None
 
 
 def test_unknown_datatype_lists_valid_ones() -> None:

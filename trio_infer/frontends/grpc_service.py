@@ -13,11 +13,12 @@ import functools
 import hmac
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import numpy as np
 import trio
 from google.protobuf.message import DecodeError, Message
 
@@ -48,6 +49,7 @@ from trio_infer.protobuf._proto import health_pb2
 from trio_infer.protobuf.codec import (
     EncodingCost,
     decode_inputs,
+    decode_known_raw,
     decode_parameters,
     decoding_cost,
     encode_response,
@@ -622,26 +624,13 @@ class GrpcService:
         reservation = context.reservation
         raw = _take_flag(request, _BINARY_OUTPUT, default=True)
         message_size = reservation.granted // RESERVED_PER_BYTE
-        if message_size > _OFF_LOOP_PREPARE:
-            prepared = await trio.to_thread.run_sync(
-                prepare_inputs, request, limiter=self._decoding, abandon_on_cancel=False
-            )
+        known = decode_known_raw(request)
+        if known is None:
+            tensors, inputs, nbytes = await self._decode_staged(request, reservation, message_size)
         else:
-            prepared = prepare_inputs(request)
-        decoded = decoding_cost(prepared, message_size)
-        # The reservation holds one message's size for the decoded inputs; typed contents and
-        # BYTES elements can take many times that in memory, reserved before they are made.
-        extra = decoded.nbytes - message_size
-        if extra > 0:
-            reservation.grow_nowait(extra, "the decoded inputs")
-        if decoded.elements > _OFF_LOOP_ELEMENTS:
-            inputs = await trio.to_thread.run_sync(
-                decode_inputs, prepared, limiter=self._decoding, abandon_on_cancel=False
-            )
-        else:
-            inputs = decode_inputs(prepared)
-        tensors = prepared.tensors
-        del prepared
+            # Views of the message's buffers: nothing beyond the message to reserve.
+            tensors, inputs = known
+            nbytes = 0
         # The arrays are views of their own copies of the raw buffers: the request's are not
         # needed any more, and a large request would otherwise be held twice.
         request.ClearField("raw_input_contents")
@@ -663,7 +652,32 @@ class GrpcService:
                 for index, name in enumerate(inputs)
             },
             [output.name for output in request.outputs[:]],  # outputs
-        ), _Decoded(raw, decoded.nbytes, message_size)
+        ), _Decoded(raw, nbytes, message_size)
+
+    async def _decode_staged(
+        self, request: Any, reservation: Reservation, message_size: int
+    ) -> tuple[Sequence[Any], dict[str, np.ndarray], int]:
+        """A WireInferRequest's inputs (as a list) and their arrays by name, and what the
+        arrays take, reserved before they are made."""
+        if message_size > _OFF_LOOP_PREPARE:
+            prepared = await trio.to_thread.run_sync(
+                prepare_inputs, request, limiter=self._decoding, abandon_on_cancel=False
+            )
+        else:
+            prepared = prepare_inputs(request)
+        decoded = decoding_cost(prepared, message_size)
+        # The reservation holds one message's size for the decoded inputs; typed contents and
+        # BYTES elements can take many times that in memory, reserved before they are made.
+        extra = decoded.nbytes - message_size
+        if extra > 0:
+            reservation.grow_nowait(extra, "the decoded inputs")
+        if decoded.elements > _OFF_LOOP_ELEMENTS:
+            inputs = await trio.to_thread.run_sync(
+                decode_inputs, prepared, limiter=self._decoding, abandon_on_cancel=False
+            )
+        else:
+            inputs = decode_inputs(prepared)
+        return prepared.tensors, inputs, decoded.nbytes
 
     async def _encoded(
         self,
