@@ -35,6 +35,7 @@ from trio_infer.protobuf.codec import (
     encode_inputs,
     encode_outputs,
     encode_parameters,
+    encode_raw_as_is,
     encode_response,
     encoding_cost,
     prepare_inputs,
@@ -1110,8 +1111,10 @@ def check_encoded(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> No
     sent = b"".join(new_way(outputs, raw=raw))
     assert sent == old_way(outputs, raw=raw)
     # As the server encodes: with the datatypes its costing found (FP16's raw forcing included).
-    datatypes = encoding_cost(outputs, raw=raw).datatypes
-    assert b"".join(new_way(outputs, raw=raw, datatypes=datatypes)) == sent
+    cost = encoding_cost(outputs, raw=raw)
+    assert b"".join(new_way(outputs, raw=raw, datatypes=cost.datatypes)) == sent
+    if raw:
+        check_as_is(outputs, cost)
     decoded = decode_outputs(ModelInferResponse.FromString(sent))
     assert list(decoded) == [name for name, _ in outputs]
     for name, array in outputs:
@@ -1122,6 +1125,65 @@ def check_encoded(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> No
             expected[:] = [e.encode() if isinstance(e, str) else e for e in array.ravel().tolist()]
             array = expected.reshape(array.shape)
         assert_same(decoded[name], array, datatype)
+
+
+def check_as_is(outputs: Sequence[tuple[str, np.ndarray]], cost: EncodingCost) -> None:
+    """encode_raw_as_is takes exactly the outputs numeric, little-endian and C-order, and
+    then reserves encoding_cost's cost and gives encode_response's buffers; others it leaves
+    with nothing reserved."""
+    as_is = all(
+        array.dtype.kind not in "OSU"
+        and array.flags.c_contiguous
+        and array.dtype == codec._LITTLE[datatype_of(array)]
+        for _, array in outputs
+    )
+    reserved: list[EncodingCost] = []
+    response = ModelInferResponse(model_name="m", model_version="3", id="call")
+    response.parameters["p"].int64_param = 7
+    parts = encode_raw_as_is(response, outputs, reserved.append)
+    if not as_is:
+        assert (parts, reserved) == (None, [])
+        return
+    assert parts is not None
+    assert reserved == [cost]
+    assert [bytes(part) for part in parts] == [bytes(part) for part in new_way(outputs, raw=True)]
+
+
+def test_outputs_sent_as_they_are_are_costed_reserved_and_joined_in_one_pass() -> None:
+    small = np.arange(256, dtype="<f4").reshape(1, 256)
+    large = np.arange(1 << 14, dtype="<f4").reshape(64, 256)  # 64 KiB: a buffer of its own
+    cases: list[list[tuple[str, np.ndarray]]] = [
+        [("y", small)],
+        [("y", large)],
+        [("a", small), ("b", large), ("c", np.zeros((2, 0), np.int8))],
+        # Small outputs over a mebibyte together: joined in pieces, as encode_response does.
+        [(f"o{index}", np.full(60_000, index, np.uint8)) for index in range(20)],
+        [("b", np.array([True, False])), ("h", np.ones(3, np.float16)), ("u", np.ones(2, "u8"))],
+        [],
+    ]
+    for outputs in cases:
+        check_encoded(outputs, raw=True)
+    parts = encode_raw_as_is(ModelInferResponse(), [("y", large)], lambda cost: None)
+    assert parts is not None
+    assert any(np.shares_memory(np.frombuffer(part, np.uint8), large) for part in parts)
+    # A refusal of the cost (the budget's) is the encode's: nothing is joined after it.
+    refused = InferError("over budget", StatusCode.RESOURCE_EXHAUSTED)
+
+    def refuse(cost: EncodingCost) -> None:
+        raise refused
+
+    with pytest.raises(InferError) as caught:
+        encode_raw_as_is(ModelInferResponse(), [("y", small)], refuse)
+    assert caught.value is refused
+    # Any other output: nothing reserved, left to encoding_cost and encode_response.
+    for other in (
+        np.array([b"a"], dtype=object),
+        np.array(["a"]),
+        np.ones(3, ">f4"),
+        np.ones((4, 4), "<f4")[:, ::2],
+        np.zeros(2, np.complex64),
+    ):
+        assert encode_raw_as_is(ModelInferResponse(), [("y", small), ("z", other)], refuse) is None
 
 
 _bytes_elements = st.one_of(st.binary(max_size=200), st.text(max_size=20))
@@ -1254,7 +1316,10 @@ _COST_CASES: dict[str, list[tuple[str, np.ndarray]]] = {
     "bytes short": [("x", np.array([b"ab"] * 300_000, dtype=object))],
     "bytes long": [("x", np.array([b"a" * 5000] * 1000, dtype=object))],
     "str": [("x", np.array(["héllo"] * 100_000, dtype=object))],
+    "many small": [(f"x{index}", np.ones(15_000, np.float32)) for index in range(30)],
 }
+#: The cases whose raw outputs are all sent as they are (numeric, little-endian, C order).
+_AS_IS_CASES = ("int64 small", "int64 wide", "int8 negative", "uint32", "bool", "many small")
 
 
 @pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
@@ -1275,6 +1340,24 @@ def test_encoding_allocates_no_more_than_its_cost(case: str, raw: bool) -> None:
     # Not a loose bound either: within a few times the real peak.
     assert cost.nbytes <= 4 * peak + 8 * 2**20
     del parts
+    if raw and case in _AS_IS_CASES:
+        # In one pass: what it allocates before the cost is reserved is the answer's records,
+        # within their allowance, and all of it within the cost.
+        before: list[int] = []
+
+        def reserve(reserved: EncodingCost) -> None:
+            assert reserved == cost
+            before.append(tracemalloc.get_traced_memory()[1])
+
+        tracemalloc.start()
+        try:
+            as_is = encode_raw_as_is(ModelInferResponse(), outputs, reserve)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert as_is is not None
+        assert before[0] <= len(outputs) * codec._METADATA_ALLOWANCE
+        assert peak <= cost.nbytes
 
 
 def test_the_cost_of_outputs_counts_the_arrays_and_the_work() -> None:

@@ -52,6 +52,7 @@ from trio_infer.protobuf.codec import (
     decode_known_raw,
     decode_parameters,
     decoding_cost,
+    encode_raw_as_is,
     encode_response,
     encoding_cost,
     prepare_inputs,
@@ -696,6 +697,13 @@ class GrpcService:
             response.parameters[_FINAL].bool_param = final
         # Arrays: a worker refuses a model's output that is not an ndarray.
         outputs = answer.outputs
+        if raw:
+            # Outputs sent from their own memory: costed, reserved and joined in one pass.
+            encoded = encode_raw_as_is(
+                response, outputs, functools.partial(_reserve_answer, reservation, state)
+            )
+            if encoded is not None:
+                return encoded
         # Elements the encode converts or copies one way or another (raw numeric outputs in
         # little-endian C order are sent from their own memory): known without a pass.
         converted = 0

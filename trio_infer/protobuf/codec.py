@@ -62,6 +62,7 @@ __all__ = [
     "encode_inputs",
     "encode_outputs",
     "encode_parameters",
+    "encode_raw_as_is",
     "encode_response",
     "encoding_cost",
     "prepare_inputs",
@@ -871,8 +872,7 @@ def encoding_cost(outputs: Sequence[tuple[str, np.ndarray]], *, raw: bool) -> En
     for index, (name, array) in enumerate(arrays):  # indexed: see decoding_cost
         datatype = datatypes[index]
         count = array.size
-        # The tensor's metadata and the records' keys and lengths, serialised.
-        nbytes += _METADATA_ALLOWANCE + 4 * len(name) + wire.MAX_VARINT_BYTES * array.ndim
+        nbytes += _metadata_cost(name, array.ndim)
         if datatype == "BYTES":
             where = f"output '{name}'"
             _, lengths, converted = _bytes_lengths(where, array, _RESPONSE_OUT)
@@ -954,13 +954,14 @@ def encode_response(
         arrays, datatypes, raw = _tensors_to_encode(outputs, raw, _RESPONSE_OUT)
     else:
         arrays, raw = outputs, _all_raw(raw, datatypes)
-    writer = _Writer(response.SerializeToString())
-    # Each raw output's contents: an array, or bytes of one, joinable as they are.
-    raw_contents: list[np.ndarray | memoryview] = []
-    for index, (name, array) in enumerate(arrays):  # indexed: see decoding_cost
-        datatype = datatypes[index]
-        meta, record = _output_metadata(name, datatype, array.shape)
-        if raw:
+    head = response.SerializeToString()
+    if raw:
+        records: list[bytes] = []
+        # Each raw output's contents: an array, or bytes of one, joinable as they are.
+        raw_contents: list[np.ndarray | memoryview] = []
+        for index, (name, array) in enumerate(arrays):  # indexed: see decoding_cost
+            datatype = datatypes[index]
+            records.append(_output_metadata(name, datatype, array.shape)[1])
             if datatype == "BYTES":
                 where = f"output '{name}'"
                 elements, lengths, _ = _bytes_lengths(where, array, _RESPONSE_OUT)
@@ -975,8 +976,11 @@ def encode_response(
                 raw_contents.append(array)
             else:
                 raw_contents.append(_raw_view(array, datatype))
-            writer.small(record, len(record))
-            continue
+        return _raw_buffers(head, records, raw_contents)
+    writer = _Writer(head)
+    for index, (name, array) in enumerate(arrays):  # indexed: see decoding_cost
+        datatype = datatypes[index]
+        meta = _output_metadata(name, datatype, array.shape)[0]
         if datatype == "BYTES":
             elements, lengths, _ = _bytes_lengths(f"output '{name}'", array, _RESPONSE_OUT)
             # bytes_contents is not packed: its records are the contents message itself.
@@ -991,18 +995,94 @@ def encode_response(
         contents_size = len(field_header) + blob_size
         contents_header = _CONTENTS_KEY + _varint(contents_size)
         tensor_size = len(meta) + len(contents_header) + contents_size
-        head = _OUTPUT_KEY + _varint(tensor_size) + meta + contents_header + field_header
-        writer.small(head, len(head))
+        opening = _OUTPUT_KEY + _varint(tensor_size) + meta + contents_header + field_header
+        writer.small(opening, len(opening))
         # Each part is let go once written: joined small parts then replace, not add to, them.
         queue = collections.deque(blobs)
         del blobs
         while queue:
             writer.blob(queue.popleft())
-    for contents in raw_contents:
-        size = contents.nbytes
+    return writer.finish()
+
+
+#: The datatype of each numeric dtype in little-endian order, the wire's: a raw output of one
+#: of these in C order is sent from its own memory, nothing converted.
+_AS_IS: dict[np.dtype[Any], str] = {
+    little: name for name, little in _LITTLE.items() if name != "BYTES"
+}
+
+
+def encode_raw_as_is(
+    response: ModelInferResponse,
+    outputs: Sequence[tuple[str, np.ndarray]],
+    reserve: Callable[[EncodingCost], None],
+) -> list[Buffer] | None:
+    """:func:`encode_response` of ``outputs`` raw, when each is a numeric array in
+    little-endian C order, with what it takes (:func:`encoding_cost`) passed to ``reserve``
+    before anything is joined: one pass over the outputs for both.
+
+    Such outputs are sent or joined from their own memory: nothing is converted, and no check
+    can fail. ``None`` for any other outputs, with nothing reserved: they take
+    :func:`encoding_cost` and :func:`encode_response`.
+    """
+    datatypes: list[str] = []
+    records: list[bytes] = []
+    contents: list[np.ndarray | memoryview] = []
+    nbytes = 0
+    held = 0
+    for name, array in outputs:
+        datatype = _AS_IS.get(array.dtype)
+        if datatype is None or not array.flags.c_contiguous:
+            return None
+        shape = array.shape
+        size = array.nbytes
+        datatypes.append(datatype)
+        records.append(_output_metadata(name, datatype, shape)[1])
+        nbytes += _metadata_cost(name, len(shape))
+        held += size
+        if size < _SEPARATE_BLOB:
+            # Joined with the answer's records: a copy, as encoding_cost counts it.
+            nbytes += size
+            contents.append(array)
+        else:
+            # Its own memory as bytes (not empty: at least _SEPARATE_BLOB of them).
+            contents.append(array.data.cast("B"))
+    reserve(EncodingCost(nbytes, held, 0, datatypes))
+    return _raw_buffers(response.SerializeToString(), records, contents)
+
+
+def _metadata_cost(name: str, rank: int) -> int:
+    """What one output's metadata and the records' keys and lengths take serialised."""
+    return _METADATA_ALLOWANCE + 4 * len(name) + wire.MAX_VARINT_BYTES * rank
+
+
+def _raw_buffers(
+    head: bytes, records: list[bytes], contents: list[np.ndarray | memoryview]
+) -> list[Buffer]:
+    """A raw answer's buffers in order: ``head`` (the serialised response without outputs),
+    each output's record, then each output's ``raw_output_contents`` entry, as
+    :class:`_Writer` gives them."""
+    parts: list[bytes | np.ndarray | memoryview] = [head, *records]
+    joined = len(head)
+    for record in records:
+        joined += len(record)
+    for each in contents:
+        size = each.nbytes
         key = _RAW_OUTPUT_KEY + _varint(size)
-        writer.small(key, len(key))
-        writer.blob(contents)
+        parts.append(key)
+        parts.append(each)
+        # A large output is a buffer of its own: never one join with the rest.
+        joined += len(key) + (size if size < _SEPARATE_BLOB else _JOINED_BYTES)
+    if joined < _JOINED_BYTES:
+        # The writer would join every part into one buffer: joined at once, without it.
+        return [b"".join(parts)]  # type: ignore[arg-type]
+    writer = _Writer(head)
+    for index in range(1, len(parts)):
+        part = parts[index]
+        if isinstance(part, bytes):  # a record or a key
+            writer.small(part, len(part))
+        else:
+            writer.blob(part)
     return writer.finish()
 
 
