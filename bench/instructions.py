@@ -72,6 +72,7 @@ SCENARIOS = (
     "stream-add_sub",
     "rest-live",
     "rest-dense-n1",
+    "rest-dense-n1-binary",
 )
 
 
@@ -285,7 +286,9 @@ class Client:
         if scenario == "rest-live":
             return self._rest_live()
         if scenario == "rest-dense-n1":
-            return self._rest_dense(1)
+            return self._rest_dense(1, binary=False)
+        if scenario == "rest-dense-n1-binary":
+            return self._rest_dense(1, binary=True)
         raise ValueError(f"unknown scenario {scenario!r}")
 
     def _live(self) -> Probe:
@@ -355,9 +358,13 @@ class Client:
             lambda count: self.rest_burst(count, "GET", "/v2/health/live", b"", {}),
         )
 
-    def _rest_dense(self, rows: int) -> Probe:
+    def _rest_dense(self, rows: int, *, binary: bool) -> Probe:
+        """``dense`` over REST: JSON, or with ``binary`` Triton's binary tensor extension (the
+        request the load rows send: the input's bytes after the JSON, its length in
+        ``Inference-Header-Content-Length``, ``binary_data_output`` asking for the outputs in
+        binary)."""
         x = client.dense_input(rows)
-        body, headers = client.rest_infer_body(x, binary=False)
+        body, headers = client.rest_infer_body(x, binary=binary)
 
         def burst(count: int) -> list[object]:
             return self.rest_burst(count, "POST", "/v2/models/dense/infer", body, headers)
@@ -562,14 +569,19 @@ def save(run_dir: Path, rows: Sequence[Row], text: str, meta: dict[str, object])
 
 
 def select(text: str) -> list[str]:
-    """``--scenarios``: names or prefixes (``dense``, ``rest``), comma-separated; ``all``.
+    """``--scenarios``: names or prefixes (``dense``, ``rest``), comma-separated; ``all``. A
+    whole name is that scenario alone, even where it is also a prefix (``rest-dense-n1``).
 
     Raises:
         ValueError: A name matches no scenario.
     """
     chosen: list[str] = []
     for token in (t.strip() for t in text.split(",") if t.strip()):
-        found = [s for s in SCENARIOS if token in ("all", s) or s.startswith(token + "-")]
+        found = (
+            [token]
+            if token in SCENARIOS
+            else [s for s in SCENARIOS if token == "all" or s.startswith(token + "-")]
+        )
         if not found:
             raise ValueError(f"unknown scenario {token!r}; known: {', '.join(SCENARIOS)}")
         chosen += [s for s in found if s not in chosen]

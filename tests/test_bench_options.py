@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.instructions import select
 from bench.servers import parse_cpu_sets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,3 +92,10 @@ def test_the_instruction_count_says_valgrind_is_missing() -> None:
     )
     assert done.returncode == 2
     assert "valgrind" in done.stderr + done.stdout
+
+
+def test_a_scenario_named_whole_is_that_scenario_alone_and_a_prefix_names_its_family() -> None:
+    assert select("rest-dense-n1") == ["rest-dense-n1"]
+    assert select("rest-dense-n1-binary,rest-live") == ["rest-live", "rest-dense-n1-binary"]
+    assert select("rest") == ["rest-live", "rest-dense-n1", "rest-dense-n1-binary"]
+    assert select("dense") == ["dense-n1", "dense-n64"]
