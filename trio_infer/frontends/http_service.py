@@ -34,6 +34,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import unquote
 
+import numpy as np
 import trio
 
 from trio_infer.buffers import Buffer
@@ -352,24 +353,23 @@ class HttpService:
         ) as reservation:
             grow = None if announced is not None else _chunk_counter(reservation)
             body = await request.receive_body(grow)
-            decoded = await self._decoded(body, _header_length(request), reservation)
-            own = take_timeout(decoded.parameters)
-            context = RequestContext(
-                deadline=own, headers=_metadata(request), reservation=reservation
-            )
+            metadata, header_length = _metadata(request)
+            parsed, inputs = await self._decoded(body, header_length, reservation)
+            own = take_timeout(parsed.parameters)
+            context = RequestContext(deadline=own, headers=metadata, reservation=reservation)
             inference = InferenceRequest(
                 model_name=name,
                 model_version=version,
-                id=decoded.id,
-                inputs=decoded.inputs,
-                parameters=decoded.parameters,
-                input_parameters=decoded.input_parameters,
-                outputs=decoded.outputs,
+                id=parsed.id,
+                inputs=inputs,
+                parameters=parsed.parameters,
+                input_parameters=parsed.input_parameters,
+                outputs=parsed.outputs,
             )
             # Encoded within the core's call: a refusal of the answer (a BYTES output asked for
             # as JSON that is not UTF-8) is then the status its statistics record.
-            encode = partial(self._encoded, decoded.binary_outputs)
-            del decoded, body
+            encode = partial(self._encoded, parsed.binary_outputs)
+            del parsed, inputs, body
             if own == math.inf:
                 # No timeout of its own: the request's scope bounds it, and a scope costs
                 # microseconds.
@@ -410,8 +410,9 @@ class HttpService:
 
     async def _decoded(
         self, body: bytearray, header_length: int | None, reservation: Reservation
-    ) -> codec.RestInferRequest:
-        """The request ``body`` decoded, what parsing and decoding allocate reserved first.
+    ) -> tuple[codec.ParsedInferRequest, dict[str, np.ndarray]]:
+        """The request ``body`` parsed, and its inputs decoded; what parsing and decoding
+        allocate reserved first.
 
         The reservation holds the body's size once for the decoded inputs; the parsed JSON
         (Python objects, many times its text) and inputs larger than the body are added before
@@ -434,10 +435,12 @@ class HttpService:
         if extra > 0:
             reservation.grow_nowait(extra, "the decoded inputs")
         if json_length > _OFF_LOOP_JSON:
-            return await trio.to_thread.run_sync(
-                codec.decode_inputs, parsed, limiter=self._off_loop, abandon_on_cancel=False
+            inputs = await trio.to_thread.run_sync(
+                codec.input_arrays, parsed, limiter=self._off_loop, abandon_on_cancel=False
             )
-        return codec.decode_inputs(parsed)
+        else:
+            inputs = codec.input_arrays(parsed)
+        return parsed, inputs
 
 
 def _model_route(rest: list[str]) -> tuple[str, str, str | None]:
@@ -483,25 +486,33 @@ def _check_get(request: HttpRequest) -> None:
         raise HttpError(413, f"a GET request's body may be at most {_MAX_SMALL_BODY} bytes")
 
 
-def _metadata(request: HttpRequest) -> dict[str, str]:
-    """The request's metadata, as its model sees it: its headers but HTTP's own."""
-    return {
-        name.decode("latin-1"): value.decode("latin-1")
-        for name, value in request.fields
-        if name not in _PROTOCOL_FIELDS
-    }
-
-
-def _header_length(request: HttpRequest) -> int | None:
-    """The ``Inference-Header-Content-Length`` of a request: where its JSON ends and its
-    binary tensor data begins (None: all of it is JSON).
+def _metadata(request: HttpRequest) -> tuple[dict[str, str], int | None]:
+    """The request's metadata, as its model sees it (its headers but HTTP's own), and its
+    ``Inference-Header-Content-Length``: where its JSON ends and its binary tensor data begins
+    (None: all of it is JSON). One look through the fields finds both.
 
     Raises:
-        HttpError: it is not a size within the body (400).
+        HttpError: The header length is not a size within the body (400).
     """
-    values = [value for name, value in request.fields if name == _HEADER_LENGTH_FIELD]
+    metadata: dict[str, str] = {}
+    values: list[bytes] = []
+    for name, value in request.fields:
+        if name not in _PROTOCOL_FIELDS:
+            metadata[name.decode("latin-1")] = value.decode("latin-1")
+        elif name == _HEADER_LENGTH_FIELD:
+            values.append(value)
     if not values:
-        return None
+        return metadata, None
+    return metadata, _header_length(values)
+
+
+def _header_length(values: list[bytes]) -> int:
+    """The ``Inference-Header-Content-Length`` of a request that sent it (``values``: each
+    time it was sent).
+
+    Raises:
+        HttpError: It is not one size within the body (400).
+    """
     if len(values) > 1:
         # As a repeated Content-Length (RFC 9112 6.3): a proxy in front may have taken another
         # of them than this server would, so none is taken.

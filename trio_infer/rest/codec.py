@@ -78,6 +78,7 @@ __all__ = [
     "decode_infer_request",
     "decode_inputs",
     "encode_infer_response",
+    "input_arrays",
     "parse_infer_request",
     "parsing_cost",
 ]
@@ -128,6 +129,8 @@ _INTEGER_RANGE: dict[str, tuple[int, int]] = {
 #: The datatypes whose JSON elements are not numbers.
 _NOT_NUMBERS = frozenset(("BOOL", "BYTES"))
 _FLOAT_DATATYPES = frozenset(name for name, dtype in DATATYPES.items() if dtype.kind == "f")
+#: Each datatype's dtype in the byte order of binary data: little-endian.
+_BINARY_DTYPES = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items()}
 #: The datatypes the fast path reads, and the 64-bit buffer each is read into: simdjson converts
 #: an integer to a double (exactly up to 2**53) and reads integers into int64/uint64 exactly,
 #: refusing a float, a string, null, a bool or an object (TypeError) and a value out of the
@@ -244,6 +247,9 @@ class _InputSpec:
     copy_nbytes: int
     """Bytes decoding copies a binary input into: its size where the body is not aligned for
     the dtype, else 0 (a view)."""
+    array: np.ndarray | None = None
+    """A binary numeric input's flat array, a view of :attr:`binary` (None for BYTES and
+    JSON inputs): made when its alignment is checked, and decoded from there."""
 
 
 @dataclass(slots=True)
@@ -321,7 +327,6 @@ def parse_infer_request(
     view = memoryview(body).cast("B")
     size = view.nbytes
     has_header = header_length is not None
-    has_binary = has_header and header_length != size
     if header_length is None:
         header_length = size
     elif header_length < 0:
@@ -354,15 +359,12 @@ def parse_infer_request(
     if not isinstance(raw_inputs, list):
         problem = "missing" if raw_inputs is None else _json_type(raw_inputs)
         raise InvalidInput(f"the request's 'inputs' is {problem}; it is a list of inputs")
-    # The address of the body's first byte: a binary input is copied when its place in the
-    # body is not aligned for its dtype, and that is known before anything is decoded.
-    base = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] if has_binary else 0
     offset = header_length
     specs: list[_InputSpec] = []
     input_parameters: dict[str, dict[str, ParameterValue]] = {}
     decoded_nbytes = 0
     for index, raw in enumerate(raw_inputs):
-        spec, cost = _input_spec(index, raw, view, offset, base, has_header)
+        spec, cost = _input_spec(index, raw, view, offset, has_header)
         if spec.name in input_parameters:
             raise InvalidInput(f"input '{spec.name}' appears more than once in the request")
         input_parameters[spec.name] = _parameters(f"input '{spec.name}'", raw.get("parameters"))
@@ -404,7 +406,28 @@ def parse_infer_request(
 
 
 def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
-    """Convert a parsed request's input data to numpy arrays.
+    """Convert a parsed request's input data to numpy arrays (:func:`input_arrays`), with the
+    request's other fields.
+
+    Raises:
+        InvalidInput: As :func:`input_arrays`.
+    """
+    return RestInferRequest(
+        id=parsed.id,
+        inputs=input_arrays(parsed),
+        datatypes={spec.name: spec.datatype for spec in parsed._inputs},
+        parameters=parsed.parameters,
+        input_parameters=parsed.input_parameters,
+        outputs=parsed.outputs,
+        binary_outputs=parsed.binary_outputs,
+        output_parameters=parsed.output_parameters,
+    )
+
+
+def input_arrays(parsed: ParsedInferRequest) -> dict[str, np.ndarray]:
+    """A parsed request's input data as numpy arrays, by name in the request's order: what
+    :func:`decode_inputs` gives as ``inputs``, for a caller that takes the other fields from
+    ``parsed`` itself.
 
     JSON numbers are converted by numpy from the parsed lists, in C, or for a large numeric
     tensor from simdjson's buffer of them; they must be of the datatype's kind (``true``/
@@ -430,16 +453,7 @@ def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
             inputs[spec.name] = _decode_json(
                 where, spec.datatype, spec.shape, spec.data, parsed._may_hold_bools
             )
-    return RestInferRequest(
-        id=parsed.id,
-        inputs=inputs,
-        datatypes={spec.name: spec.datatype for spec in parsed._inputs},
-        parameters=parsed.parameters,
-        input_parameters=parsed.input_parameters,
-        outputs=parsed.outputs,
-        binary_outputs=parsed.binary_outputs,
-        output_parameters=parsed.output_parameters,
-    )
+    return inputs
 
 
 def _parse(json_part: memoryview) -> Any:
@@ -534,7 +548,7 @@ def _is_large_numeric(raw: dict[str, Any]) -> bool:
 
 
 def _input_spec(
-    index: int, raw: object, body: memoryview, offset: int, base: int, has_header: bool
+    index: int, raw: object, body: memoryview, offset: int, has_header: bool
 ) -> tuple[_InputSpec, int]:
     """Check one input's JSON; return it and what decoding it allocates."""
     if not isinstance(raw, dict):
@@ -617,8 +631,11 @@ def _input_spec(
             f"{where}: shape {shape_text(shape)} has {count} elements but "
             f"'{_BINARY_DATA_SIZE}' is {held}"
         )
-    copy_nbytes = size if (base + offset) % itemsize else 0
-    return _InputSpec(name, datatype, shape, None, binary, copy_nbytes), copy_nbytes
+    # Copied when its place in the body is not aligned for its dtype (numpy's own test of the
+    # element's address), known before anything is decoded.
+    array = np.frombuffer(binary, dtype=_BINARY_DTYPES[datatype])
+    copy_nbytes = 0 if array.flags.aligned else size
+    return _InputSpec(name, datatype, shape, None, binary, copy_nbytes, array), copy_nbytes
 
 
 def _shape(where: str, raw: object, datatype: str) -> tuple[int, ...]:
@@ -689,10 +706,10 @@ def _parameters(where: str, raw: object) -> dict[str, ParameterValue]:
 
 
 def _decode_binary(where: str, spec: _InputSpec) -> np.ndarray:
-    assert spec.binary is not None
-    if spec.datatype == "BYTES":
+    array = spec.array
+    if array is None:
+        assert spec.binary is not None, "_input_spec keeps the bytes of a binary input"
         return bytes_elements(spec.binary, spec.shape, f"the binary data of {where}", InvalidInput)
-    array = np.frombuffer(spec.binary, dtype=DATATYPES[spec.datatype].newbyteorder("<"))
     if spec.datatype == "BOOL":
         # Any other byte would give a bool array whose values compare unequal to True.
         octets = array.view(np.uint8)
