@@ -1179,7 +1179,8 @@ def test_a_response_to_a_client_that_reset_its_connection_cancels_the_request() 
 
 def test_requests_that_end_unwatched_leave_nothing_in_the_end_watch(watch: str) -> None:
     # A request is watched from its body's end to its handler's return, then no longer: a
-    # thousand POSTs on one connection leave no registration behind, nor cancel anything.
+    # thousand POSTs on one connection leave one registration of its socket in the end watch
+    # (kept between requests), nor cancel anything; the client's end takes it off.
     connections: list[HttpConnection] = []
     log: list[str] = []
 
@@ -1197,12 +1198,64 @@ def test_requests_that_end_unwatched_leave_nothing_in_the_end_watch(watch: str) 
         ends = connection._ends
         assert (ends is None) == (watch == "watcher task")
         if ends is not None:
-            assert ends._watched == {}
+            assert ends._registered == {connection._socket_fd: connection}
         assert connection._watched is None
         client.close()
+        if ends is not None:
+            await trio.testing.wait_all_tasks_blocked()
+            assert ends._registered == {}
 
     _serve_one_remembered_connection(handler, client_side, connections)
     assert log == ["/x"] * 1000
+
+
+def test_a_connection_the_server_closes_leaves_its_socket_out_of_the_end_watch() -> None:
+    # The server ends the connection (the client asked it to close) while the client keeps
+    # its socket open, so no end is reported: the connection takes its socket off the
+    # server's end watch itself before closing it, or the descriptor's next socket would be
+    # taken for this one's (its end never watched).
+    log: list[str] = []
+
+    async def handler(request: HttpRequest) -> None:
+        await request.receive_body()
+        log.append(request.path)
+        await request.respond(200)
+
+    async def main() -> None:
+        ends = http_server._EndWatch()
+        timer = http_server._WaitTimer(10.0)
+        ours, theirs = socket.socketpair()
+        with theirs, trio.fail_after(30):
+            async with trio.open_nursery() as helpers:
+                helpers.start_soon(ends.run)
+                helpers.start_soon(timer.run)
+                connection = HttpConnection(
+                    trio.SocketStream(trio.socket.from_stdlib_socket(ours)),
+                    handler,
+                    HttpLimits(),
+                    CallCounter(),
+                    False,
+                    timer,
+                    helpers,
+                    ends,
+                )
+                async with trio.open_nursery() as serving:
+                    serving.start_soon(connection.run)
+                    client = trio.socket.from_stdlib_socket(theirs.dup())
+                    with client:
+                        head = _post_head("/x", b"hi").replace(
+                            b"Host: a\r\n", b"Host: a\r\nConnection: close\r\n"
+                        )
+                        await client.send(head)
+                        [answer] = await _read_answers(client, 1)
+                        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+                        assert ends._registered == {connection._socket_fd: connection}
+                # The connection has ended, its client's socket still open (``theirs``).
+                assert ends._registered == {}
+                helpers.cancel_scope.cancel()
+
+    trio.run(main)
+    assert log == ["/x"]
 
 
 _FIELD_TEXT = st.text(

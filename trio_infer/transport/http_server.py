@@ -516,48 +516,54 @@ _END_EVENTS: int | None = getattr(select, "EPOLLRDHUP", None) if hasattr(select,
 
 class _EndWatch:
     """Cancels a request whose client closes its socket (or resets it) while its handler
-    runs: one epoll instance of the server's, in which the socket of each request whose body
-    was read is registered for its end only (:data:`_END_EVENTS`), and one task (:meth:`run`)
-    that waits for that instance to turn readable. Watching a request is a registration and
-    an unregistration, with no task woken and no scheduler pass: a task per connection that
-    waited for the socket itself took about a seventh of a small POST's instructions in wake-ups
-    and cancels (docs/performance.md). Linux only (``EPOLLRDHUP``); elsewhere each connection
-    watches its socket with a task of its own (:meth:`HttpConnection._watch`).
+    runs: one epoll instance of the server's, in which a connection's socket is registered
+    for its end only (:data:`_END_EVENTS`) from its first request whose body was read until
+    the connection ends or the socket's end is reported, and one task (:meth:`run`) that waits
+    for that instance to turn readable and tells the socket's connection, which cancels the
+    request it watches, if any (:meth:`HttpConnection._client_ended`). Watching a request
+    costs no system call, no task woken and no scheduler pass: a task per connection that
+    waited for the socket itself took about a seventh of a small POST's instructions in
+    wake-ups and cancels (docs/performance.md), and a registration for each request two
+    ``epoll_ctl`` calls. Linux only (``EPOLLRDHUP``); elsewhere each connection watches its
+    socket with a task of its own (:meth:`HttpConnection._watch`).
     """
 
     def __init__(self) -> None:
         assert _END_EVENTS is not None, "the end watch needs epoll's EPOLLRDHUP"
         self._poller = select.epoll()
         #: The connection of each socket registered, by descriptor.
-        self._watched: dict[int, HttpConnection] = {}
+        self._registered: dict[int, HttpConnection] = {}
 
     def add(self, fd: int, connection: HttpConnection) -> None:
-        """Have ``connection``'s request cancelled when the socket ``fd`` ends. A socket that
-        has ended already reports so at once."""
+        """Report the end of ``connection``'s socket ``fd`` to it from now on, unless it is
+        reported already. A socket that has ended already reports so at once."""
         assert _END_EVENTS is not None
-        self._poller.register(fd, _END_EVENTS)
-        self._watched[fd] = connection
+        if fd not in self._registered:
+            self._poller.register(fd, _END_EVENTS)
+            self._registered[fd] = connection
 
-    def remove(self, fd: int) -> None:
-        """Stop watching ``fd``, if it is (:meth:`run` takes off a socket that ended)."""
-        if self._watched.pop(fd, None) is not None:
+    def forget(self, fd: int) -> None:
+        """Stop watching ``fd``, if it is: before its connection closes it, so that the
+        descriptor's next socket is not taken for it (:meth:`run` takes off a socket that
+        ended)."""
+        if self._registered.pop(fd, None) is not None:
             self._poller.unregister(fd)
 
     async def run(self) -> NoReturn:
-        """Wait for sockets to end and cancel their connections' requests, until cancelled;
-        the epoll instance is closed then."""
+        """Wait for sockets to end and tell their connections, until cancelled; the epoll
+        instance is closed then."""
         poller = self._poller
         try:
             while True:
                 await trio.lowlevel.wait_readable(poller.fileno())
                 for fd, _ in poller.poll(0):
-                    connection = self._watched.pop(fd, None)
+                    connection = self._registered.pop(fd, None)
                     if connection is not None:
                         # Level-triggered: unregistered, or it would be reported again.
                         poller.unregister(fd)
                         connection._client_ended()
         finally:
-            self._watched.clear()
+            self._registered.clear()
             poller.close()
 
 
@@ -1079,6 +1085,8 @@ class HttpConnection:
                 self._end_request(self._unfinished)
                 self._unfinished = None
             self._arrived()
+            if self._ends is not None:
+                self._ends.forget(self._socket_fd)
             await trio.aclose_forcefully(self._stream)
 
     def drain(self) -> None:
@@ -1567,19 +1575,19 @@ class HttpConnection:
         """End the watch of the request being served, if any: the connection's own reads may
         wait for the socket from now on (Trio lets one task at a time wait to read it; the
         cancel takes the watcher's wait off the socket at once)."""
-        if self._ends is not None:
-            if self._watched is not None:
-                self._watched = None
-                self._ends.remove(self._socket_fd)
-            return
         self._watched = None
+        if self._ends is not None:
+            # The socket stays registered: its end, reported while no request is watched,
+            # cancels nothing (the connection's own read finds it).
+            return
         if self._watch_scope is not None:
             self._watch_scope.cancel()
             self._watch_scope = None
 
     def _client_ended(self) -> None:
-        """Called by the end watch: the client ended its socket while the watched request
-        ran."""
+        """Called by the end watch: the client ended its socket (or it broke), which cancels
+        the request watched, if one is; between such requests the connection's own read finds
+        the end."""
         request = self._watched
         if request is not None:
             self._watched = None
