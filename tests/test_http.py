@@ -347,6 +347,83 @@ async def test_tritonclient_http_works_unchanged_and_agrees_with_grpc(
     assert results["unknown"] == ("404", unknown.details())
 
 
+def _tritonclient_binary_at_every_offset(port: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``add_sub`` with both inputs and outputs binary, from tritonclient.http, once for each
+    request id of 0 to 8 characters: the JSON part's length moves the inputs' bytes to every
+    offset modulo 8 in the body (aligned for FP32 or not)."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        a = np.arange(32, dtype=np.float32).reshape(2, 16)
+        b = np.full((2, 16), 3, dtype=np.float32)
+        answers = []
+        for length in range(9):
+            first = httpclient.InferInput("INPUT0", [2, 16], "FP32")
+            first.set_data_from_numpy(a, binary_data=True)
+            second = httpclient.InferInput("INPUT1", [2, 16], "FP32")
+            second.set_data_from_numpy(b, binary_data=True)
+            outputs = [
+                httpclient.InferRequestedOutput(name, binary_data=True)
+                for name in ("OUTPUT0", "OUTPUT1")
+            ]
+            answer = client.infer(
+                "add_sub", [first, second], outputs=outputs, request_id="i" * length
+            )
+            answers.append((answer.as_numpy("OUTPUT0"), answer.as_numpy("OUTPUT1")))
+        return answers
+    finally:
+        client.close()
+
+
+async def test_binary_inputs_are_read_alike_at_every_offset_in_the_body(
+    server: RunningServer,
+) -> None:
+    assert server.http_port is not None
+    answers = await trio.to_thread.run_sync(_tritonclient_binary_at_every_offset, server.http_port)
+    a = np.arange(32, dtype=np.float32).reshape(2, 16)
+    b = np.full((2, 16), 3, dtype=np.float32)
+    for added, subtracted in answers:
+        np.testing.assert_array_equal(added, a + b)
+        np.testing.assert_array_equal(subtracted, a - b)
+
+
+async def test_a_binary_input_of_the_wrong_size_is_refused_at_any_offset(
+    server: RunningServer,
+) -> None:
+    # The size is checked before the input's array is made (where its alignment is read).
+    async with _client(server) as client:
+        for length in range(5):
+            document = {
+                "id": "i" * length,
+                "inputs": [
+                    {
+                        "name": "INPUT0",
+                        "datatype": "FP32",
+                        "shape": [2, 16],
+                        "parameters": {"binary_data_size": 126},
+                    },
+                    {
+                        "name": "INPUT1",
+                        "datatype": "FP32",
+                        "shape": [2, 16],
+                        "parameters": {"binary_data_size": 128},
+                    },
+                ],
+            }
+            text = json.dumps(document).encode()
+            answer = await client.post(
+                "/v2/models/add_sub/infer",
+                content=text + bytes(126 + 128),
+                headers={"Inference-Header-Content-Length": str(len(text))},
+            )
+            assert answer.status_code == 400
+            assert answer.json() == {
+                "error": "input 'INPUT0': shape [2, 16] has 32 elements but 'binary_data_size' "
+                "is 126 bytes, not a whole number of 4-byte FP32 elements"
+            }
+
+
 @pytest.mark.parametrize("traced", [False, True], ids=["plain", "request-ids"])
 async def test_rest_and_grpc_requests_batch_together(
     nursery: trio.Nursery, tmp_path: Path, traced: bool
@@ -1207,6 +1284,26 @@ def test_requests_that_end_unwatched_leave_nothing_in_the_end_watch(watch: str) 
 
     _serve_one_remembered_connection(handler, client_side, connections)
     assert log == ["/x"] * 1000
+
+
+def test_a_response_of_a_buffer_not_contiguous_is_a_500_before_anything_is_sent() -> None:
+    # A handler's fault: its buffers are written as they are, so one that is not one piece of
+    # memory is refused before the response starts, and the request is answered 500.
+    async def handler(request: HttpRequest) -> None:
+        await request.respond(200, [], [b"ab", memoryview(bytes(8))[::2]])
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        await client.send(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        received = b""
+        while not received.endswith(error_body("internal server error")):
+            data = await client.recv(1000)
+            assert data, received
+            received += data
+        assert received.startswith(b"HTTP/1.1 500 Internal Server Error\r\n")
+        assert received.count(b"HTTP/1.1") == 1
+        client.close()
+
+    trio.run(_serve_one_connection, handler, client_side)
 
 
 def test_a_connection_the_server_closes_leaves_its_socket_out_of_the_end_watch() -> None:

@@ -639,9 +639,8 @@ def _input_spec(
 
 
 def _shape(where: str, raw: object, datatype: str) -> tuple[int, ...]:
-    if not isinstance(raw, list) or not all(
-        isinstance(dim, int) and not isinstance(dim, bool) for dim in raw
-    ):
+    # A parsed JSON integer is an int, never a subclass of it but bool.
+    if not isinstance(raw, list) or not all(type(dim) is int for dim in raw):
         got = "missing" if raw is None else f"{raw!r}"
         raise InvalidInput(f"{where}: 'shape' is {got}; it is a list of integers")
     shape = tuple(raw)
@@ -1025,7 +1024,8 @@ def encode_infer_response(
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": array.shape}
         if binary.is_binary(name):
             blob = _binary_blob(where, datatype, array)
-            entry["parameters"] = {_BINARY_DATA_SIZE: memoryview(blob).nbytes}
+            # bytes, or a view of bytes: its length is its size.
+            entry["parameters"] = {_BINARY_DATA_SIZE: len(blob)}
             blobs.append(blob)
         else:
             entry["data"] = _json_data(where, datatype, array)
@@ -1105,6 +1105,5 @@ def _binary_blob(where: str, datatype: str, array: np.ndarray) -> Buffer:
             parts.append(element)
         return b"".join(parts)
     # BOOL is one byte per element, as numpy stores it; views it as bytes without a copy.
-    dtype = DATATYPES[datatype].newbyteorder("<")
-    contiguous = np.ascontiguousarray(array, dtype=dtype)
+    contiguous = np.ascontiguousarray(array, dtype=_BINARY_DTYPES[datatype])
     return contiguous.reshape(-1).view(np.uint8).data

@@ -788,12 +788,15 @@ class HttpRequest:
         """
         assert not self._response_started, "one response per request"
         connection = self._connection
-        if body:
-            views = [memoryview(part).cast("B") for part in body]
-            size = sum([view.nbytes for view in views])
-        else:
-            views = []
-            size = 0
+        size = 0
+        for part in body:
+            if isinstance(part, memoryview):
+                # Written as it is (any format: its bytes, nbytes of them), in one piece.
+                if not part.c_contiguous:
+                    raise ValueError("a response's buffers are C-contiguous")
+                size += part.nbytes
+            else:
+                size += len(part)
         fields = header_lines(headers) if headers else ""
         # The fields added here need no check for line breaks: the request id is printable
         # ASCII (request_id), the rest are the server's own.
@@ -811,7 +814,7 @@ class HttpRequest:
         parts: list[Buffer] = [head]
         total = len(head)
         if not connection.head_only and size:
-            parts += [view for view in views if view]
+            parts += body
             total += size
         # Most responses leave in one write, which needs no coroutine of send's: it is
         # awaited only for what the socket did not take at once.
@@ -1211,8 +1214,10 @@ class HttpConnection:
                 # The parser holds the buffer for the call only: it may shrink after.
                 self._parse.parser.feed_data(buffer)
             else:
-                with memoryview(buffer) as view, view[:size] as piece:
-                    self._parse.parser.feed_data(piece)
+                # A copy of the part (a head, what is left of a body, a chunked slice): a view
+                # of it would have to be released before the buffer shrinks, which costs more
+                # than copying a head.
+                self._parse.parser.feed_data(buffer[:size])
         except httptools.HttpParserUpgrade:
             # llhttp stops after a request that asks to switch protocols (or CONNECT). None
             # is switched here: the request is answered as it is, the connection closed after
