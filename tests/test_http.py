@@ -371,6 +371,14 @@ def _tritonclient_binary_at_every_offset(port: int) -> list[tuple[np.ndarray, np
                 "add_sub", [first, second], outputs=outputs, request_id="i" * length
             )
             answers.append((answer.as_numpy("OUTPUT0"), answer.as_numpy("OUTPUT1")))
+            # The same request again, the same JSON part with other data: answered for its
+            # own data.
+            first.set_data_from_numpy(b, binary_data=True)
+            second.set_data_from_numpy(a, binary_data=True)
+            answer = client.infer(
+                "add_sub", [first, second], outputs=outputs, request_id="i" * length
+            )
+            answers.append((answer.as_numpy("OUTPUT0"), -answer.as_numpy("OUTPUT1")))
         return answers
     finally:
         client.close()
@@ -1284,6 +1292,83 @@ def test_requests_that_end_unwatched_leave_nothing_in_the_end_watch(watch: str) 
 
     _serve_one_remembered_connection(handler, client_side, connections)
     assert log == ["/x"] * 1000
+
+
+async def test_a_binary_layout_seen_before_still_refuses_a_body_of_another_size_or_bad_data(
+    server: RunningServer,
+) -> None:
+    # The codec remembers the fields of a JSON part it has checked, for requests with the same
+    # JSON part and body size: one of another size is checked afresh, and the data of one of
+    # the same size are checked as they are decoded, every time.
+    def add_sub(size: int) -> tuple[bytes, bytes]:
+        document = {
+            "inputs": [
+                {
+                    "name": name,
+                    "datatype": "FP32",
+                    "shape": [2, 16],
+                    "parameters": {"binary_data_size": 128},
+                }
+                for name in ("INPUT0", "INPUT1")
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+        text = json.dumps(document).encode()
+        return text, bytes(size)
+
+    async with _client(server) as client:
+
+        async def infer(model: str, text: bytes, data: bytes) -> httpx.Response:
+            return await client.post(
+                f"/v2/models/{model}/infer",
+                content=text + data,
+                headers={"Inference-Header-Content-Length": str(len(text))},
+            )
+
+        text, _ = add_sub(256)
+        for _ in range(2):
+            for start in (0.0, 7.0):
+                a = np.arange(start, start + 32, dtype=np.float32)
+                answer = await infer("add_sub", text, a.tobytes() + bytes(128))
+                assert answer.status_code == 200
+                json_length = int(answer.headers["inference-header-content-length"])
+                added = np.frombuffer(answer.content[json_length : json_length + 128], "<f4")
+                np.testing.assert_array_equal(added, a)  # a + 0
+        short = await infer("add_sub", text, bytes(255))
+        assert short.status_code == 400
+        assert short.json() == {
+            "error": "input 'INPUT1': 'binary_data_size' is 128 but only 127 bytes of the body "
+            "are left for it"
+        }
+        long = await infer("add_sub", text, bytes(257))
+        assert long.status_code == 400
+        assert long.json() == {
+            "error": "the body has 1 bytes after the JSON part and the binary data of the "
+            "inputs; each input sent binary declares its size in 'binary_data_size'"
+        }
+        echo = json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "s",
+                        "datatype": "BYTES",
+                        "shape": [1, 1],
+                        "parameters": {"binary_data_size": 6},
+                    }
+                ],
+                "outputs": [{"name": "s", "parameters": {"binary_data": True}}],
+            }
+        ).encode()
+        for _ in range(2):
+            good = await infer("echo", echo, struct.pack("<I", 2) + b"hi")
+            assert good.status_code == 200
+            assert good.content.endswith(struct.pack("<I", 2) + b"hi")
+            bad = await infer("echo", echo, struct.pack("<I", 3) + b"hi")
+            assert bad.status_code == 400
+            assert bad.json() == {
+                "error": "the binary data of input 's': BYTES element 0 declares 3 bytes but "
+                "only 2 remain"
+            }
 
 
 def test_a_response_of_a_buffer_not_contiguous_is_a_500_before_anything_is_sent() -> None:

@@ -1177,3 +1177,38 @@ def test_simdjson_as_buffer_refuses_rather_than_converts(
     else:
         with pytest.raises(error if of_type != "d" or not numeric else TypeError):
             array.as_buffer(of_type=of_type)
+
+
+def test_a_request_of_a_layout_seen_before_is_its_own_and_leaves_the_next_whole() -> None:
+    # The fields of a JSON part checked once are remembered for the same JSON part and body
+    # size: each request gets its own maps (a caller takes the timeout out of its parameters)
+    # and arrays of its own body.
+    document = {
+        "id": "same",
+        "inputs": [
+            {
+                "name": "x",
+                "datatype": "INT32",
+                "shape": [2],
+                "parameters": {"binary_data_size": 8, "p": 1},
+            }
+        ],
+        "parameters": {"timeout": 5, "binary_data_output": True},
+        "outputs": [{"name": "y", "parameters": {"binary_data": False, "q": "r"}}],
+    }
+    for first in (1, 3, 5):
+        values = np.array([first, first + 1], dtype="<i4")
+        body, header_length = body_of(document, values.tobytes())
+        parsed = parse_infer_request(bytearray(body), header_length)
+        assert parsed.id == "same"
+        assert parsed.parameters == {"timeout": 5}
+        assert parsed.input_parameters == {"x": {"p": 1}}
+        assert parsed.outputs == ["y"]
+        assert parsed.output_parameters == {"y": {"q": "r"}}
+        assert parsed.binary_outputs.is_binary("x")
+        assert not parsed.binary_outputs.is_binary("y")
+        np.testing.assert_array_equal(codec.input_arrays(parsed)["x"], values)
+        parsed.parameters.pop("timeout")
+        parsed.input_parameters["x"].clear()
+        parsed.output_parameters["y"]["q"] = "changed"
+        parsed.outputs.append("z")

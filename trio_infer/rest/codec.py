@@ -161,6 +161,12 @@ _PACKED_LIMIT = {
 #: pointer each beside the packed doubles, which stays small below this.
 _PACKED_MAX_ELEMENTS = FAST_JSON_MIN_ELEMENTS
 
+#: Request layouts remembered (:class:`_Layout`), and the largest JSON part one is remembered
+#: for: at most about 32 times 2 KiB of text and what it parses to (PARSED_BYTES_PER_JSON_BYTE a
+#: byte) are held, whatever clients send.
+_MAX_LAYOUTS = 32
+_MAX_LAYOUT_JSON = 2048
+
 #: The parameters the binary tensor data extension defines; taken out of the maps the request
 #: hands on, since they describe the body's layout, not the inference.
 _BINARY_DATA_SIZE = "binary_data_size"
@@ -336,6 +342,14 @@ def parse_infer_request(
             f"Inference-Header-Content-Length is {header_length} but the body has only {size} bytes"
         )
     json_part = view[:header_length]
+    key: tuple[bytes, int] | None = None
+    if has_header and header_length < size and header_length <= _MAX_LAYOUT_JSON:
+        # Binary data follows a small JSON part: a client that sends its tensors binary sends
+        # the same JSON part for each request of a shape, whose fields were checked once.
+        key = (bytes(json_part), size)
+        layout = _LAYOUTS.get(key)
+        if layout is not None:
+            return layout.parsed(view)
     document = _parse_lazily(json_part)
     if document is None:
         document = _parse(json_part)
@@ -361,10 +375,12 @@ def parse_infer_request(
         raise InvalidInput(f"the request's 'inputs' is {problem}; it is a list of inputs")
     offset = header_length
     specs: list[_InputSpec] = []
+    costs: list[int] = []
     input_parameters: dict[str, dict[str, ParameterValue]] = {}
     decoded_nbytes = 0
     for index, raw in enumerate(raw_inputs):
         spec, cost = _input_spec(index, raw, view, offset, has_header)
+        costs.append(cost)
         if spec.name in input_parameters:
             raise InvalidInput(f"input '{spec.name}' appears more than once in the request")
         input_parameters[spec.name] = _parameters(f"input '{spec.name}'", raw.get("parameters"))
@@ -392,7 +408,7 @@ def parse_infer_request(
         binary_outputs = BinaryOutputs(default_binary, by_name)
     else:
         binary_outputs = _ALL_BINARY if default_binary else _NO_BINARY
-    return ParsedInferRequest(
+    parsed = ParsedInferRequest(
         id=request_id,
         parameters=parameters,
         input_parameters=input_parameters,
@@ -403,6 +419,88 @@ def parse_infer_request(
         _inputs=specs,
         _may_hold_bools=may_hold_bools,
     )
+    if key is not None and all(spec.binary is not None for spec in specs):
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = _Layout.of(parsed, header_length, costs)
+    return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What :func:`parse_infer_request` found in a request whose inputs are all binary, kept by
+    its JSON part's bytes and its body's size: every field but the inputs' bytes, which are
+    all the next request with the same JSON part and size has of its own. Its fields need no
+    second check (the JSON is the same text, the body as long); whether each input's place in
+    its body is aligned is read again (the body is elsewhere in memory), and its data are
+    checked as they are decoded (a BOOL's bytes, a BYTES tensor's lengths), as for any request.
+    """
+
+    id: str
+    parameters: dict[str, ParameterValue]
+    #: Each input's name, datatype, shape, offset in the body, size, and (BYTES) decoding cost.
+    inputs: tuple[tuple[str, str, tuple[int, ...], int, int, int], ...]
+    input_parameters: dict[str, dict[str, ParameterValue]]
+    outputs: tuple[str, ...]
+    binary_outputs: BinaryOutputs
+    output_parameters: dict[str, dict[str, ParameterValue]]
+
+    @classmethod
+    def of(cls, parsed: ParsedInferRequest, header_length: int, costs: list[int]) -> _Layout:
+        """The layout of ``parsed``, whose inputs are all binary, their data from
+        ``header_length`` on; ``costs``: each input's decoding cost as parsed. Its maps are
+        copies: the request's own are handed on, and a caller may take from them."""
+        inputs = []
+        offset = header_length
+        for spec, cost in zip(parsed._inputs, costs, strict=True):
+            assert spec.binary is not None, "only requests of binary inputs have a layout"
+            size = spec.binary.nbytes
+            inputs.append((spec.name, spec.datatype, spec.shape, offset, size, cost))
+            offset += size
+        return cls(
+            parsed.id,
+            dict(parsed.parameters),
+            tuple(inputs),
+            _copied(parsed.input_parameters),
+            tuple(parsed.outputs),
+            parsed.binary_outputs,
+            _copied(parsed.output_parameters),
+        )
+
+    def parsed(self, body: memoryview) -> ParsedInferRequest:
+        """The request ``body`` (of this layout's JSON part and size) as
+        :func:`parse_infer_request` gives it."""
+        specs: list[_InputSpec] = []
+        decoded_nbytes = 0
+        for name, datatype, shape, offset, size, cost in self.inputs:
+            binary = body[offset : offset + size]
+            if datatype == "BYTES":
+                spec = _InputSpec(name, datatype, shape, None, binary, 0)
+            else:
+                spec, cost = _binary_numeric(name, datatype, shape, binary)
+            specs.append(spec)
+            decoded_nbytes += cost
+        return ParsedInferRequest(
+            id=self.id,
+            parameters=dict(self.parameters),
+            input_parameters=_copied(self.input_parameters),
+            outputs=list(self.outputs),
+            binary_outputs=self.binary_outputs,
+            output_parameters=_copied(self.output_parameters),
+            decoded_nbytes=decoded_nbytes,
+            _inputs=specs,
+            _may_hold_bools=False,
+        )
+
+
+def _copied(
+    maps: dict[str, dict[str, ParameterValue]],
+) -> dict[str, dict[str, ParameterValue]]:
+    return {name: dict(values) for name, values in maps.items()}
+
+
+#: Layouts by JSON part and body size (:class:`_Layout`); emptied when full.
+_LAYOUTS: dict[tuple[bytes, int], _Layout] = {}
 
 
 def decode_inputs(parsed: ParsedInferRequest) -> RestInferRequest:
@@ -631,10 +729,17 @@ def _input_spec(
             f"{where}: shape {shape_text(shape)} has {count} elements but "
             f"'{_BINARY_DATA_SIZE}' is {held}"
         )
-    # Copied when its place in the body is not aligned for its dtype (numpy's own test of the
-    # element's address), known before anything is decoded.
+    return _binary_numeric(name, datatype, shape, binary)
+
+
+def _binary_numeric(
+    name: str, datatype: str, shape: tuple[int, ...], binary: memoryview
+) -> tuple[_InputSpec, int]:
+    """A binary numeric input of ``binary``'s bytes (as many as its shape takes), and its
+    decoding cost: a copy when its place in the body is not aligned for its dtype (numpy's own
+    test of the element's address), known before anything is decoded."""
     array = np.frombuffer(binary, dtype=_BINARY_DTYPES[datatype])
-    copy_nbytes = 0 if array.flags.aligned else size
+    copy_nbytes = 0 if array.flags.aligned else binary.nbytes
     return _InputSpec(name, datatype, shape, None, binary, copy_nbytes, array), copy_nbytes
 
 
