@@ -771,7 +771,9 @@ async def test_a_client_that_reads_nothing_makes_the_server_hold_a_bounded_backl
     peaks = Peaks(server)
     async with trio.open_nursery() as watching:
         watching.start_soon(peaks.watch)
-        sent = await trio.to_thread.run_sync(unknown_method_flood, server.port, 3000, 10.0)
+        # The flood ends when the server stops reading (about 200,000 calls, 7 s on an idle
+        # machine); the time given it guards against a server that never does.
+        sent = await trio.to_thread.run_sync(unknown_method_flood, server.port, 3000, 120.0)
         await Bystander(server.port).call()
         watching.cancel_scope.cancel()
     peak = peaks.unsent

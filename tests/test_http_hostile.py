@@ -11,7 +11,6 @@ import contextlib
 import gzip
 import json
 import socket
-import time
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -199,13 +198,13 @@ class Bystander:
     def __init__(self, server: RunningServer) -> None:
         self.server = server
         self.calls = 0
-        self.slowest = 0.0
 
     async def call(self) -> None:
-        started = time.monotonic()
-        with trio.fail_after(10):
+        # Guards against a hang, not a measure: behind 200 other clients on a loaded machine
+        # the call took more than 10 s once.
+        with trio.fail_after(60):
             async with httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{self.server.http_port}", timeout=10
+                base_url=f"http://127.0.0.1:{self.server.http_port}", timeout=60
             ) as client:
                 ready = await client.get("/v2/health/ready")
                 assert ready.status_code == 200, ready.text
@@ -213,7 +212,6 @@ class Bystander:
                 assert answer.status_code == 200, answer.text
                 assert answer.json()["outputs"][0]["data"][:3] == [1.0, 2.0, 3.0]
         self.calls += 1
-        self.slowest = max(self.slowest, time.monotonic() - started)
 
     async def keep_calling(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
