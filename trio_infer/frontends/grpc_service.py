@@ -13,7 +13,7 @@ import functools
 import hmac
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -483,7 +483,7 @@ class GrpcService:
         """:meth:`_stream_answer` of a sequence's request, once the request before it has been
         answered: its own ``timeout`` bounds that wait too (its clock starts when it arrives)."""
         try:
-            own = _own_deadline(request)
+            own = _own_deadline(request.parameters)
         except InferError as error:
             return _stream_error(error.message, request)
         if not await turn.wait(own):
@@ -538,9 +538,10 @@ class GrpcService:
         then gets no response (as in Triton). An error is the message's ``error_message``, sent
         after the responses yielded before it.
         """
-        empty_final = _take_flag(request, _EMPTY_FINAL)
+        parameters = request.parameters
+        empty_final = _take_flag(parameters, _EMPTY_FINAL)
         if own is None:
-            own = _own_deadline(request)
+            own = _own_deadline(parameters)
         context.deadline = min(context.deadline, own)
         held: InferenceResponse | None = None
         state = _Decoded(raw=True, nbytes=0, message_size=0)
@@ -561,7 +562,7 @@ class GrpcService:
             held = answer
 
         with trio.move_on_at(own) as timed:
-            decoded, state = await self._decoded(request, context)
+            decoded, state = await self._decoded(request, context, parameters)
             try:
                 await self.core.infer_each(decoded, context, respond)
             except InferError:
@@ -587,26 +588,32 @@ class GrpcService:
         """:meth:`_infer`, ended with DEADLINE_EXCEEDED at the request's own ``timeout``
         (its call's deadline is the call's cancel scope); ``own``, that deadline when it was
         taken out of the request already."""
+        # The parameters map read once for the timeout, binary_data_output and the rest: most
+        # requests have none, and then no function looks in it.
+        parameters = request.parameters
         if own is None:
-            own = _own_deadline(request)
+            own = _own_deadline(parameters) if parameters else math.inf
         if own == math.inf:
             # No timeout of its own: its call's scope bounds it, and a scope costs microseconds.
-            return await self._infer(request, context)
+            return await self._infer(request, context, parameters)
         context.deadline = min(context.deadline, own)
         with trio.move_on_at(own) as timed:
-            return await self._infer(request, context)
+            return await self._infer(request, context, parameters)
         assert timed.cancelled_caught
         raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
-    async def _infer(self, request: Any, context: RequestContext) -> _Answer:
+    async def _infer(
+        self, request: Any, context: RequestContext, parameters: MutableMapping[str, Any]
+    ) -> _Answer:
         """Decode ``request`` (a WireInferRequest: a ModelInferRequest whose inputs' contents
-        are still serialised, see trio_infer.protobuf.wire), run it through the core and
-        encode its answer (a serialised ModelInferResponse, as buffers in order).
+        are still serialised, see trio_infer.protobuf.wire; ``parameters``, its parameters
+        map), run it through the core and encode its answer (a serialised ModelInferResponse,
+        as buffers in order).
 
         The answer is encoded within the core's call: a refusal of it (its size over the memory
         budget, an output no datatype can carry) is then the status its statistics record.
         """
-        decoded, state = await self._decoded(request, context)
+        decoded, state = await self._decoded(request, context, parameters)
         return await self.core.infer(
             decoded, context, functools.partial(self._answer, state, context)
         )
@@ -619,11 +626,12 @@ class GrpcService:
         return _Answer(encoded, answer.headers, answer.trailers)
 
     async def _decoded(
-        self, request: Any, context: RequestContext
+        self, request: Any, context: RequestContext, parameters: MutableMapping[str, Any]
     ) -> tuple[InferenceRequest, _Decoded]:
-        """The core's request from a WireInferRequest, its decoded size reserved first."""
+        """The core's request from a WireInferRequest (``parameters``, its parameters map),
+        its decoded size reserved first."""
         reservation = context.reservation
-        raw = _take_flag(request, _BINARY_OUTPUT, default=True)
+        raw = _take_flag(parameters, _BINARY_OUTPUT, default=True) if parameters else True
         message_size = reservation.granted // RESERVED_PER_BYTE
         known = decode_known_raw(request)
         if known is None:
@@ -635,15 +643,16 @@ class GrpcService:
         # The arrays are views of their own copies of the raw buffers: the request's are not
         # needed any more, and a large request would otherwise be held twice.
         request.ClearField("raw_input_contents")
-        parameters = decode_parameters(request.parameters)
+        values: dict[str, ParameterValue] = {}
         if parameters:  # most requests have none: no call for them
-            _sequence_id_as_uint64(parameters)
+            values = decode_parameters(parameters)
+            _sequence_id_as_uint64(values)
         return InferenceRequest(
             request.model_name,
             request.model_version,
             request.id,
             inputs,
-            parameters,
+            values,
             # input_parameters: the inputs' names are the arrays' keys, in the tensors' order
             # (decode_inputs refuses a name that repeats), and the tensors a list already: no
             # second slice of the repeated field, nor a second read of each name. Indexed, not
@@ -883,20 +892,20 @@ def _model_headers(call: Call) -> dict[str, str]:
     }
 
 
-def _take_flag(request: Any, name: str, default: bool = False) -> bool:
-    """A bool request parameter's value (``default`` when absent), taken out of those the model
-    sees.
+def _take_flag(parameters: MutableMapping[str, Any], name: str, default: bool = False) -> bool:
+    """A bool request parameter's value (``default`` when absent), taken out of ``parameters``
+    (a request's map: those the model sees).
 
     Raises:
         InvalidInput: The parameter is not a bool.
     """
-    if name not in request.parameters:
+    if name not in parameters:
         return default
-    parameter = request.parameters[name]
+    parameter = parameters[name]
     if parameter.WhichOneof("parameter_choice") != "bool_param":
         raise InvalidInput(f"parameter '{name}' must be a bool")
     value = bool(parameter.bool_param)
-    del request.parameters[name]
+    del parameters[name]
     return value
 
 
@@ -1111,20 +1120,21 @@ def _as_uint64(sequence_id: ParameterValue) -> ParameterValue:
     return sequence_id
 
 
-def _own_deadline(request: Any) -> float:
-    """:func:`~trio_infer.core.timeouts.take_timeout` for a request still in protobuf: read
-    before its tensors are decoded, so that its deadline bounds the decoding too.
+def _own_deadline(parameters: MutableMapping[str, Any]) -> float:
+    """:func:`~trio_infer.core.timeouts.take_timeout` for a request still in protobuf (its
+    ``parameters`` map): read before its tensors are decoded, so that its deadline bounds the
+    decoding too.
 
     Raises:
         InvalidInput: ``timeout`` is not an int64 of microseconds, at least 0.
     """
-    if "timeout" not in request.parameters:
+    if "timeout" not in parameters:
         return math.inf
-    parameter = request.parameters["timeout"]
+    parameter = parameters["timeout"]
     kind = parameter.WhichOneof("parameter_choice")
     # Any other kind is refused by take_timeout, as a REST request's would be.
     value: ParameterValue = parameter.int64_param if kind == "int64_param" else "not an int64"
-    del request.parameters["timeout"]
+    del parameters["timeout"]
     return take_timeout({"timeout": value})
 
 
