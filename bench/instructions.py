@@ -73,6 +73,7 @@ SCENARIOS = (
     "rest-live",
     "rest-dense-n1",
     "rest-dense-n1-binary",
+    "rest-dense-n64-binary",
 )
 
 
@@ -289,6 +290,8 @@ class Client:
             return self._rest_dense(1, binary=False)
         if scenario == "rest-dense-n1-binary":
             return self._rest_dense(1, binary=True)
+        if scenario == "rest-dense-n64-binary":
+            return self._rest_dense(64, binary=True)
         raise ValueError(f"unknown scenario {scenario!r}")
 
     def _live(self) -> Probe:
