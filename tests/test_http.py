@@ -349,8 +349,9 @@ async def test_tritonclient_http_works_unchanged_and_agrees_with_grpc(
 
 def _tritonclient_binary_at_every_offset(port: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """``add_sub`` with both inputs and outputs binary, from tritonclient.http, once for each
-    request id of 0 to 8 characters: the JSON part's length moves the inputs' bytes to every
-    offset modulo 8 in the body (aligned for FP32 or not)."""
+    request id of 0 to 16 characters: the JSON part's length moves the inputs' bytes to every
+    offset modulo 16 in the body (aligned for FP32 or not, and the padding that lays the body
+    out aligned of every size)."""
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
@@ -358,7 +359,7 @@ def _tritonclient_binary_at_every_offset(port: int) -> list[tuple[np.ndarray, np
         a = np.arange(32, dtype=np.float32).reshape(2, 16)
         b = np.full((2, 16), 3, dtype=np.float32)
         answers = []
-        for length in range(9):
+        for length in range(17):
             first = httpclient.InferInput("INPUT0", [2, 16], "FP32")
             first.set_data_from_numpy(a, binary_data=True)
             second = httpclient.InferInput("INPUT1", [2, 16], "FP32")
@@ -394,6 +395,46 @@ async def test_binary_inputs_are_read_alike_at_every_offset_in_the_body(
     for added, subtracted in answers:
         np.testing.assert_array_equal(added, a + b)
         np.testing.assert_array_equal(subtracted, a - b)
+
+
+async def test_a_bad_header_length_with_a_large_body_is_400_after_the_body_is_read(
+    server: RunningServer,
+) -> None:
+    # The header length is looked at before the body (where the binary part lands in memory),
+    # judged once the body has been read: the connection goes on to the next request.
+    x = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+    document = {
+        "inputs": [
+            {
+                "name": "x",
+                "datatype": "FP32",
+                "shape": [64, 256],
+                "parameters": {"binary_data_size": x.nbytes},
+            }
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+    text = json.dumps(document).encode()
+    async with _client(server) as client:
+        for length, error in [
+            ("0x8d", "inference-header-content-length must be a number of bytes, got '0x8d'"),
+            (str(len(text) + x.nbytes + 1), "Inference-Header-Content-Length is"),
+            (str(len(text)), None),
+        ]:
+            answer = await client.post(
+                "/v2/models/dense/infer",
+                content=text + x.tobytes(),
+                headers={"Inference-Header-Content-Length": length},
+            )
+            if error is None:
+                assert answer.status_code == 200, answer.text
+                json_length = int(answer.headers["inference-header-content-length"])
+                y = np.frombuffer(answer.content[json_length:], dtype=np.float32)
+                assert y.shape == (64 * 256,)
+            else:
+                assert answer.status_code == 400
+                assert answer.json()["error"].startswith(error), answer.json()
+        assert answer.http_version == "HTTP/1.1"
 
 
 async def test_a_binary_input_of_the_wrong_size_is_refused_at_any_offset(

@@ -809,6 +809,28 @@ async def test_binary_data_and_its_header_overrunning_the_body_are_400(
     await Bystander(server).call()
 
 
+@pytest.mark.parametrize(
+    "lengths",
+    [["-1"], ["9" * 5000], ["16", "16"], ["16"], ["100000"]],
+    ids=["negative", "too-many-digits", "repeated", "good", "past-the-body"],
+)
+async def test_a_body_that_does_not_arrive_is_408_whatever_its_header_length_says(
+    server: RunningServer, lengths: list[str]
+) -> None:
+    # The header length is looked at before the body is read (where its binary part lands in
+    # memory) and judged after it: the body's own fault is the answer.
+    fields = [f"Inference-Header-Content-Length: {length}" for length in lengths]
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(head("POST", "/v2/models/echo/infer", "Content-Length: 1000", *fields))
+        await raw.send(json.dumps(BINARY_INPUT).encode())
+        with trio.fail_after(10):
+            answer = await raw.final()
+        assert answer.status == 408, answer
+        assert answer.error().startswith("the request body did not arrive"), answer.error()
+    assert reserved(server) == 0
+    await Bystander(server).call()
+
+
 @pytest.mark.parametrize("padding", [" ", "   ", "\t", " \t "])
 async def test_whitespace_after_a_header_s_value_is_not_part_of_it(
     server: RunningServer, padding: str

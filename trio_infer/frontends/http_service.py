@@ -352,8 +352,15 @@ class HttpService:
             announced or 0, math.inf, request.connection_id
         ) as reservation:
             grow = None if announced is not None else _chunk_counter(reservation)
-            body = await request.receive_body(grow)
-            metadata, header_length = _metadata(request)
+            # The header length is looked at before the body is read, for where its binary
+            # part lands; a bad one is answered after the body, as the body's own faults are
+            # answered first.
+            try:
+                metadata, header_length = _metadata(request)
+            except HttpError as exc:
+                await request.receive_body(grow)
+                raise exc from None
+            body = await request.receive_body(grow, aligned_at=header_length or 0)
             parsed, inputs = await self._decoded(body, header_length, reservation)
             own = take_timeout(parsed.parameters)
             context = RequestContext(deadline=own, headers=metadata, reservation=reservation)

@@ -686,7 +686,10 @@ class HttpRequest:
         return None
 
     async def receive_body(
-        self, on_data: Callable[[int], None] | None = None, limit: int | None = None
+        self,
+        on_data: Callable[[int], None] | None = None,
+        limit: int | None = None,
+        aligned_at: int = 0,
     ) -> bytearray:
         """Read the whole request body and return it (once per request; not for ``GET`` and
         ``HEAD``, whose handlers read none).
@@ -697,6 +700,11 @@ class HttpRequest:
                 read and passes to the caller). A compressed body calls it for what is sent,
                 then for what that decodes to.
             limit: The most bytes the body may take, if less than ``max_body_size``.
+            aligned_at: An offset in the body whose byte is to start 16-aligned in memory (a
+                binary tensor's, read in place only where aligned for its dtype): the body
+                is gathered after ``-aligned_at % 16`` bytes of padding in a block the
+                allocator aligns to 16, and the padding dropped from its front, which moves
+                the bytearray's start, not its bytes. Layout only: the bytes are the same.
 
         Returns:
             The body, decoded when it was sent gzip or deflate (Content-Encoding): decoded
@@ -719,12 +727,13 @@ class HttpRequest:
             raise HttpError(exc.status, exc.message) from None
         if message.expects_continue and not message.body_size and not connection.buffered:
             await connection.send([_CONTINUE], self)
-        body = bytearray()
-        self._take_body(body, on_data, decoder, limit)
+        pad = -aligned_at % 16
+        body = bytearray(pad)
+        self._take_body(body, pad, on_data, decoder, limit)
         # What is buffered of the body (most small ones come with their head) is parsed before
         # the timeout's scope is entered: parsing never waits, and the scope costs more.
         while not message.complete and connection.parse_body(message):
-            self._take_body(body, on_data, decoder, limit)
+            self._take_body(body, pad, on_data, decoder, limit)
         if not message.complete:
             # The rest of a body that did not come with its head: waited for.
             with trio.move_on_after(limits.receive_timeout) as waiting:
@@ -733,7 +742,7 @@ class HttpRequest:
                         # The client closed its socket in the middle of its body: it is gone.
                         self._cancel_as_gone()
                         await trio.lowlevel.checkpoint()
-                    self._take_body(body, on_data, decoder, limit)
+                    self._take_body(body, pad, on_data, decoder, limit)
             if waiting.cancelled_caught:
                 raise HttpError(
                     408,
@@ -741,6 +750,7 @@ class HttpRequest:
                 )
         if decoder is not None:
             await _decode(decoder, body, on_data)
+        del body[:pad]
         self.bytes_in = len(body)
         # From now on the client has nothing more to send for this request: its socket
         # becoming readable means it closed it (or pipelines, which is served in turn).
@@ -750,12 +760,13 @@ class HttpRequest:
     def _take_body(
         self,
         body: bytearray,
+        pad: int,
         on_data: Callable[[int], None] | None,
         decoder: BodyDecoder | None,
         limit: int,
     ) -> None:
-        """Move the body's pieces parsed so far to ``body``, or to the decoder that keeps a
-        compressed body until it has arrived whole."""
+        """Move the body's pieces parsed so far to ``body`` (after its ``pad`` bytes of
+        padding), or to the decoder that keeps a compressed body until it has arrived whole."""
         message = self._message
         for piece in message.body:
             if decoder is not None:
@@ -763,7 +774,7 @@ class HttpRequest:
                     decoder.add(piece)
                 except ContentCodingError as exc:
                     raise HttpError(exc.status, exc.message) from None
-            elif len(body) + len(piece) > limit:
+            elif len(body) - pad + len(piece) > limit:
                 raise HttpError(
                     413, f"the request body is larger than the maximum of {limit} bytes"
                 )
