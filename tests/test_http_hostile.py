@@ -831,6 +831,29 @@ async def test_a_body_that_does_not_arrive_is_408_whatever_its_header_length_say
     await Bystander(server).call()
 
 
+async def test_a_body_sent_a_byte_at_a_time_is_read_whole_and_in_order(
+    server: RunningServer,
+) -> None:
+    # Each byte is a piece of its own: held a few at a time, then moved to the body.
+    x = np.arange(16, dtype=np.float32)
+    document = {
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [16], "parameters": {"binary_data_size": 64}}
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+    text = json.dumps(document).encode()
+    request = infer(text + x.tobytes(), f"Inference-Header-Content-Length: {len(text)}")
+    async with await Raw.open(server.http_port) as raw:
+        await raw.trickle(request, pause=0.001)
+        with trio.fail_after(10):
+            answer = await raw.final()
+    assert answer.status == 200, answer
+    json_length = int(answer.headers["inference-header-content-length"])
+    np.testing.assert_array_equal(np.frombuffer(answer.body[json_length:], np.float32), x)
+    assert reserved(server) == 0
+
+
 @pytest.mark.parametrize("padding", [" ", "   ", "\t", " \t "])
 async def test_whitespace_after_a_header_s_value_is_not_part_of_it(
     server: RunningServer, padding: str
@@ -1456,6 +1479,8 @@ async def test_repository_requests_with_oversized_bodies_are_413_before_they_are
         # the limit, sent or decoded.
         for data in (
             chunked(path, b"10001\r\n" + b" " * 0x10001 + b"\r\n0\r\n\r\n"),
+            # In many pieces, held before they are moved to the body: counted as they come.
+            chunked(path, (b"400\r\n" + b" " * 0x400 + b"\r\n") * 65 + b"0\r\n\r\n"),
             post(path, gzip.compress(b" " * 0x10001), "Content-Encoding: gzip"),
         ):
             async with await Raw.open(server.http_port) as raw:

@@ -125,6 +125,9 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: How much of a chunked body is parsed at a time: its end is known only once parsed, so what
 #: follows it in the same piece (a pipelined request) is parsed ahead, at most this much.
 _CHUNKED_SLICE = 16 * 1024
+#: Body pieces a request holds before they are moved to its body: few, so a body sent a few
+#: bytes a write holds little more than its bytes.
+_HELD_PIECES = 16
 _BOTH_FRAMINGS = "the request has both Content-Length and Transfer-Encoding"
 #: Decoded bytes of a compressed body made between two checkpoints.
 _DECODE_SLICE = 256 * 1024
@@ -457,6 +460,11 @@ def header_lines(fields: Sequence[tuple[str, str]]) -> str:
     return lines
 
 
+def _too_large(limit: int) -> HttpError:
+    """The refusal of a body that grew past ``limit`` bytes."""
+    return HttpError(413, f"the request body is larger than the maximum of {limit} bytes")
+
+
 async def _decode(
     decoder: BodyDecoder, body: bytearray, on_data: Callable[[int], None] | None
 ) -> None:
@@ -729,11 +737,11 @@ class HttpRequest:
             await connection.send([_CONTINUE], self)
         pad = -aligned_at % 16
         body = bytearray(pad)
-        self._take_body(body, pad, on_data, decoder, limit)
+        body = self._take_body(body, pad, on_data, decoder, limit)
         # What is buffered of the body (most small ones come with their head) is parsed before
         # the timeout's scope is entered: parsing never waits, and the scope costs more.
         while not message.complete and connection.parse_body(message):
-            self._take_body(body, pad, on_data, decoder, limit)
+            body = self._take_body(body, pad, on_data, decoder, limit)
         if not message.complete:
             # The rest of a body that did not come with its head: waited for.
             with trio.move_on_after(limits.receive_timeout) as waiting:
@@ -742,7 +750,7 @@ class HttpRequest:
                         # The client closed its socket in the middle of its body: it is gone.
                         self._cancel_as_gone()
                         await trio.lowlevel.checkpoint()
-                    self._take_body(body, pad, on_data, decoder, limit)
+                    body = self._take_body(body, pad, on_data, decoder, limit)
             if waiting.cancelled_caught:
                 raise HttpError(
                     408,
@@ -764,10 +772,27 @@ class HttpRequest:
         on_data: Callable[[int], None] | None,
         decoder: BodyDecoder | None,
         limit: int,
-    ) -> None:
+    ) -> bytearray:
         """Move the body's pieces parsed so far to ``body`` (after its ``pad`` bytes of
-        padding), or to the decoder that keeps a compressed body until it has arrived whole."""
+        padding), or to the decoder that keeps a compressed body until it has arrived whole;
+        return the body.
+
+        Pieces nobody counts as they come are left with the message until the body is whole
+        or they are :data:`_HELD_PIECES`, and the first of them joined with the padding in
+        one block of their size: a bytearray grown by a second piece is reallocated, which
+        copies it.
+        """
         message = self._message
+        if decoder is None and on_data is None:
+            # Every piece parsed is the body's (none is decoded): its size so far is theirs.
+            if message.body_size > limit:
+                raise _too_large(limit)
+            if not message.complete and len(message.body) < _HELD_PIECES:
+                return body
+            if len(body) == pad:
+                body = bytearray().join([body, *message.body])
+                message.body.clear()
+                return body
         for piece in message.body:
             if decoder is not None:
                 try:
@@ -775,14 +800,13 @@ class HttpRequest:
                 except ContentCodingError as exc:
                     raise HttpError(exc.status, exc.message) from None
             elif len(body) - pad + len(piece) > limit:
-                raise HttpError(
-                    413, f"the request body is larger than the maximum of {limit} bytes"
-                )
+                raise _too_large(limit)
             if on_data is not None:
                 on_data(len(piece))
             if decoder is None:
                 body += piece
         message.body.clear()
+        return body
 
     async def respond(
         self,
