@@ -340,32 +340,21 @@ class InferenceCore:
                 deadline = context.deadline
                 # A sequence's requests run one at a time on its worker: never in a batch.
                 batcher = None if sequence is not None else self.batching.get(settings.name)
-                if settings.timeout is None:
-                    # The call's own scope enforces its deadline: the worker's (or batcher's)
-                    # coroutine is awaited here, without a coroutine of the core around it.
-                    outputs = await self._run_on_worker(
-                        settings,
-                        batcher,
-                        request.inputs,
-                        batch,
-                        parameters,
-                        priority,
-                        deadline,
-                        sequence,
-                        timing,
-                    )
-                else:
-                    outputs = await self._predict(
-                        settings,
-                        batcher,
-                        request.inputs,
-                        batch,
-                        parameters,
-                        priority,
-                        deadline,
-                        sequence,
-                        timing,
-                    )
+                # Without a model timeout the call's own scope enforces its deadline: the
+                # worker's (or batcher's) coroutine is awaited here, without a coroutine of the
+                # core around it.
+                run = self._run_on_worker if settings.timeout is None else self._predict
+                outputs = await run(
+                    settings,
+                    batcher,
+                    request.inputs,
+                    batch,
+                    parameters,
+                    priority,
+                    deadline,
+                    sequence,
+                    timing,
+                )
             finally:
                 admission.release_slot(settings)
             # A batcher's answers are checked already.
