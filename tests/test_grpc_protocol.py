@@ -127,6 +127,25 @@ def test_a_request_opens_its_stream_as_h2_does(
     assert got == expected
 
 
+def test_a_request_stream_is_made_as_h2s_constructors_make_it() -> None:
+    # The stream a request opens is made without h2's constructors: every attribute they set,
+    # of the stream, its state machine and its window, must be there with the same value.
+    config = h2.config.H2Configuration(client_side=False)
+
+    def attributes(stream: h2.stream.H2Stream) -> tuple[dict[str, object], ...]:
+        own = dict(vars(stream))
+        states = vars(own.pop("state_machine"))
+        window = vars(own.pop("_inbound_window_manager"))
+        return own, states, window
+
+    made = grpc_protocol._request_stream(7, config, 131072, 65535)
+    expected = h2.stream.H2Stream(
+        7, config=config, inbound_window_size=131072, outbound_window_size=65535
+    )
+    assert type(made) is grpc_protocol._RequestStream
+    assert attributes(made) == attributes(expected)
+
+
 @pytest.mark.parametrize("status", ["100", "103", "200"])
 @pytest.mark.parametrize("stream_id", [1, 3])
 def test_a_request_with_a_response_status_fails_its_stream_only(

@@ -41,6 +41,7 @@ What purerpc 0.8.0 gets wrong for a server, and what this module changes:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 import struct
@@ -61,9 +62,10 @@ from h2.errors import ErrorCodes
 from h2.exceptions import FrameDataMissingError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
-from h2.stream import StreamClosedBy, StreamInputs
+from h2.stream import H2StreamStateMachine, StreamClosedBy, StreamInputs
 from h2.stream import _decode_headers as _headers_to_str
 from h2.utilities import HeaderValidationFlags, normalize_inbound_headers, validate_headers
+from h2.windows import WindowManager
 from hpack import HeaderTuple, NeverIndexedHeaderTuple
 from hyperframe.exceptions import InvalidFrameError, InvalidPaddingError
 from hyperframe.frame import GoAwayFrame, RstStreamFrame
@@ -200,6 +202,43 @@ class _RequestStream(h2.stream.H2Stream):  # type: ignore[misc]
         (a body longer than it fails the DATA frame that outgrows it)."""
         expected: int | None = self._expected_content_length
         return expected is not None and expected != self._actual_content_length
+
+
+def _request_stream(
+    stream_id: int, config: Any, inbound_window_size: int, outbound_window_size: int
+) -> _RequestStream:
+    """``_RequestStream(stream_id, config, inbound_window_size, outbound_window_size)``: the
+    attributes h2 3.2's ``H2Stream``, ``H2StreamStateMachine`` and ``WindowManager``
+    constructors set, with the same values, set here (a test holds the two equal). Their three
+    Python constructors and the state machine's read of ``StreamState.IDLE`` off its enum
+    class were about half the cost of opening a call's stream.
+    ``inbound_window_size`` is at most the largest window, which ``WindowManager`` asserts:
+    it is this server's own setting."""
+    states = _new_object(H2StreamStateMachine)
+    states.state = _IDLE
+    states.stream_id = stream_id
+    states.client = None
+    states.headers_sent = None
+    states.trailers_sent = None
+    states.headers_received = None
+    states.trailers_received = None
+    states.stream_closed_by = None
+    window = _new_object(WindowManager)
+    window.max_window_size = inbound_window_size
+    window.current_window_size = inbound_window_size
+    window._bytes_processed = 0
+    stream: _RequestStream = _new_object(_RequestStream)
+    stream.state_machine = states
+    stream.stream_id = stream_id
+    stream.max_outbound_frame_size = None
+    stream.request_method = None
+    stream.outbound_flow_control_window = outbound_window_size
+    stream._inbound_window_manager = window
+    stream._expected_content_length = None
+    stream._actual_content_length = 0
+    stream._authority = None
+    stream.config = config
+    return stream
 
 
 #: gRPC's TimeoutValue and TimeoutUnit (PROTOCOL-HTTP2.md): at most 8 digits, then a unit.
@@ -599,6 +638,7 @@ class _OpenedBlock:
 
 # The enum members read on every call's path, as module constants: a member read off its class
 # goes through the slow attribute hook of a metaclass that defines ``__getattr__`` (EnumType).
+_IDLE = h2.stream.StreamState.IDLE
 _OPEN = h2.stream.StreamState.OPEN
 _HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
 _HALF_CLOSED_LOCAL = h2.stream.StreamState.HALF_CLOSED_LOCAL
@@ -659,6 +699,9 @@ def _data_sent(states: Any) -> None:
 
 
 _new_object = object.__new__
+_ordered_setitem = collections.OrderedDict.__setitem__
+#: The bound of h2's ``_closed_streams`` (the SizeLimitDict its connection makes with it).
+_MAX_CLOSED_STREAMS = h2.connection.H2Connection.MAX_CLOSED_STREAMS
 
 #: Below this, a frame's body is copied out of the read buffer by slicing (two copies, but a
 #: fifth of the time for a small frame); from it, through a memoryview (one copy).
@@ -938,12 +981,13 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         stream_id = frame.stream_id
         if stream_id <= self.highest_inbound_stream_id:
             return None
-        # Settings read by their codes, not h2's properties (which read the codes off the enum):
-        # ServerProtocol's local settings always name the stream limit. h2's count walks every
+        # Settings read by their codes, not h2's properties (which read the codes off the enum),
+        # and off the current values (``Settings[code]`` is a Python call): ServerProtocol's
+        # local settings always name the stream limit. h2's count walks every
         # stream it holds, the closed ones it has not yet forgotten included: it is needed only
         # when they are as many as the limit, since the open inbound ones are among them. That
         # walk forgets the closed ones, so the streams held stay within the limit.
-        limit = self.local_settings[_MAX_CONCURRENT_STREAMS]
+        limit = self.local_settings._settings[_MAX_CONCURRENT_STREAMS][0]
         if len(self.streams) >= limit and self.open_inbound_streams >= limit:
             # RFC 9113 §5.1.2: a stream over the limit is refused, not the whole connection
             # (h2 raises a connection error). Its header block is still decoded, because
@@ -1066,7 +1110,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     def _open_stream(self, frame: Any) -> tuple[_RequestStream, bool]:
         """The stream a request's HEADERS opens, its state machine moved by hand (to OPEN, or
         HALF_CLOSED_REMOTE with END_STREAM), and whether the block ended it."""
-        _connection_input(self, _RECV_HEADERS)
+        if self.state_machine.state is not _SERVER_OPEN:  # _connection_input, without its call
+            self.state_machine.process_input(_RECV_HEADERS)
         stream = self._new_request_stream(frame.stream_id)
         states = stream.state_machine
         states.state = _OPEN
@@ -1088,14 +1133,16 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
     def _new_request_stream(self, stream_id: int) -> _RequestStream:
         """h2's ``_begin_new_stream`` for a stream the client opens, its id odd and above every
         earlier one (the caller's checks): the same stream (a :class:`_RequestStream`, made by
-        h2's own constructor), and the same record of it, without the steps that cannot change
-        the outcome then (the id's checks; the calls to the configuration's logger, which is
-        h2's that logs nothing), each a Python call."""
-        stream = _RequestStream(
+        :func:`_request_stream`), and the same record of it, without the steps that cannot
+        change the outcome then (the id's checks; the calls to the configuration's logger,
+        which is h2's that logs nothing), each a Python call. The initial windows are read off
+        the settings' current values (``Settings[code]`` is a Python call; both are always
+        set, so never the KeyError it raises for an unset one)."""
+        stream = _request_stream(
             stream_id,
-            config=self.config,
-            inbound_window_size=self.local_settings[_INITIAL_WINDOW_SIZE],
-            outbound_window_size=self.remote_settings[_INITIAL_WINDOW_SIZE],
+            self.config,
+            self.local_settings._settings[_INITIAL_WINDOW_SIZE][0],
+            self.remote_settings._settings[_INITIAL_WINDOW_SIZE][0],
         )
         stream.max_inbound_frame_size = self.max_inbound_frame_size
         stream.max_outbound_frame_size = self.max_outbound_frame_size
@@ -1876,7 +1923,12 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             # stream limit, with a walk over every stream it holds; forgotten now, as that walk
             # forgets it (how it closed is kept for the late frames RFC 9113 §5.1 allows).
             del h2_connection.streams[stream_id]
-            h2_connection._closed_streams[stream_id] = states.stream_closed_by
+            # h2's SizeLimitDict.__setitem__ (an OrderedDict's, then its bound kept) without
+            # its two Python calls.
+            closed = h2_connection._closed_streams
+            _ordered_setitem(closed, stream_id, states.stream_closed_by)
+            if len(closed) > _MAX_CLOSED_STREAMS:
+                closed.popitem(last=False)
         else:
             # The client is still sending (its END_STREAM has not come): tell it to stop, which
             # also frees the stream's slot under SETTINGS_MAX_CONCURRENT_STREAMS.
