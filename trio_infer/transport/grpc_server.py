@@ -576,11 +576,21 @@ class Connection:
         self._stream = stream
         #: The stream's socket; None for TLS, whose bytes go through the SSLStream.
         self._plain: trio.socket.SocketType | None = None
+        #: The plain socket's descriptor (-1 for TLS), read once: Trio's ``fileno()`` is a
+        #: Python call, and the reader and writers use it on every read and write. The socket
+        #: is closed only at the end of :meth:`run`, after its nursery (every task that reads
+        #: or writes it) and the GOAWAY it may send then, so the number never names another
+        #: socket while it is used.
+        self._fd = -1
         if isinstance(stream, trio.SocketStream):
             self._plain = stream.socket
             self._socket = stream.socket
+            self._fd = stream.socket.fileno()
         else:
             self._socket = stream.transport_stream.socket
+        #: The run's clock, read directly: ``trio.current_time()`` is three Python calls to the
+        #: same ``current_time`` of it, and a call reads the clock two or three times.
+        self._clock = trio.lowlevel.current_clock()
         #: The writer is in a write: nothing else may write until it is done.
         self._writing = False
         self._handler = handler
@@ -808,7 +818,7 @@ class Connection:
             if self._plain is not None:
                 # What the socket takes at once needs no timeout: one vectored write first.
                 try:
-                    rest = write_some(self._plain.fileno(), data)
+                    rest = write_some(self._fd, data)
                 except BlockingIOError:
                     rest = data
                 self._wrote(self._taken - _size(rest))
@@ -850,7 +860,7 @@ class Connection:
 
     def _release_when_written(self, release: Callable[[], None]) -> None:
         """Call ``release`` once what is queued now has been written."""
-        unsent = self.unsent_bytes()
+        unsent = self._taken + self.protocol.pending_bytes()  # unsent_bytes(), on every call's path
         if not unsent:
             release()
         else:
@@ -933,11 +943,10 @@ class Connection:
         """
         if self._plain is None:
             return await self._stream.receive_some(_READ_SIZE)
-        sock = self._plain
         if drained:
             # The last read emptied the socket: a read now would fail (an exception and a
             # system call, on every request's path), so wait for more first.
-            await trio.lowlevel.wait_readable(sock)
+            await trio.lowlevel.wait_readable(self._fd)
         if not drained or self._calls_at_work():
             # Reading in a loop must let other tasks run (after a wait, they have); and while
             # calls are at work, a pass of the scheduler lets them run and more requests
@@ -946,7 +955,7 @@ class Connection:
         # Read on the descriptor (Trio keeps it non-blocking) rather than with Trio's recv,
         # which always yields after reading: on an idle connection that would put a pass of
         # the scheduler between the wait that said data was there and the read.
-        return os.read(sock.fileno(), _READ_SIZE)
+        return os.read(self._fd, _READ_SIZE)
 
     def _calls_at_work(self) -> bool:
         """Whether a call in flight may have work to run: all but those whose handler says the
@@ -1043,7 +1052,7 @@ class Connection:
         if self._refusing is not None:
             self._refuse(stream_id, StatusCode.UNAVAILABLE, self._refusing)
             return
-        now = trio.current_time()
+        now = self._clock.current_time()
         deadline = math.inf
         if event.timeout is not None:
             deadline = now + event.timeout
@@ -1117,7 +1126,7 @@ class Connection:
             # The clock read for each call that has a deadline, as a task reads it entering its
             # deadline's scope: the answers before it took time.
             if length is None or (
-                call.deadline < math.inf and call.deadline <= trio.current_time()
+                call.deadline < math.inf and call.deadline <= self._clock.current_time()
             ):
                 # Its request is not all in (its task reads what has come and waits for the
                 # rest), or its deadline has already passed (its task ends it at its first
@@ -1149,14 +1158,15 @@ class Connection:
                 logger.exception("unexpected error in %s", call.method)
                 status, message = StatusCode.INTERNAL, "internal server error"
             self._end(call, status, message)
-            self._log(call, status)
+            if self._access_log:
+                self._log(call, status)
             if call._on_sent is not None:
                 self._release_when_written(call._on_sent)
             answered = True
         if not answered:
             return
         if not self._calls:
-            self._idle_since = trio.current_time()
+            self._idle_since = self._clock.current_time()
         if not self.write_alone() or self._closing:
             self.flush()
 
@@ -1184,7 +1194,8 @@ class Connection:
             self._end(call, status, message)
             if not self.write_alone():
                 self.flush()
-            self._log(call, status)
+            if self._access_log:
+                self._log(call, status)
         finally:
             del self._calls[call._stream_id]
             self._calls_in_flight.decrement()
@@ -1192,7 +1203,7 @@ class Connection:
             if call._on_sent is not None:
                 self._release_when_written(call._on_sent)
             if not self._calls:
-                self._idle_since = trio.current_time()
+                self._idle_since = self._clock.current_time()
                 if self._no_calls is not None:
                     self._no_calls.set()
             if self._closing:
@@ -1218,15 +1229,15 @@ class Connection:
             )
 
     def _log(self, call: Call, status: StatusCode) -> None:
-        """The call's access-log record, when the access log is on."""
-        if self._access_log and ACCESS_LOGGER.isEnabledFor(logging.INFO):
+        """The call's access-log record (the access log is on), if its logger takes it."""
+        if ACCESS_LOGGER.isEnabledFor(logging.INFO):
             log_call(
                 CallRecord(
                     "grpc",
                     call.method,
                     call.subject,
                     status.name,
-                    trio.current_time() - call.started,
+                    self._clock.current_time() - call.started,
                     call.bytes_in,
                     call.bytes_out,
                     call.request_id,
@@ -1255,7 +1266,7 @@ class Connection:
             return True
         try:
             # On the socket's descriptor, which Trio keeps non-blocking: it never waits.
-            rest = write_some(self._plain.fileno(), data)
+            rest = write_some(self._fd, data)
         except OSError:
             rest = data  # the buffer is full, or the connection broken: the writer will see
         if rest:
