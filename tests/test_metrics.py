@@ -130,6 +130,39 @@ def test_a_wait_is_never_negative() -> None:
     assert recorder.statistics().queue_duration.sum == 0.0
 
 
+def test_durations_counted_together_give_what_counting_each_gives() -> None:
+    # A recorder counts its durations into the histograms in groups, and whenever it is read:
+    # each read sees every request that ended before it, with the counts and float sums of
+    # observing each duration in turn.
+    rng = np.random.default_rng(7)
+    recorder = ModelRecorder("m")
+    request, queue, compute = Histogram(), Histogram(), Histogram()
+    for index in range(1000):
+        seconds = float(10.0 ** rng.uniform(-5, 2))
+        status = StatusCode.OK if index % 7 else StatusCode.INVALID_ARGUMENT
+        timing = Timing()
+        timing.queued = 1.0
+        if index % 5:
+            timing.ran(1.0 + float(rng.uniform(-1e-6, 0.01)), float(rng.uniform(0, 0.02)))
+        recorder.finished(status, seconds, timing)
+        request.observe(seconds)
+        if status is StatusCode.OK and timing.started is not None:
+            queue.observe(max(timing.started - timing.queued, 0.0))
+            compute.observe(timing.compute)
+        if index in (0, 254, 255, 256, 511, 700, 999):
+            statistics = recorder.statistics()
+            assert statistics.request_duration == request.snapshot()
+            assert statistics.queue_duration == queue.snapshot()
+            assert statistics.compute_duration == compute.snapshot()
+    bounds = (0.1, 1.0, 10.0)
+    values = [0.0, 0.1, 0.10000001, 1.0, 10.0, 10.5, 0.3]
+    together, each = Histogram(bounds), Histogram(bounds)
+    together.observe_all(values)
+    for value in values:
+        each.observe(value)
+    assert together.snapshot() == each.snapshot()
+
+
 def test_executions_by_batch_size_add_up() -> None:
     recorder = ModelRecorder("m")
     for rows, compute in ((4, 0.5), (1, 0.25), (4, 0.25)):
