@@ -335,7 +335,13 @@ class GrpcService:
         # Positional, here and for the request and state _decoded makes: a keyword call of a
         # dataclass's __init__ costs about twice a positional one, on every call.
         context = RequestContext(call.deadline, _model_headers(call), reservation)
-        answer = await self._infer_in_time(request, context)
+        parameters = request.parameters
+        if parameters:
+            answer = await self._infer_in_time(request, context)
+        else:
+            # Most requests: no parameters, so no timeout of their own (the call's scope bounds
+            # them), and no coroutine of _infer_in_time's.
+            answer = await self._infer(request, context, parameters)
         if answer.headers:
             call.initial_metadata = tuple(answer.headers.items())
         if answer.trailers:
@@ -511,7 +517,12 @@ class GrpcService:
             if self.core.decoupled(request.model_name, request.model_version):
                 await self._stream_each(call, request, context, sending, own)
                 return None
-            answer = await self._infer_in_time(request, context, own)
+            parameters = request.parameters
+            if own is None and not parameters:
+                # No timeout of its own, as in _model_infer: no coroutine of _infer_in_time's.
+                answer = await self._infer(request, context, parameters)
+            else:
+                answer = await self._infer_in_time(request, context, own)
             return _Answer(stream_response(answer.buffers), answer.headers, answer.trailers)
         except InferError as error:
             message = error.message
@@ -547,7 +558,10 @@ class GrpcService:
         state = _Decoded(raw=True, nbytes=0, message_size=0)
 
         async def send(answer: InferenceResponse, final: bool) -> None:
-            encoded = await self._encoded(answer, state, context.reservation, final)
+            reservation = context.reservation
+            encoded = _encoded_as_is(answer, state, reservation, final) or await self._encoded(
+                answer, state, reservation, final
+            )
             if not sending.claim(answer):
                 raise InferError(_TRAILERS_FULL, StatusCode.INTERNAL)
             await sending.send(stream_response(encoded))
@@ -622,7 +636,11 @@ class GrpcService:
         self, state: _Decoded, context: RequestContext, answer: InferenceResponse
     ) -> _Answer:
         """``answer`` encoded, with the metadata its model set."""
-        encoded = await self._encoded(answer, state, context.reservation)
+        # Most answers are encoded as they are, without the coroutine of the other encodings.
+        reservation = context.reservation
+        encoded = _encoded_as_is(answer, state, reservation) or await self._encoded(
+            answer, state, reservation
+        )
         return _Answer(encoded, answer.headers, answer.trailers)
 
     async def _decoded(
@@ -647,20 +665,21 @@ class GrpcService:
         if parameters:  # most requests have none: no call for them
             values = decode_parameters(parameters)
             _sequence_id_as_uint64(values)
+        # The inputs' names are the arrays' keys, in the tensors' order (decode_inputs refuses a
+        # name that repeats), and the tensors a list already: no second slice of the repeated
+        # field, nor a second read of each name. Indexed, not zipped: zip's strict= is a
+        # keyword, which costs a call a dict. Most inputs have no parameters: no call for them.
+        input_parameters: dict[str, dict[str, ParameterValue]] = {}
+        for index, name in enumerate(inputs):
+            given = tensors[index].parameters
+            input_parameters[name] = decode_parameters(given) if given else {}
         return InferenceRequest(
             request.model_name,
             request.model_version,
             request.id,
             inputs,
             values,
-            # input_parameters: the inputs' names are the arrays' keys, in the tensors' order
-            # (decode_inputs refuses a name that repeats), and the tensors a list already: no
-            # second slice of the repeated field, nor a second read of each name. Indexed, not
-            # zipped: zip's strict= is a keyword, which costs a call a dict.
-            {
-                name: decode_parameters(tensors[index].parameters)
-                for index, name in enumerate(inputs)
-            },
+            input_parameters,
             [output.name for output in request.outputs[:]],  # outputs
         ), _Decoded(raw, nbytes, message_size)
 
@@ -697,22 +716,12 @@ class GrpcService:
         final: bool | None = None,
     ) -> list[Buffer]:
         """The serialised ModelInferResponse of ``answer`` (buffers in order), what encoding it
-        takes reserved first; ``final``: its ``triton_final_response`` parameter (None: none)."""
+        takes reserved first; ``final``: its ``triton_final_response`` parameter (None: none).
+        For an answer :func:`_encoded_as_is` does not take."""
         raw = state.raw
-        response = pb.ModelInferResponse(
-            model_name=answer.model_name, model_version=answer.model_version, id=answer.id
-        )
-        if final is not None:
-            response.parameters[_FINAL].bool_param = final
+        response = _response_head(answer, final)
         # Arrays: a worker refuses a model's output that is not an ndarray.
         outputs = answer.outputs
-        if raw:
-            # Outputs sent from their own memory: costed, reserved and joined in one pass.
-            encoded = encode_raw_as_is(
-                response, outputs, functools.partial(_reserve_answer, reservation, state)
-            )
-            if encoded is not None:
-                return encoded
         # Elements the encode converts or copies one way or another (raw numeric outputs in
         # little-endian C order are sent from their own memory): known without a pass.
         converted = 0
@@ -881,10 +890,42 @@ def _reserve_answer(reservation: Reservation, state: _Decoded, cost: EncodingCos
         reservation.grow_nowait(extra, "the encoded outputs")
 
 
+def _response_head(answer: InferenceResponse, final: bool | None) -> Any:
+    """The ModelInferResponse of ``answer`` without its outputs; ``final``: its
+    ``triton_final_response`` parameter (None: none)."""
+    response = pb.ModelInferResponse(
+        model_name=answer.model_name, model_version=answer.model_version, id=answer.id
+    )
+    if final is not None:
+        response.parameters[_FINAL].bool_param = final
+    return response
+
+
+def _encoded_as_is(
+    answer: InferenceResponse,
+    state: _Decoded,
+    reservation: Reservation,
+    final: bool | None = None,
+) -> list[Buffer] | None:
+    """The serialised ModelInferResponse of ``answer`` (buffers in order), its cost reserved
+    first, when its outputs go raw from their own memory (costed, reserved and joined in one
+    pass, see :func:`encode_raw_as_is`); None, with nothing reserved, for any other answer
+    (:meth:`GrpcService._encoded`'s). ``final``: its ``triton_final_response`` parameter."""
+    if not state.raw:
+        return None
+    return encode_raw_as_is(
+        _response_head(answer, final),
+        answer.outputs,
+        functools.partial(_reserve_answer, reservation, state),
+    )
+
+
 def _model_headers(call: Call) -> dict[str, str]:
     """The call's metadata as its model sees it: the text entries, but the request id, which
     is the server's (logged and echoed), differs call to call, and would keep every call out of
     its neighbours' batches (a batch's members share their headers)."""
+    if not call.metadata:  # most calls: no comprehension for them
+        return {}
     return {
         name: value
         for name, value in call.metadata
