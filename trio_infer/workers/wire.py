@@ -236,9 +236,12 @@ def reader() -> Generator[memoryview, None, object]:
         yield memoryview(lengths)
     data = bytearray(size)
     yield memoryview(data)
-    buffers = [bytearray(n) for n in struct.unpack(f"!{count}Q", lengths)]
-    for buffer in buffers:
-        yield memoryview(buffer)
+    # Memory that is not zero-filled first (as bytearray(n) is): every byte of it is read
+    # into before the message is unpickled. Each buffer is a view of an array of its own,
+    # which the unpickled array then views (writable, or read-only as the sender's was), so
+    # it is freed with that array.
+    buffers = [np.empty(n, np.uint8).data for n in struct.unpack(f"!{count}Q", lengths)]
+    yield from buffers
     return pickle.loads(data, buffers=buffers)
 
 
