@@ -102,6 +102,15 @@ class Gate(Model):
         return {}
 
 
+class LargeAnswer(Gate):
+    """Runs until the file its call names exists, then answers 64 MiB: more than the socket
+    to the server holds at once."""
+
+    def predict(self, inputs, parameters):
+        super().predict(inputs, parameters)
+        return {"y": np.ones(64 * 1024 * 1024, np.uint8)}
+
+
 class Nap(Model):
     def predict(self, inputs, parameters):
         Path(parameters["pid_file"]).write_text(str(os.getpid()))
@@ -267,6 +276,7 @@ def repo(tmp_path: Path) -> dict[str, ModelSettings]:
     for name, cls in [
         ("nap", "Nap"),
         ("gate", "Gate"),
+        ("large_answer", "LargeAnswer"),
         ("boom", "Boom"),
         ("boom_on_load", "BoomOnLoad"),
         ("quota", "Quota"),
@@ -1038,6 +1048,54 @@ async def test_a_call_sent_to_an_idle_worker_that_died_unnoticed_runs_on_another
     second = int((await pool.predict(pid, {}, NO_PARAMETERS))["pid"][0])
     assert second != first
     assert pool.statistics().crashed == 1
+
+
+#: The number of writev where this runs: a worker waiting in it, with nothing reading the
+#: server's side of its socket, has sent part of its answer and not the rest.
+_WRITEV = {"x86_64": 20, "aarch64": 66}[os.uname().machine]
+
+
+def _block_until_sending(pid: int) -> None:
+    """Block (no checkpoint: the pool reads nothing meanwhile) until ``pid`` waits in writev,
+    polling the kernel's view of it for at most 10 s."""
+    for _ in range(10_000):
+        if Path(f"/proc/{pid}/syscall").read_text().split()[0] == str(_WRITEV):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} is not sending after 10 s")
+
+
+async def test_a_worker_killed_halfway_through_sending_a_large_buffer_fails_its_call_only(
+    pool: WorkerPool, repo: dict[str, ModelSettings], tmp_path: Path
+) -> None:
+    pid_file, release = tmp_path / "large.pid", tmp_path / "release"
+    parameters = Parameters({"pid_file": str(pid_file), "release": str(release)})
+    large = repo["large_answer"]
+    async with trio.open_nursery() as nursery:
+
+        async def call_and_fail() -> None:
+            with pytest.raises(Unavailable) as caught:
+                await pool.predict(large, {}, parameters)
+            assert caught.value.message == (
+                "worker process died while running model 'large_answer' (killed by signal SIGKILL)"
+            )
+
+        nursery.start_soon(call_and_fail)
+        await eventually(lambda: pid_file.exists() and bool(pid_file.read_text()))
+        pid = int(pid_file.read_text())
+        # From the release to the kill, no checkpoint: the worker sends what its socket
+        # takes of the answer's buffer and dies waiting for the server to read the rest.
+        release.touch()
+        _block_until_sending(pid)
+        os.kill(pid, signal.SIGKILL)
+        _block_until_dead(pid)
+    assert pool.statistics().crashed == 1
+    # The replacement answers whole: nothing of the dead worker's frame is read into its own.
+    pid_file.unlink()
+    out = await pool.predict(large, {}, parameters)
+    assert int(pid_file.read_text()) != pid
+    assert out["y"].shape == (64 * 1024 * 1024,)
+    assert bool((out["y"] == 1).all())
 
 
 class _LaneTaskEnds(trio.abc.Instrument):
