@@ -1539,8 +1539,10 @@ class _Lane:
         """Read the worker's reports until the connection ends, then end the talk."""
         try:
             staging = wire.Staging()
+            # Each report that is not taken whole gets its own reader at its start, before
+            # this one (of nothing) is stepped.
             parse = wire.reader()
-            view = next(parse)
+            view = memoryview(b"")
             reporting = False  # part of a report is read: the call it reports on has ended
             report: Any  # (done, skipped, item), as wire's module docstring says
             while True:
@@ -1576,7 +1578,10 @@ class _Lane:
                         self._on_report(*report)
                         reporting = False
                         continue
-                    # The rest of it is read through parse, which has not started on it.
+                    # The rest of it is read through parse, from what the staged bytes do
+                    # not hold whole (its buffers, or all of it).
+                    parse = staging.take_start()
+                    view = next(parse)
                 if view:
                     try:
                         received = staging.read(connection, view)
@@ -1599,8 +1604,6 @@ class _Lane:
                     self._unreadable_report(exc)
                     return
                 self._on_report(*report)
-                parse = wire.reader()
-                view = next(parse)
                 reporting = False
         finally:
             # The talk is over, its sender cancelled: until it has unwound, a submitting task

@@ -236,11 +236,17 @@ def reader() -> Generator[memoryview, None, object]:
         yield memoryview(lengths)
     data = bytearray(size)
     yield memoryview(data)
+    return (yield from _buffers(data, struct.unpack(f"!{count}Q", lengths)))
+
+
+def _buffers(data: Buffer, lengths: tuple[int, ...]) -> Generator[memoryview, None, object]:
+    """The rest of a message whose pickle is ``data``: its out-of-band buffers, of
+    ``lengths``, to fill in turn; returns the message."""
     # Memory that is not zero-filled first (as bytearray(n) is): every byte of it is read
     # into before the message is unpickled. Each buffer is a view of an array of its own,
     # which the unpickled array then views (writable, or read-only as the sender's was), so
     # it is freed with that array.
-    buffers = [np.empty(n, np.uint8).data for n in struct.unpack(f"!{count}Q", lengths)]
+    buffers = [np.empty(n, np.uint8).data for n in lengths]
     yield from buffers
     return pickle.loads(data, buffers=buffers)
 
@@ -299,6 +305,22 @@ class Staging:
         self._start = end
         return True, pickle.loads(self._view[start + _HEADER.size : end])
 
+    def take_start(self) -> Generator[memoryview, None, object]:
+        """A reader of the next message (as :func:`reader`), which :meth:`take_message` did
+        not take. When the staged bytes hold its header, buffer lengths and pickle, these are
+        taken (the pickle copied: the staging buffer is read over before the message ends)
+        and the reader starts at its first buffer; otherwise nothing is taken."""
+        start = self._start
+        if self._end - start >= _HEADER.size:
+            count, size = _HEADER.unpack_from(self._buffer, start)
+            lengths_end = start + _HEADER.size + 8 * count
+            end = lengths_end + size
+            if end <= self._end:
+                self._start = end
+                lengths = struct.unpack_from(f"!{count}Q", self._buffer, start + _HEADER.size)
+                return _buffers(self._buffer[lengths_end:end], lengths)
+        return reader()
+
     def _fill(self, view: memoryview) -> memoryview:
         """Copy what is staged into ``view``; return the part of it still to fill."""
         count = min(self._end - self._start, view.nbytes)
@@ -353,7 +375,7 @@ class Receiver:
         whole, message = staging.take_message()
         if whole:
             return message
-        parse = reader()
+        parse = staging.take_start()
         view: memoryview | None = next(parse)
         while True:
             while view:
