@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import tritonclient.http as httpclient
 
 from tests.support import eventually, start_server
 from trio_infer.rest import codec
@@ -852,6 +853,162 @@ async def test_a_body_sent_a_byte_at_a_time_is_read_whole_and_in_order(
     json_length = int(answer.headers["inference-header-content-length"])
     np.testing.assert_array_equal(np.frombuffer(answer.body[json_length:], np.float32), x)
     assert reserved(server) == 0
+
+
+# -- large announced bodies, received straight into their buffer ------------------------------
+
+
+def binary_echo(x: np.ndarray) -> bytes:
+    """An echo request with ``x`` (FP32) in binary after its JSON, answered in binary."""
+    document = {
+        "inputs": [
+            {
+                "name": "x",
+                "datatype": "FP32",
+                "shape": list(x.shape),
+                "parameters": {"binary_data_size": x.nbytes},
+            }
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+    text = json.dumps(document).encode()
+    return infer(text + x.tobytes(), f"Inference-Header-Content-Length: {len(text)}")
+
+
+def echoed(answer: Response) -> np.ndarray:
+    """The tensor a binary echo answer holds."""
+    assert answer.status == 200, answer
+    json_length = int(answer.headers["inference-header-content-length"])
+    return np.frombuffer(answer.body[json_length:], np.float32)
+
+
+#: 20,000 FP32 values: a body of about 80 KB, past the read size and past the straight bound.
+LARGE = np.random.default_rng(7).standard_normal(20_000).astype(np.float32)
+
+
+async def test_a_large_body_sent_a_byte_at_a_time_is_read_whole_and_in_order(
+    nursery: trio.Nursery,
+) -> None:
+    # The receive timeout long enough for some 80,000 writes on a loaded machine.
+    server = await start_server(nursery, workers=1, receive_timeout=60.0)
+    x = LARGE[:5000]
+    request = binary_echo(x)
+    split = request.index(b"\r\n\r\n") + 4
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(request[:split])
+        await raw.trickle(request[split:], pause=0)
+        with trio.fail_after(60):
+            answer = await raw.final()
+        np.testing.assert_array_equal(echoed(answer), x)
+        # The connection carries the next request: the parser is in step after the body.
+        await raw.send(binary_echo(LARGE))
+        with trio.fail_after(10):
+            np.testing.assert_array_equal(echoed(await raw.final()), LARGE)
+    assert reserved(server) == 0
+
+
+async def test_requests_after_a_large_body_in_the_same_read_as_its_end_are_answered_in_order(
+    server: RunningServer,
+) -> None:
+    large = binary_echo(LARGE)
+    small = infer(json.dumps(ADD_SUB_BODY).encode(), model="add_sub")
+    async with await Raw.open(server.http_port) as raw:
+        # All of it at once: the large body's end, and what follows, buffered with its head.
+        await raw.send(large + small + large)
+        with trio.fail_after(10):
+            np.testing.assert_array_equal(echoed(await raw.final()), LARGE)
+            assert (await raw.final()).status == 200
+            np.testing.assert_array_equal(echoed(await raw.final()), LARGE)
+        # The large body's start first, then its last bytes with the next request in one write:
+        # what the server reads of the body after its head is never more than the body.
+        await raw.send(large[:-100])
+        await eventually(lambda: reserved(server) >= len(LARGE.tobytes()))
+        await raw.send(large[-100:] + small + head("GET", "/v2/health/live"))
+        with trio.fail_after(10):
+            np.testing.assert_array_equal(echoed(await raw.final()), LARGE)
+            second = await raw.final()
+            assert second.status == 200
+            assert json.loads(second.body)["outputs"][0]["data"][:3] == [1.0, 2.0, 3.0]
+            assert (await raw.final()).status == 200
+    assert reserved(server) == 0
+
+
+async def test_a_client_that_ends_in_the_middle_of_a_large_body_is_gone_and_holds_nothing(
+    server: RunningServer,
+) -> None:
+    bystander = Bystander(server)
+    request = binary_echo(LARGE)
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(request[: len(request) // 2])
+        await eventually(lambda: reserved(server) >= len(LARGE.tobytes()))
+        await raw.stream.send_eof()
+        # Gone: nothing is answered, and the connection ends.
+        with trio.fail_after(10):
+            await raw.ends()
+    await eventually(lambda: reserved(server) == 0)
+    await eventually(lambda: connections(server) == 0)
+    await bystander.call()
+
+
+async def test_a_large_body_that_stops_arriving_is_408_and_holds_nothing(
+    server: RunningServer,
+) -> None:
+    request = binary_echo(LARGE)
+    async with await Raw.open(server.http_port) as raw:
+        # More than its head read, less than all of it: the rest is waited for, and never comes.
+        await raw.send(request[:70_000])
+        with trio.fail_after(10):
+            answer = await raw.final()
+            assert answer.status == 408, answer
+            assert answer.error() == "the request body did not arrive within 1 s"
+            assert answer.closes
+            await raw.ends()
+    assert reserved(server) == 0
+    await Bystander(server).call()
+
+
+async def test_a_large_content_length_over_the_limit_is_refused_before_the_body_is_read(
+    nursery: trio.Nursery,
+) -> None:
+    server = await start_server(nursery, workers=1, max_message_size=64 * 1024, **TIMEOUTS)
+    request = binary_echo(LARGE)
+    async with await Raw.open(server.http_port) as raw:
+        # The head alone: the answer does not wait for the body.
+        await raw.send(request[: request.index(b"\r\n\r\n") + 4])
+        with trio.fail_after(10):
+            answer = await raw.final()
+            assert answer.status == 413, answer
+            assert answer.error().endswith("larger than the maximum of 65536 bytes")
+            assert answer.closes
+    assert reserved(server) == 0
+    await Bystander(server).call()
+
+
+def _tritonclient_large_binary(port: int, x: np.ndarray) -> list[np.ndarray]:
+    """``x`` sent to echo with tritonclient.http's binary extension, under JSON parts of 17
+    lengths (the binary part at every offset modulo 16), and the tensors answered."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        answers = []
+        for length in range(17):
+            given = httpclient.InferInput("x", list(x.shape), "FP32")
+            given.set_data_from_numpy(x, binary_data=True)
+            wanted = [httpclient.InferRequestedOutput("x", binary_data=True)]
+            answer = client.infer("echo", [given], outputs=wanted, request_id="i" * length)
+            answers.append(answer.as_numpy("x"))
+        return answers
+    finally:
+        client.close()
+
+
+async def test_a_large_binary_input_from_tritonclient_is_read_alike_at_every_offset(
+    server: RunningServer,
+) -> None:
+    assert server.http_port is not None
+    x = LARGE.reshape(80, 250)
+    answers = await trio.to_thread.run_sync(_tritonclient_large_binary, server.http_port, x)
+    for answer in answers:
+        np.testing.assert_array_equal(answer, x)
 
 
 @pytest.mark.parametrize("padding", [" ", "   ", "\t", " \t "])

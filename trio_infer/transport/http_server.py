@@ -131,6 +131,17 @@ _HELD_PIECES = 16
 _BOTH_FRAMINGS = "the request has both Content-Length and Transfer-Encoding"
 #: Decoded bytes of a compressed body made between two checkpoints.
 _DECODE_SLICE = 256 * 1024
+#: The sizes of announced bodies received straight into their buffer (:meth:`HttpConnection.
+#: receive_straight`). Below them, the parser a straight body costs (one made anew) is more
+#: than the copies it saves; above them, the buffer made whole before the body has arrived
+#: would hold the event loop for a while to write it, and take its memory before the client
+#: has sent it (a larger body is gathered as it arrives).
+_STRAIGHT_BODY = 16 * 1024
+_STRAIGHT_MAX = 1024 * 1024
+#: Zeros that a body received straight starts as where it has not arrived: joined with what
+#: has, one copy makes its buffer (a ``bytearray(n)`` is zeroed, then written again).
+_ZEROS = bytes(_READ_SIZE)
+_ZEROS_VIEW = memoryview(_ZEROS)
 
 
 @dataclass(frozen=True)
@@ -395,6 +406,12 @@ class _Parse:
 
     def on_message_complete(self) -> None:
         self.messages[-1].complete = True
+
+    def restart(self) -> None:
+        """Continue with a new parser, as at the start of a request: the one before stopped in
+        the middle of a body received without it (a parser whose callbacks are set sees every
+        byte of a body, and httptools copies each piece into a ``bytes`` for ``on_body``)."""
+        self.parser = httptools.HttpRequestParser(self)
 
 
 def _origin_form(target: bytes) -> bytes:
@@ -736,28 +753,41 @@ class HttpRequest:
         if message.expects_continue and not message.body_size and not connection.buffered:
             await connection.send([_CONTINUE], self)
         pad = -aligned_at % 16
-        body = bytearray(pad)
-        body = self._take_body(body, pad, on_data, decoder, limit)
-        # What is buffered of the body (most small ones come with their head) is parsed before
-        # the timeout's scope is entered: parsing never waits, and the scope costs more.
-        while not message.complete and connection.parse_body(message):
+        length = message.content_length
+        if (
+            length is not None
+            and _STRAIGHT_BODY <= length <= _STRAIGHT_MAX
+            and decoder is None
+            and on_data is None
+            and connection.reads_straight(message)
+        ):
+            if length > limit:
+                raise _too_large(limit)
+            body = await connection.receive_straight(self, pad)
+        else:
+            body = bytearray(pad)
             body = self._take_body(body, pad, on_data, decoder, limit)
-        if not message.complete:
-            # The rest of a body that did not come with its head: waited for.
-            with trio.move_on_after(limits.receive_timeout) as waiting:
-                while not message.complete:
-                    if not connection.parse_body(message) and not await connection.fill():
-                        # The client closed its socket in the middle of its body: it is gone.
-                        self._cancel_as_gone()
-                        await trio.lowlevel.checkpoint()
-                    body = self._take_body(body, pad, on_data, decoder, limit)
-            if waiting.cancelled_caught:
-                raise HttpError(
-                    408,
-                    f"the request body did not arrive within {limits.receive_timeout:g} s",
-                )
-        if decoder is not None:
-            await _decode(decoder, body, on_data)
+            # What is buffered of the body (most small ones come with their head) is parsed
+            # before the timeout's scope is entered: parsing never waits, and the scope costs
+            # more.
+            while not message.complete and connection.parse_body(message):
+                body = self._take_body(body, pad, on_data, decoder, limit)
+            if not message.complete:
+                # The rest of a body that did not come with its head: waited for.
+                with trio.move_on_after(limits.receive_timeout) as waiting:
+                    while not message.complete:
+                        if not connection.parse_body(message) and not await connection.fill():
+                            # The client closed its socket in the middle of its body: gone.
+                            self._cancel_as_gone()
+                            await trio.lowlevel.checkpoint()
+                        body = self._take_body(body, pad, on_data, decoder, limit)
+                if waiting.cancelled_caught:
+                    raise HttpError(
+                        408,
+                        f"the request body did not arrive within {limits.receive_timeout:g} s",
+                    )
+            if decoder is not None:
+                await _decode(decoder, body, on_data)
         del body[:pad]
         self.bytes_in = len(body)
         # From now on the client has nothing more to send for this request: its socket
@@ -1207,6 +1237,73 @@ class HttpConnection:
             return False
         self._buffer += data
         return True
+
+    def reads_straight(self, message: _Message) -> bool:
+        """Whether ``message``'s body, of known length, may be received straight into its
+        buffer: on a plaintext socket, the parser not stopped, and none of the body parsed
+        (a chunked body before it can have had the parser read ahead into it)."""
+        return self._fd >= 0 and self._broken is None and not message.body_size
+
+    async def receive_straight(self, request: HttpRequest, pad: int) -> bytearray:
+        """Receive ``request``'s body, of known length, whole: after ``pad`` bytes of padding,
+        what is buffered of it copied once, the rest read from the socket into its place, and
+        never more than the body (what follows it stays buffered, or in the socket). The parser
+        sees none of it and starts anew after it, the body's end being known from its length.
+
+        Raises:
+            HttpError: The body did not arrive within ``receive_timeout`` (408).
+        """
+        message = request._message
+        length = message.content_length
+        assert length is not None, "a body of known length"
+        buffer = self._buffer
+        held = min(len(buffer), length)
+        missing = length - held
+        with memoryview(buffer) as view, view[:held] as part:
+            body = bytearray().join(
+                [
+                    _ZEROS_VIEW[:pad],
+                    part,
+                    *[_ZEROS] * (missing // _READ_SIZE),
+                    _ZEROS_VIEW[: missing % _READ_SIZE],
+                ]
+            )
+        del buffer[:held]
+        done = pad + held
+        end = pad + length
+        if done < end:
+            # Tried before the timeout's scope is entered: the rest has often arrived already.
+            done += await self._read_into(request, body, done, end)
+        if done < end:
+            limit = self.limits.receive_timeout
+            with trio.move_on_after(limit) as waiting:
+                while done < end:
+                    await trio.lowlevel.wait_readable(self._fd)
+                    done += await self._read_into(request, body, done, end)
+            if waiting.cancelled_caught:
+                raise HttpError(408, f"the request body did not arrive within {limit:g} s")
+        message.body_size = length
+        message.complete = True
+        self._parse.restart()
+        return body
+
+    async def _read_into(self, request: HttpRequest, body: bytearray, start: int, end: int) -> int:
+        """Read what the socket has of ``body[start:end]`` into its place, without waiting:
+        the bytes read (0 when none had arrived). At the end of the client's input (or a
+        broken socket) in the middle of the body, the client is gone: the request is cancelled.
+        """
+        try:
+            with memoryview(body) as view, view[start:end] as place:
+                got = os.readv(self._fd, [place])
+        except BlockingIOError:
+            return 0
+        except OSError:
+            got = 0
+        if not got:
+            self.at_end = True
+            request._cancel_as_gone()
+            await trio.lowlevel.checkpoint()
+        return got
 
     def parse_body(self, message: _Message) -> bool:
         """Parse what is buffered of ``message``'s body; False if nothing was.
