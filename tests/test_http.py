@@ -921,8 +921,8 @@ def test_a_head_whose_wait_is_cancelled_as_it_arrives_is_served(race: str) -> No
         if race == "drain":
             fill = connection.fill
 
-            async def fill_then_drain() -> bool:
-                filled = await fill()
+            async def fill_then_drain(size: int) -> bool:
+                filled = await fill(size)
                 connection.drain()  # as if the drain ran between the wake-up and the read
                 return filled
 

@@ -933,6 +933,21 @@ async def test_requests_after_a_large_body_in_the_same_read_as_its_end_are_answe
     assert reserved(server) == 0
 
 
+async def test_a_head_longer_than_one_read_then_a_large_body_are_served(
+    server: RunningServer,
+) -> None:
+    # A head of nearly the maximum takes two of the reads that wait for a head; the body after
+    # it, partly read with the head's end, is read whole.
+    request = binary_echo(LARGE)
+    split = request.index(b"\r\n")
+    padding = f"\r\nX-Pad: {'a' * 16_000}".encode()
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(request[:split] + padding + request[split:])
+        with trio.fail_after(10):
+            np.testing.assert_array_equal(echoed(await raw.final()), LARGE)
+    assert reserved(server) == 0
+
+
 async def test_a_client_that_ends_in_the_middle_of_a_large_body_is_gone_and_holds_nothing(
     server: RunningServer,
 ) -> None:

@@ -100,6 +100,10 @@ logger = logging.getLogger(__name__)
 HttpHandler = Callable[["HttpRequest"], Awaitable[None]]
 
 _READ_SIZE = 64 * 1024
+#: The most read at a time while a request's head is waited for: a head and a body under
+#: :data:`_STRAIGHT_BODY` come in one read, and of a larger body little is read with its head
+#: (the rest is read straight into the body's buffer, not into the connection's first).
+_HEAD_READ_SIZE = 16 * 1024
 #: The most one TLS write encrypts and sends, so the send timeout measures a client's progress.
 _TLS_WRITE_SIZE = 256 * 1024
 #: Numbers the process's HTTP connections, never reusing a number. Negative, so that they are
@@ -1196,9 +1200,9 @@ class HttpConnection:
         if self._request is not None:
             self._request._cancel(message)
 
-    async def fill(self) -> bool:
-        """Receive more from the client into the buffer; False at the end of its input (or a
-        broken socket), after which :attr:`at_end` is set.
+    async def fill(self, size: int = _READ_SIZE) -> bool:
+        """Receive more from the client into the buffer, at most ``size`` bytes; False at the
+        end of its input (or a broken socket), after which :attr:`at_end` is set.
 
         Plaintext is read on the descriptor (Trio keeps it non-blocking). Trio's ``recv``
         tries a read first, which on a keep-alive connection fails (the client sends its next
@@ -1214,7 +1218,7 @@ class HttpConnection:
         fd = self._fd
         try:
             if fd < 0:
-                data = await self._stream.receive_some(_READ_SIZE)
+                data = await self._stream.receive_some(size)
             else:
                 # Waited for by its descriptor too: given the socket, Trio asks it for its
                 # descriptor on every wait.
@@ -1224,11 +1228,11 @@ class HttpConnection:
                     await trio.lowlevel.wait_readable(fd)
                 while True:
                     try:
-                        data = os.read(fd, _READ_SIZE)
+                        data = os.read(fd, size)
                     except BlockingIOError:
                         await trio.lowlevel.wait_readable(fd)  # woken without data after all
                         continue
-                    self._more_likely = len(data) == _READ_SIZE
+                    self._more_likely = len(data) == size
                     break
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             data = b""
@@ -1442,7 +1446,7 @@ class HttpConnection:
                     self._wait_until(
                         min(self._wait_deadline, self.now() + limits.handshake_timeout)
                     )
-                if not await self.fill():
+                if not await self.fill(_HEAD_READ_SIZE):
                     return None  # the client closed, in the middle of a head or not
         finally:
             self._idle = False
