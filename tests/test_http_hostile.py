@@ -948,6 +948,21 @@ async def test_a_head_longer_than_one_read_then_a_large_body_are_served(
     assert reserved(server) == 0
 
 
+async def test_a_large_body_sent_after_100_continue_is_read_whole(server: RunningServer) -> None:
+    request = binary_echo(LARGE)
+    split = request.index(b"\r\n\r\n") + 2
+    async with await Raw.open(server.http_port) as raw:
+        # The head alone, asking to continue; the body only once told to.
+        await raw.send(request[:split] + b"Expect: 100-continue\r\n\r\n")
+        with trio.fail_after(10):
+            interim = await raw.response()
+            assert interim is not None
+            assert interim.status == 100
+            await raw.send(request[split + 2 :])
+            np.testing.assert_array_equal(echoed(await raw.final()), LARGE)
+    assert reserved(server) == 0
+
+
 async def test_a_client_that_ends_in_the_middle_of_a_large_body_is_gone_and_holds_nothing(
     server: RunningServer,
 ) -> None:
