@@ -1578,9 +1578,10 @@ def test_response_fields_are_sent_latin_1_and_one_it_cannot_encode_is_a_500() ->
 
 @pytest.mark.parametrize("ready", [True, False])
 def test_routes_looked_up_whole_answer_as_the_split_path_does(ready: bool) -> None:
-    # The paths without parameters (/v2, /v2/health/live, /v2/health/ready) are looked up
-    # before the path is split: every method on them, with a body or none, and their near
-    # misses, are answered as the split path's routing answers them.
+    # The health checks' paths (/v2/health/live, /v2/health/ready) are looked up before the
+    # path is split, and answered without a coroutine of their own: every method on them and
+    # on /v2, with a body or none, and their near misses, are answered as the split path's
+    # routing answers them.
     from types import SimpleNamespace
 
     from trio_infer.core.service import SERVER_NAME, SERVER_VERSION, ServerMetadata
@@ -1626,7 +1627,7 @@ def test_routes_looked_up_whole_answer_as_the_split_path_does(ready: bool) -> No
 
     fast = HttpService(core)  # type: ignore[arg-type]
     general = HttpService(core)  # type: ignore[arg-type]
-    general._fixed = {}
+    general._health = {}
     fast_answers = answers(fast)
     assert fast_answers == answers(general)
     statuses = {answer.split(b" ")[1] for answer in fast_answers}

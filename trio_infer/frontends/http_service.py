@@ -137,9 +137,6 @@ def http_status(code: StatusCode) -> int:
     return _HTTP_STATUS[code]
 
 
-_Route = Callable[[HttpRequest, str, str], Awaitable[None]]
-
-
 #: Renders the metrics: the body and its content type.
 MetricsRenderer = Callable[[], tuple[bytes, str]]
 
@@ -167,11 +164,13 @@ class HttpService:
         self._models = models
         self._metrics = metrics
         self._control_header = control_header
-        #: The routes whose paths have no parameters, looked up before any split of the path.
-        self._fixed: dict[str, _Route] = {
-            "/v2": self._server_metadata,
-            "/v2/health/live": self._server_live,
-            "/v2/health/ready": self._server_ready,
+        #: The health checks by their paths (percent-decoded): each is answered 200 when its
+        #: check passes, else 400, with no body. Looked up before any split of the path, and
+        #: answered by :meth:`handle` itself: a coroutine of the route's own costs a health
+        #: check a few percent.
+        self._health: dict[str, Callable[[], bool]] = {
+            "/v2/health/live": core.server_live,
+            "/v2/health/ready": core.server_ready,
         }
         # One decode or encode in a thread at a time: each thread that wants the GIL is another
         # switch interval the event loop may wait for it.
@@ -184,19 +183,21 @@ class HttpService:
         between the transport and the response costs a health check a few percent.
         """
         try:
-            fixed = self._fixed.get(request.path)
-            if fixed is None:
-                await self._route(request)
-            else:
+            check = self._health.get(request.path)
+            if check is None:
+                check = await self._route(request)
+            if check is not None:
                 _check_get(request)
-                await fixed(request, "", "")
+                await request.respond(200 if check() else 400)
         except InferError as error:
             await _respond_error(request, http_status(error.code), error.message)
 
-    async def _route(self, request: HttpRequest) -> None:
+    async def _route(self, request: HttpRequest) -> Callable[[], bool] | None:
+        """Serve a request other than a health check's; return the health check it asks for
+        once its path is percent-decoded, if it is one (:meth:`handle` answers it)."""
         if request.path == "/metrics" and self._metrics is not None:
             await serve_metrics(request, self._metrics)
-            return
+            return None
         segments = request.path.split("/")
         # "/v2/models/m/versions/1/infer" -> ["", "v2", "models", "m", "versions", "1", "infer"]
         if len(segments) < 2 or segments[0] or segments[1] != "v2":
@@ -208,11 +209,9 @@ class HttpService:
             _check_get(request)
             await self._server_metadata(request, "", "")
         elif rest == ["health", "live"]:
-            _check_get(request)
-            await self._server_live(request, "", "")
+            return self.core.server_live
         elif rest == ["health", "ready"]:
-            _check_get(request)
-            await self._server_ready(request, "", "")
+            return self.core.server_ready
         elif rest and rest[0] == "repository" and self._models is not None:
             await self._repository(request, self._models, rest[1:])
         elif len(rest) >= 2 and rest[0] == "models" and rest[1]:
@@ -232,6 +231,7 @@ class HttpService:
                 await self._model_metadata(request, name, version)
         else:
             raise _not_found(request)
+        return None
 
     async def _repository(
         self, request: HttpRequest, manager: ModelManager, rest: list[str]
@@ -293,12 +293,6 @@ class HttpService:
         else:
             await manager.unload(name)
         await request.respond(200)
-
-    async def _server_live(self, request: HttpRequest, name: str, version: str) -> None:
-        await request.respond(200 if self.core.server_live() else 400)
-
-    async def _server_ready(self, request: HttpRequest, name: str, version: str) -> None:
-        await request.respond(200 if self.core.server_ready() else 400)
 
     async def _model_ready(self, request: HttpRequest, name: str, version: str) -> None:
         if self.core.model_ready(name, version):
