@@ -1133,6 +1133,38 @@ def test_a_request_pipelined_while_a_post_runs_neither_cancels_it_nor_is_lost(wa
     assert log == ["/slow", "/next"]
 
 
+@pytest.mark.parametrize("held_back", [1, 2, 3])
+def test_a_head_begun_in_the_read_that_ends_a_chunked_body_is_served_when_its_end_comes(
+    held_back: int,
+) -> None:
+    # A chunked body's end is known only once parsed, so the parser reads on past it into what
+    # came in the same read: here the next request's head, all but its last bytes. The blank
+    # line that ends that head then straddles what the parser has read and what it has not;
+    # the head's last bytes, when they come, end it, and the request is served.
+    log: list[tuple[str, bytes]] = []
+
+    async def handler(request: HttpRequest) -> None:
+        body = await request.receive_body() if request.method == "POST" else bytearray()
+        log.append((request.path, bytes(body)))
+        await request.respond(200)
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        after = b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n"
+        await client.send(
+            b"POST /chunked HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(b"2\r\nhi\r\n0\r\n\r\n" + after[:-held_back])
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(after[-held_back:])
+        answers = await _read_answers(client, 2)
+        assert all(answer.startswith(b"HTTP/1.1 200 OK\r\n") for answer in answers)
+        client.close()
+
+    trio.run(_serve_one_connection, handler, client_side)
+    assert log == [("/chunked", b"hi"), ("/next", b"")]
+
+
 @pytest.mark.parametrize("method", ["GET", "POST"])
 def test_a_request_cancelled_by_the_server_is_answered_503_outside_its_scope(method: str) -> None:
     # A request runs in the connection's scope, not one of its own: cancelled, it is answered

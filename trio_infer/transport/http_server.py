@@ -953,6 +953,10 @@ class HttpConnection:
         self._broken: HttpError | None = None
         #: Bytes of the next request's head parsed before its end arrived.
         self._head_fed = 0
+        #: The last bytes of a head the parser began past a chunked body's end, in the slice
+        #: that ended the body (:meth:`parse_body`), the head not yet whole: as many as the
+        #: blank line that ends the head may begin among. Empty otherwise.
+        self._head_tail = b""
         self._stream = stream
         self._plain: trio.socket.SocketType | None = None
         #: The plaintext socket's descriptor (-1 over TLS), read and written directly.
@@ -1326,7 +1330,13 @@ class HttpConnection:
         else:
             size = min(len(buffer), _CHUNKED_SLICE)
             before = message.body_size
+            last = bytes(buffer[max(size - 3, 0) : size])
             self._feed(size)
+            messages = self._parse.messages
+            if message.complete and messages[-1] is not message and not messages[-1].head_done:
+                # The parser read on past the body's end into the next request's head, and
+                # what ends that head may come split between these bytes and the next.
+                self._head_tail = last
             # Framing (a size line, its extensions, the trailers) is bounded like a head: at
             # most max_header_size between two pieces of data, or after the last, counted a
             # slice at a time. llhttp holds none of it, but httptools builds a trailer field
@@ -1390,6 +1400,15 @@ class HttpConnection:
         buffer = self._buffer
         end = buffer.find(b"\r\n\r\n")
         size = end + 4 if end >= 0 else len(buffer) - 3
+        tail = self._head_tail
+        if tail:
+            # A head begun past a chunked body's end: its blank line may have begun among the
+            # bytes the parser read of it, and end among the first ones here.
+            straddling = (tail + buffer[:3]).find(b"\r\n\r\n")
+            if straddling >= 0:
+                size = straddling + 4 - len(tail)
+            if size > 0:
+                self._head_tail = b""
         if size <= 0:
             return False
         self._feed(size)
