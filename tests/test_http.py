@@ -3,6 +3,7 @@ tritonclient.http and raw sockets, compared with the same calls over gRPC."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -1664,3 +1665,129 @@ def test_routes_looked_up_whole_answer_as_the_split_path_does(ready: bool) -> No
     assert fast_answers == answers(general)
     statuses = {answer.split(b" ")[1] for answer in fast_answers}
     assert statuses == ({b"200", b"404", b"405"} if ready else {b"200", b"400", b"404", b"405"})
+
+
+# -- announced bodies, split and pipelined anyhow ---------------------------------------------
+
+#: Body sizes either side of the smaller bound of the straight receive, of a head's read and
+#: of the connection's read size, and small ones beside them.
+_BODY_SIZES = [0, 1, 100, 16_383, 16_384, 16_385, 40_000, 65_535, 65_536, 65_537, 150_000]
+#: The framings and versions a request's body may come in: an announced length (HTTP/1.1,
+#: HTTP/1.0 kept alive, waiting to be told to continue, named identity-coded), chunked, or none
+#: (a GET, whose answer is its path).
+_FRAMINGS = ["length", "length", "1.0", "continue", "identity", "chunked", "get"]
+
+
+def _framed(framing: str, body: bytes, index: int) -> bytes:
+    """Request ``index``'s bytes: a POST of ``body`` framed as ``framing`` says (a GET and no
+    body for ``get``), which asks in ``x-aligned-at`` for an offset in its body to be read
+    aligned."""
+    fields = f"Host: a\r\nX-Aligned-At: {(7 * index + len(body)) % 16}\r\n"
+    if framing == "get":
+        return f"GET /{index} HTTP/1.1\r\n{fields}\r\n".encode()
+    version = "1.0" if framing == "1.0" else "1.1"
+    if framing == "chunked":
+        fields += "Transfer-Encoding: chunked\r\n"
+        pieces = [body[start : start + 20_000] for start in range(0, len(body), 20_000)]
+        body = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+    else:
+        fields += f"Content-Length: {len(body)}\r\n"
+        fields += {
+            "1.0": "Connection: keep-alive\r\n",
+            "continue": "Expect: 100-continue\r\n",
+            "identity": "Content-Encoding: identity\r\n",
+        }.get(framing, "")
+    return f"POST /{index} HTTP/{version}\r\n{fields}\r\n".encode() + body
+
+
+def _final_answers(received: bytes) -> list[tuple[int, bytes]]:
+    """The final answers (1xx skipped) in ``received``, whole ones only: (status, body)."""
+    answers = []
+    while b"\r\n\r\n" in received:
+        head, _, rest = received.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        if len(rest) < length:
+            break
+        if status >= 200:
+            answers.append((status, rest[:length]))
+        received = rest[length:]
+    return answers
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    requests=st.lists(
+        st.tuples(st.sampled_from(_FRAMINGS), st.sampled_from(_BODY_SIZES)),
+        min_size=1,
+        max_size=4,
+    ),
+    cuts=st.lists(st.integers(0, 500_000), max_size=6),
+    offsets=st.lists(st.integers(-3, 3), max_size=6),
+)
+def test_bodies_split_and_pipelined_anyhow_are_each_received_whole_in_order_and_aligned(
+    watch: str, requests: list[tuple[str, int]], cuts: list[int], offsets: list[int]
+) -> None:
+    # Whatever reads the bytes come in (a head and part of its body in one, a body's end with
+    # the next requests, a head cut just before or after its blank line), each request's body
+    # is its own, whole, and starts 16-aligned where it was asked to: read straight into its
+    # buffer, or parsed, as its framing and size say.
+    bodies = [np.random.default_rng(size).bytes(size) for _, size in requests]
+    framed = [
+        _framed(framing, body, index)
+        for index, ((framing, _), body) in enumerate(zip(requests, bodies, strict=True))
+    ]
+    data = b"".join(framed)
+    # Cuts anywhere, and near the ends of heads and of requests.
+    ends = np.cumsum([len(request) for request in framed]).tolist()
+    heads = [
+        end - len(request) + request.index(b"\r\n\r\n") + 4
+        for end, request in zip(ends, framed, strict=True)
+    ]
+    near = [mark + offset for mark, offset in zip(heads + ends, offsets, strict=False)]
+    pieces = sorted({cut for cut in cuts + near if 0 < cut < len(data)} | {len(data)})
+
+    async def handler(request: HttpRequest) -> None:
+        if request.method == "GET":
+            await request.respond(200, body=[request.path.encode()])
+            return
+        aligned_at = int(request.header("x-aligned-at") or "")
+        body = await request.receive_body(aligned_at=aligned_at)
+        misaligned = 0
+        if len(body) > aligned_at:
+            misaligned = np.frombuffer(body, np.uint8)[aligned_at:].ctypes.data % 16
+        digest = hashlib.sha256(body).hexdigest().encode()
+        await request.respond(200, body=[b"%d %d %s" % (misaligned, len(body), digest)])
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        start = 0
+        for end in pieces:
+            while start < end:
+                start += await client.send(data[start:end])
+            # The server reads what has come before the next piece does.
+            await trio.testing.wait_all_tasks_blocked()
+        received = b""
+        while len(_final_answers(received)) < len(requests):
+            more = await client.recv(1 << 20)
+            assert more, received[-300:]
+            received += more
+        answers = _final_answers(received)
+        for (framing, _), body, index, (status, answer) in zip(
+            requests, bodies, range(len(requests)), answers, strict=True
+        ):
+            assert status == 200, answer
+            if framing == "get":
+                assert answer == b"/%d" % index
+            else:
+                assert answer == b"0 %d %s" % (len(body), hashlib.sha256(body).hexdigest().encode())
+        client.close()
+
+    trio.run(_serve_one_connection, handler, client_side)
