@@ -11,6 +11,7 @@ import contextlib
 import gzip
 import json
 import socket
+import struct
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -963,21 +964,66 @@ async def test_a_large_body_sent_after_100_continue_is_read_whole(server: Runnin
     assert reserved(server) == 0
 
 
+@pytest.mark.parametrize("ending", ["end", "reset of a second request"])
 async def test_a_client_that_ends_in_the_middle_of_a_large_body_is_gone_and_holds_nothing(
-    server: RunningServer,
+    server: RunningServer, ending: str
 ) -> None:
     bystander = Bystander(server)
     request = binary_echo(LARGE)
     async with await Raw.open(server.http_port) as raw:
+        if ending != "end":
+            # A first request read whole: its socket is watched for its end from then on.
+            await raw.send(request)
+            with trio.fail_after(10):
+                np.testing.assert_array_equal(echoed(await raw.final()), LARGE)
         await raw.send(request[: len(request) // 2])
         await eventually(lambda: reserved(server) >= len(LARGE.tobytes()))
-        await raw.stream.send_eof()
-        # Gone: nothing is answered, and the connection ends.
-        with trio.fail_after(10):
-            await raw.ends()
+        if ending == "end":
+            await raw.stream.send_eof()
+            # Gone: nothing is answered, and the connection ends.
+            with trio.fail_after(10):
+                await raw.ends()
+        else:
+            # Closed with a reset (no linger) as it leaves this block.
+            linger = struct.pack("ii", 1, 0)
+            raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
     await eventually(lambda: reserved(server) == 0)
     await eventually(lambda: connections(server) == 0)
     await bystander.call()
+
+
+@pytest.mark.parametrize("length", [16_383, 16_384, 16_385, MiB - 1, MiB, MiB + 1])
+async def test_a_body_either_side_of_the_straight_bounds_is_read_whole_then_the_next_request(
+    server: RunningServer, length: int
+) -> None:
+    # The head and the start of the body in one write, the rest of it with a health check
+    # after it in the next: the body is read to its last byte and no further.
+    # Room for the JSON before the tensor, which is padded to make up the length.
+    x = np.random.default_rng(length).standard_normal((length - 512) // 4).astype(np.float32)
+    document = {
+        "inputs": [
+            {
+                "name": "x",
+                "datatype": "FP32",
+                "shape": [len(x)],
+                "parameters": {"binary_data_size": x.nbytes},
+            }
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+    text = json.dumps(document).encode()
+    text += b" " * (length - len(text) - x.nbytes)  # JSON's trailing whitespace
+    request = infer(text + x.tobytes(), f"Inference-Header-Content-Length: {len(text)}")
+    assert int(request.split(b"Content-Length: ")[1].split(b"\r\n")[0]) == length
+    split = request.index(b"\r\n\r\n") + 4 + 1000
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(request[:split])
+        await eventually(lambda: reserved(server) >= length)
+        await raw.send(request[split:] + head("GET", "/v2/health/live"))
+        with trio.fail_after(10):
+            np.testing.assert_array_equal(echoed(await raw.final()), x)
+            assert (await raw.final()).status == 200
+    assert reserved(server) == 0
 
 
 async def test_a_large_body_that_stops_arriving_is_408_and_holds_nothing(
