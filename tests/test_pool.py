@@ -542,6 +542,23 @@ async def test_cancelled_call_kills_its_worker_promptly_and_the_pool_serves_agai
     assert pool.statistics().crashed == 0
 
 
+async def test_a_call_cancelled_after_a_report_emptied_the_connection_kills_its_worker(
+    pool: WorkerPool, examples: dict[str, ModelSettings]
+) -> None:
+    # The first call's report came in a read that emptied the connection: the receiver then
+    # waits without reading again, and the cancel of the next call reaches its worker all the
+    # same (without the kill, the shielded call would hold this scope for the full 20 s).
+    out = await pool.predict(examples["sleep"], {"a": np.ones(1)}, Parameters({"delay_ms": 0}))
+    np.testing.assert_array_equal(out["a"], np.ones(1))
+    with trio.fail_after(10), trio.move_on_after(0.2) as scope:
+        await pool.predict(examples["sleep"], {}, Parameters({"delay_ms": 20_000}))
+    assert scope.cancelled_caught
+    await eventually(lambda: pool.statistics().killed == 1)
+    out = await pool.predict(examples["sleep"], {"a": np.ones(1)}, Parameters({"delay_ms": 0}))
+    np.testing.assert_array_equal(out["a"], np.ones(1))
+    assert pool.statistics().crashed == 0
+
+
 async def test_each_worker_loads_a_model_once(
     repo: dict[str, ModelSettings], tmp_path: Path
 ) -> None:

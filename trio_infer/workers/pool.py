@@ -238,6 +238,9 @@ class WorkerPool:
         # Every worker process that has connected and may not have exited, by pid: its pidfd,
         # which names that process and no later one with the same pid.
         self._processes: dict[int, int] = {}
+        #: The run's clock, read directly: ``trio.current_time()`` is three Python calls to
+        #: the same ``current_time`` of it, and a call's path reads it several times.
+        self._now = trio.lowlevel.current_clock().current_time
 
     @classmethod
     @asynccontextmanager
@@ -823,7 +826,7 @@ class WorkerPool:
             return True
         times = self._times(call.model)
         shortest = times.shortest()
-        now = trio.current_time()
+        now = self._now()
         left = call.deadline - now - (lane.free_in(now) if lane is not None else 0.0)
         if left >= shortest:
             times.refused_in_a_row = 0
@@ -1465,7 +1468,7 @@ class _Lane:
     def _stop_overdue(self) -> None:
         """Kill the worker if it still runs a cancelled generating call past its STOP_GRACE."""
         # Twice a call: the clock is read only when a stop is due at all.
-        if self._stop_by == math.inf or self._stop_by > trio.current_time():
+        if self._stop_by == math.inf or self._stop_by > self._pool._now():
             return
         self._stop_by = math.inf
         head = self.outstanding[0] if self.outstanding else None
@@ -1503,7 +1506,7 @@ class _Lane:
                 )
                 continue
             if not self.outstanding:
-                self._head_started = trio.current_time()
+                self._head_started = self._pool._now()
             # From here on the lane holds it: a crash of the lane fails it (fail_held).
             self.outstanding.append(call)
             call.lane = self
@@ -1527,10 +1530,13 @@ class _Lane:
             call = self.pinned.popleft()
             if pool._in_time(call, self):
                 return call
+        queue = pool._queue
+        if not queue:
+            return None
         if self.outstanding and any(lane.live and not lane.outstanding for lane in pool._lanes):
             return None  # an idle worker starts it sooner
-        while pool._queue:
-            call = pool._queue.popleft()
+        while queue:
+            call = queue.popleft()
             if pool._in_time(call, self):
                 return call
         return None
@@ -1544,19 +1550,32 @@ class _Lane:
             parse = wire.reader()
             view = memoryview(b"")
             reporting = False  # part of a report is read: the call it reports on has ended
+            drained = False  # the last fill took all the socket held (Staging.drained)
             report: Any  # (done, skipped, item), as wire's module docstring says
             while True:
                 if not reporting:
                     # A report's start: one read into the staging buffer, and a report that
                     # came whole in it is taken at once (as wire.Receiver takes it).
                     if not staging.held:
-                        try:
-                            if not staging.fill(connection):
+                        # After a fill that took all the socket held, a read would find
+                        # nothing (a system call and an exception, on every call's path): the
+                        # receiver waits first. Unless the call at the head is abandoned: its
+                        # worker is killed only after a read that finds nothing, for a report
+                        # of it may have come since the fill.
+                        empty = drained and not self._head_to_stop()
+                        if not empty:
+                            try:
+                                if not staging.fill(connection):
+                                    return
+                            except BlockingIOError:
+                                # Every report the worker has sent is read, so the first
+                                # outstanding call is the one it runs: if abandoned, killed.
+                                self._stop_abandoned()
+                                empty = True
+                            except ConnectionResetError:
                                 return
-                        except BlockingIOError:
-                            # Every report the worker has sent is read, so the first
-                            # outstanding call is the one it runs: if abandoned, it is killed.
-                            self._stop_abandoned()
+                        if empty:
+                            drained = False
                             # Not in a cancel scope that abandon cancels (entering and leaving
                             # one is about 48k instructions, on every call): abandon kills the
                             # worker itself while this waits.
@@ -1566,8 +1585,7 @@ class _Lane:
                             finally:
                                 self._awaiting_report = None
                             continue
-                        except ConnectionResetError:
-                            return
+                        drained = staging.drained
                     reporting = True
                     try:
                         whole, report = staging.take_message()
@@ -1582,6 +1600,7 @@ class _Lane:
                     # not hold whole (its buffers, or all of it).
                     parse = staging.take_start()
                     view = next(parse)
+                    drained = False  # the rest is read in pieces of the report's sizes
                 if view:
                     try:
                         received = staging.read(connection, view)
@@ -1612,10 +1631,15 @@ class _Lane:
             self._sender_idle = False
             talk.cancel()
 
-    def _stop_abandoned(self) -> None:
+    def _head_to_stop(self) -> bool:
+        """Whether the first outstanding call is abandoned and its worker is to be killed
+        once it is known to run it (a generating call is stopped by the worker, or by the
+        sender past its STOP_GRACE)."""
         head = self.outstanding[0] if self.outstanding else None
-        # A generating call is stopped by the worker, or by the sender past its STOP_GRACE.
-        if head is not None and head.abandoned and not head.decoupled and not self._killed:
+        return head is not None and head.abandoned and not head.decoupled and not self._killed
+
+    def _stop_abandoned(self) -> None:
+        if self._head_to_stop():
             self.kill()
 
     def _unreadable_report(self, exc: Exception) -> None:
@@ -1664,7 +1688,7 @@ class _Lane:
             assert call.id == call_id, f"report of call {call_id}, expected call {call.id}"
             # The worker started this call when the one before it ended (or when it was sent
             # to an idle worker); it starts the next now.
-            started, self._head_started = self._head_started, trio.current_time()
+            started, self._head_started = self._head_started, self._pool._now()
             # Reported after the kill was decided: the call after it may have started since.
             self._moved_on = self._killed
             if ok:

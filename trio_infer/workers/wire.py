@@ -286,6 +286,12 @@ class Staging:
         self._start, self._end = 0, sock.recv_into(self._buffer)
         return self.held
 
+    @property
+    def drained(self) -> bool:
+        """Whether the last :meth:`fill` left room in the buffer: the socket held no more
+        bytes then (a stream socket's read takes all it has, up to the room given)."""
+        return self._end < _STAGING_BYTES
+
     def take_message(self) -> tuple[bool, object]:
         """The next message, when the staged bytes hold all of it and it has no out-of-band
         buffers: ``(True, message)``, unpickled as :func:`reader` would, without stepping
