@@ -216,6 +216,24 @@ async def test_calls_after_cancelled_and_expired_ones_on_a_connection_run_to_the
     assert harness.cancelled == ["Sleep"] * 6
 
 
+async def test_the_deadline_of_a_call_that_ended_in_time_does_not_reach_the_next_call(
+    harness: Harness,
+) -> None:
+    # One call at a time: the task that ran the first call, and its scope, run the second.
+    response, _ = await harness.call("Echo", b"in time", timeout=2)
+    assert response == b"in time"
+    harness.hold_count = 1
+    future = harness.method("Hold").future(b"held past it")
+    await harness.all_held.wait()
+    # The first call's deadline passes while the second, which has none, waits.
+    await trio.sleep(2.5)
+    harness.release.set()
+    assert await trio.to_thread.run_sync(future.result) == b"held past it"
+    assert harness.cancelled == []
+    (connection,) = harness.server._connections
+    assert len(connection._idle_runners) == 1
+
+
 def _calls_alive() -> int:
     gc.collect()
     return sum(1 for thing in gc.get_objects() if type(thing) is Call)

@@ -1,4 +1,4 @@
-"""gRPC calls on Trio: one nursery per connection, one cancel scope per call.
+"""gRPC calls on Trio: one nursery per connection, each call in a cancel scope no other call shares.
 
 Ownership, top to bottom::
 
@@ -10,9 +10,10 @@ Ownership, top to bottom::
         ├── watchdog                  closes it after the handshake or the idle timeout
         ├── retirement                with a maximum age: GOAWAY at that age, UNAVAILABLE for
         │                             the calls still in flight after its grace
-        └── runner                    runs calls one after another, each in its own
-            │                         scope; a new one only when none is idle
-            └── call (one per stream) CancelScope(deadline = arrival + grpc-timeout)
+        └── runner                    runs calls one after another in its scope (a new
+            │                         one after a call that had it cancelled); a new
+            │                         runner only when none is idle
+            └── call (one per stream) the runner's scope, deadline = arrival + grpc-timeout
                 └── handler(call)     the service: reads, works, sends
 
 A call of a method the service answers at once (``immediate``: a synchronous function of the
@@ -23,13 +24,17 @@ cannot take now, an answer that would wait) runs in a task as every call does.
 
 A task that has run its call waits for the next one the connection starts (at most
 :data:`_MAX_IDLE_RUNNERS` of them wait): waking it costs less than Trio's start and end of a
-task (``docs/performance.md``). A call's scope, status and cleanup are its own
-whichever task runs it, and an idle runner holds no call; the connection's end cancels the idle
-ones with the rest of its nursery.
+task (``docs/performance.md``). A runner's calls run in its one scope, each under its own
+deadline, while it is theirs alone: entering and leaving a scope for each call would cost more
+than moving the deadline. A scope once cancelled stays cancelled, so the call after one that
+had it cancelled gets a new one; a cancel that comes before the runner takes its call cancels
+the scope it is then run in. A call's status and cleanup are its own whichever task runs it,
+and an idle runner holds no call; the connection's end cancels the idle ones with the rest of
+its nursery.
 
 Invariants:
 
-- Every call ends with exactly one status, sent by :meth:`Connection._run_call` (or, for a call
+- Every call ends with exactly one status, sent by :meth:`Connection._finish` (or, for a call
   answered at once, :meth:`Connection._answer_held`) and nowhere else: the handler's outcome,
   DEADLINE_EXCEEDED when its deadline passed, or the reason whoever cancelled it gave. A call
   the client reset gets nothing: nobody is listening.
@@ -543,7 +548,10 @@ class _CallState:
     """The transport's private record of a call in flight."""
 
     call: Call
-    scope: trio.CancelScope
+    #: The scope the call runs in, its runner's; None until a runner takes the call.
+    scope: trio.CancelScope | None = None
+    #: Cancelled before a runner took it: the scope it runs in is cancelled at once.
+    cancelled: bool = False
     #: The status to send if ``scope`` is cancelled; a passed deadline is the default.
     cancel_status: StatusCode = StatusCode.DEADLINE_EXCEEDED
     cancel_message: str = "deadline exceeded"
@@ -551,7 +559,10 @@ class _CallState:
     def cancel(self, status: StatusCode, message: str) -> None:
         self.cancel_status = status
         self.cancel_message = message
-        self.scope.cancel()
+        if self.scope is None:
+            self.cancelled = True
+        else:
+            self.scope.cancel()
 
 
 class Connection:
@@ -1081,7 +1092,7 @@ class Connection:
     def _start_task(self, call: Call, handler: Handler) -> None:
         """Run ``call`` in a task of the connection's nursery, under its deadline: an idle
         runner's, or a new runner's."""
-        state = _CallState(call, trio.CancelScope(deadline=call.deadline))
+        state = _CallState(call)
         self._calls[call._stream_id] = state
         self._calls_in_flight.increment()
         self._calls_in_flight.in_tasks += 1
@@ -1093,7 +1104,8 @@ class Connection:
 
     async def _runner(self, state: _CallState, handler: Handler) -> None:
         """Run ``state``'s call, then each call :meth:`_start_task` hands this task while it
-        waits idle; end when :data:`_MAX_IDLE_RUNNERS` others wait already."""
+        waits idle; end when :data:`_MAX_IDLE_RUNNERS` others wait already. The calls run in
+        one scope until one of them has it cancelled, then in a new one."""
         task = trio.lowlevel.current_task()
         idle = self._idle_runners
 
@@ -1102,14 +1114,37 @@ class Connection:
             idle.remove(task)
             return trio.lowlevel.Abort.SUCCEEDED
 
+        # The call this task runs and its handler; None while it waits idle, for an idle
+        # runner holds nothing of the call it ran (its request, its answer).
+        job: tuple[_CallState, Handler] | None = (state, handler)
+        del state, handler
         while True:
-            await self._run_call(state, handler)
-            # An idle runner holds nothing of the call it ran (its request, its answer).
-            del state, handler
-            if len(idle) >= _MAX_IDLE_RUNNERS:
-                return
-            idle.append(task)
-            state, handler = await trio.lowlevel.wait_task_rescheduled(abort)
+            scope = trio.CancelScope()
+            try:
+                with scope:
+                    while True:
+                        if job is None:
+                            if len(idle) >= _MAX_IDLE_RUNNERS:
+                                return
+                            idle.append(task)
+                            job = await trio.lowlevel.wait_task_rescheduled(abort)
+                        status, message = await self._run_handler(job[0], job[1], scope)
+                        done, job = job[0], None
+                        self._finish(done, status, message)
+                        del done
+                        if scope.cancel_called:
+                            break  # after the call's last checkpoint: the scope is spent
+            except BaseException:
+                # Cancelled with its connection, or the handler let more than an Exception
+                # out: the call is cleaned up, and has nobody to answer to.
+                if job is not None:
+                    self._release(job[0])
+                raise
+            if job is not None:
+                # Its scope caught the cancel: a passed deadline, or whoever cancelled it.
+                done, job = job[0], None
+                self._finish(done, done.cancel_status, done.cancel_message)
+                del done
 
     def _answer_held(self) -> None:
         """Answer the calls held since their HEADERS among the events just handled: each one
@@ -1177,37 +1212,60 @@ class Connection:
         if stream_id not in self._reset_in_read:
             self.protocol.end_response(stream_id, status, message, (), headers_sent=False)
 
-    async def _run_call(self, state: _CallState, handler: Handler) -> None:
+    async def _run_handler(
+        self, state: _CallState, handler: Handler, scope: trio.CancelScope
+    ) -> tuple[StatusCode, str]:
+        """Run ``state``'s call in ``scope`` under the call's deadline; the status its
+        handler's outcome gives. A cancel of ``scope`` goes up as Trio's ``Cancelled``."""
         call = state.call
-        status, message = _OK, ""
+        state.scope = scope
+        deadline = call.deadline
+        if deadline != math.inf:
+            scope.deadline = deadline
+            # As a scope entered with a deadline that has passed: cancelled at once.
+            if deadline <= self._clock.current_time():
+                scope.cancel()
+        if state.cancelled:
+            scope.cancel()
         try:
-            with state.scope:
-                try:
-                    await handler(call)
-                except InferError as exc:
-                    status, message = exc.code, exc.message
-                except Exception:
-                    logger.exception("unexpected error in %s", call.method)
-                    status, message = StatusCode.INTERNAL, "internal server error"
-            if state.scope.cancelled_caught:
-                status, message = state.cancel_status, state.cancel_message
+            await handler(call)
+        except InferError as exc:
+            return exc.code, exc.message
+        except Exception:
+            logger.exception("unexpected error in %s", call.method)
+            return StatusCode.INTERNAL, "internal server error"
+        finally:
+            if deadline != math.inf:
+                # The next call in this scope has a deadline of its own, or none.
+                scope.deadline = math.inf
+        return _OK, ""
+
+    def _finish(self, state: _CallState, status: StatusCode, message: str) -> None:
+        """End ``state``'s call with ``status`` and clean it up."""
+        call = state.call
+        try:
             self._end(call, status, message)
             if not self.write_alone():
                 self.flush()
             if self._access_log:
                 self._log(call, status)
         finally:
-            del self._calls[call._stream_id]
-            self._calls_in_flight.decrement()
-            call._inbound.close()
-            if call._on_sent is not None:
-                self._release_when_written(call._on_sent)
-            if not self._calls:
-                self._idle_since = self._clock.current_time()
-                if self._no_calls is not None:
-                    self._no_calls.set()
-            if self._closing:
-                self.flush()
+            self._release(state)
+
+    def _release(self, state: _CallState) -> None:
+        """Forget ``state``'s call, which has ended: what it held is released."""
+        call = state.call
+        del self._calls[call._stream_id]
+        self._calls_in_flight.decrement()
+        call._inbound.close()
+        if call._on_sent is not None:
+            self._release_when_written(call._on_sent)
+        if not self._calls:
+            self._idle_since = self._clock.current_time()
+            if self._no_calls is not None:
+                self._no_calls.set()
+        if self._closing:
+            self.flush()
 
     def _end(self, call: Call, status: StatusCode, message: str) -> None:
         """Queue the status that ends ``call`` (nothing for a call its client reset)."""
