@@ -375,32 +375,34 @@ class _Parse:
                         unmet = expectation
             elif name == _REQUEST_ID and message.request_id is None:
                 message.request_id = value
-        if version not in ("1.1", "1.0"):
+        if version == "1.1":
+            if hosts != 1:
+                # RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without exactly
+                # one.
+                self._refuse(400, f"malformed request: {hosts} Host headers; HTTP/1.1 needs one")
+            if unmet is not None and message.content_length != 0:
+                # RFC 9110 10.1.1: 417 for an expectation the server cannot meet. Refused
+                # before its body is read, like a 413: the connection closes after the answer,
+                # since a body the client sends anyway cannot be told from a next request. A
+                # request without a body (no Content-Length, or 0, and not chunked) is served,
+                # its expectation ignored, as Triton's libevent serves it (it reads Expect only
+                # before a body; RFC 9110 allows either). Expect is HTTP/1.1's: an HTTP/1.0
+                # request's is ignored, as its 100-continue must be.
+                self._refuse(
+                    417,
+                    f"the expectation {shown(unmet.decode('latin-1'))!r} cannot be met; "
+                    "the one expectation this server meets is 100-continue",
+                )
+        elif version == "1.0":
+            message.http_1_0 = True
+            message.expects_continue = False
+        else:
             self._refuse(505, f"HTTP/{version} is not supported; this port serves HTTP/1.1")
-        if version == "1.1" and hosts != 1:
-            # RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without exactly one.
-            self._refuse(400, f"malformed request: {hosts} Host headers; HTTP/1.1 needs one")
-        if unmet is not None and version == "1.1" and message.content_length != 0:
-            # RFC 9110 10.1.1: 417 for an expectation the server cannot meet. Refused before
-            # its body is read, like a 413: the connection closes after the answer, since a
-            # body the client sends anyway cannot be told from a next request. A request
-            # without a body (no Content-Length, or 0, and not chunked) is served, its
-            # expectation ignored, as Triton's libevent serves it (it reads Expect only before
-            # a body; RFC 9110 allows either). Expect is HTTP/1.1's: an HTTP/1.0 request's is
-            # ignored, as its 100-continue must be.
-            self._refuse(
-                417,
-                f"the expectation {shown(unmet.decode('latin-1'))!r} cannot be met; "
-                "the one expectation this server meets is 100-continue",
-            )
         if message.upgrade and message.content_length != 0:
             # httptools has llhttp skip the body of a request that asks to switch protocols
             # (the bytes after its head would be the new protocol's); none is switched here,
             # and such a body could not be told from what follows it.
             self._refuse(400, "a request that asks to switch protocols may not have a body")
-        message.expects_continue &= version == "1.1"
-        if version == "1.0":
-            message.http_1_0 = True
         message.head_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -644,7 +646,7 @@ class HttpRequest:
         """The request method, upper-case as sent: ``GET``, ``POST``..."""
         self.path: str = path.decode("latin-1")
         """The target's path, still percent-encoded: ``/v2/models/add_sub/infer``."""
-        self.query: str = query.decode("latin-1")
+        self.query: str = query.decode("latin-1") if query else ""
         """The target's query string, without the ``?`` (empty when none)."""
         self._headers: list[tuple[str, str]] | None = None
         self._coding = message.content_encoding
@@ -1458,9 +1460,10 @@ class HttpConnection:
                 # to parse, nor a call to find that out.)
                 if self._buffer and self._parse_head():
                     continue
-                if not hurried and self._head_begun():
-                    # A head has begun and must wait for the rest of it (most come whole in
-                    # one read, and never get here).
+                if not hurried and (self._buffer or self._head_fed or messages):
+                    # A head has begun (_head_begun, without its call: a keep-alive connection
+                    # passes here once a request) and must wait for the rest of it (most come
+                    # whole in one read, and never get here).
                     hurried = True
                     self._wait_until(
                         min(self._wait_deadline, self.now() + limits.handshake_timeout)
