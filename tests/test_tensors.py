@@ -352,6 +352,12 @@ def as_wire(request: ModelInferRequest) -> Any:
     return WireInferRequest.FromString(request.SerializeToString())
 
 
+def known_raw(request: ModelInferRequest) -> tuple[list[Any], dict[str, np.ndarray]] | None:
+    """:func:`decode_known_raw` of ``request`` parsed whole, with its own raw entries."""
+    wire = as_wire(request)
+    return decode_known_raw(wire, wire.raw_input_contents)
+
+
 def staged(request: ModelInferRequest) -> dict[str, np.ndarray]:
     """``request`` through the server's stages: prepared, costed, decoded."""
     prepared = prepare_inputs(as_wire(request))
@@ -370,9 +376,9 @@ def test_remembered_raw_layouts_decode_in_one_pass_and_anything_else_takes_the_s
     # A shape no other test sends: not remembered until decoded once.
     values = np.arange(18, dtype="<f4").reshape(3, 1, 6)
     good = raw_request(("K", "FP32", [3, 1, 6], values.tobytes()), ("J", "INT64", [0], b""))
-    assert decode_known_raw(as_wire(good)) is None
+    assert known_raw(good) is None
     through_stages = staged(good)
-    known = decode_known_raw(as_wire(good))
+    known = known_raw(good)
     assert known is not None
     tensors, arrays = known
     assert [tensor.name for tensor in tensors] == ["K", "J"]
@@ -399,7 +405,7 @@ def test_remembered_raw_layouts_decode_in_one_pass_and_anything_else_takes_the_s
     extra.raw_input_contents.append(b"")
     typed = typed_request("K", "FP32", [3, 1, 6], fp32_contents=[0.0] * 18)
     for request in (short, twice, unknown, typed_beside, empty_beside, missing, extra, typed):
-        assert decode_known_raw(as_wire(request)) is None
+        assert known_raw(request) is None
     assert staged_error(short) == (
         "input 'K': shape [3, 1, 6] has 18 elements but raw_input_contents[0] holds "
         "17 FP32 elements (68 bytes)"
@@ -420,7 +426,7 @@ def test_remembered_raw_layouts_decode_in_one_pass_and_anything_else_takes_the_s
     # BOOL is never remembered: its bytes are checked every time.
     bools = raw_request(("B", "BOOL", [3, 1, 6], bytes(18)))
     staged(bools)
-    assert decode_known_raw(as_wire(bools)) is None
+    assert known_raw(bools) is None
 
 
 def test_unknown_datatype_lists_valid_ones() -> None:

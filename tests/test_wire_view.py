@@ -294,3 +294,97 @@ def test_varint_parts_of_many_steps_stay_apart_and_are_protobufs() -> None:
     elements: list[object] = list(values.tolist())
     assert b"".join(part.tobytes() for part in parts) == packed_payload("int64_contents", elements)
     assert wire.encode_varint_parts(np.zeros(0, np.int32)) == []
+
+
+def any_record(number: int, kind: int, payload: bytes) -> bytes:
+    """A record of any wire type: a varint's, fixed-size bytes, a delimited payload, or a bare
+    group tag (wire types 3 and 4, which no proto3 message holds)."""
+    key = varint(number << 3 | kind)
+    if kind == 0:
+        return key + varint(int.from_bytes(payload[:8] or b"\0", "little"))
+    if kind in (1, 5):
+        return key + payload.ljust(8 if kind == 1 else 4, b"\0")[: 8 if kind == 1 else 4]
+    if kind == 2:
+        return key + varint(len(payload)) + payload
+    return key
+
+
+def parsed_whole(data: bytes) -> bytes | None:
+    """The message ``data`` is (serialised deterministically), or None: it does not parse."""
+    try:
+        message = wire.WireInferRequest.FromString(data)
+    except DecodeError:
+        return None
+    return message.SerializeToString(deterministic=True)
+
+
+def parsed_split(data: bytes, start: int, entries: list[memoryview]) -> bytes | None:
+    """The message the records before ``start`` are, with ``entries`` appended to its raw
+    inputs (serialised deterministically), or None: those records do not parse."""
+    try:
+        message = wire.WireInferRequest.FromString(data[:start])
+    except DecodeError:
+        return None
+    assert not message.raw_input_contents
+    message.raw_input_contents.extend(bytes(entry) for entry in entries)
+    return message.SerializeToString(deterministic=True)
+
+
+@st.composite
+def request_records(draw: st.DrawFn) -> bytes:
+    """A ModelInferRequest's bytes, written by protobuf, then changed as a client or an attacker
+    might: records of any field and wire type (raw inputs among them) added anywhere, cut
+    short, or bytes flipped."""
+    request = ModelInferRequest(model_name=draw(st.text(max_size=5)), id=draw(st.text(max_size=5)))
+    for index in range(draw(st.integers(0, 3))):
+        request.inputs.add(name=f"x{index}", datatype="UINT8", shape=[draw(st.integers(0, 9))])
+    request.raw_input_contents.extend(draw(st.lists(st.binary(max_size=40), max_size=4)))
+    records = [request.SerializeToString()]
+    for _ in range(draw(st.integers(0, 4))):
+        number = draw(st.sampled_from([0, 1, 3, 5, 7, 7, 7, 99]))
+        kind = draw(st.sampled_from([0, 1, 2, 2, 2, 3, 4, 5, 6]))
+        extra = any_record(number, kind, draw(st.binary(max_size=20)))
+        records.insert(draw(st.integers(0, len(records))), extra)
+    data = b"".join(records)
+    change = draw(st.sampled_from(["none", "none", "cut", "flip"]))
+    if change == "cut" and data:
+        data = data[: draw(st.integers(0, len(data) - 1))]
+    elif change == "flip" and data:
+        at = draw(st.integers(0, len(data) - 1))
+        data = data[:at] + bytes([data[at] ^ draw(st.integers(1, 255))]) + data[at + 1 :]
+    return data
+
+
+@settings(max_examples=1500, deadline=None)
+@given(request_records())
+@example(ModelInferRequest(raw_input_contents=[b"ab", b""]).SerializeToString())
+@example(ModelInferRequest(model_name="m", raw_input_contents=[b"a"]).SerializeToString() + b"\x0a")
+@example(record(7, b"a") + record(1, b"m"))
+@example(record(7, b"a") + b"\x38\x01")
+@example(b"\x38\x01" + record(7, b"a"))
+@example(b"\x3a\x05ab")
+def test_raw_inputs_split_off_a_request_parse_as_the_whole_request(data: bytes) -> None:
+    # Split or not, the message is the same: the records before the split parse (or fail) as
+    # the whole message does, and the raw inputs are slices of the bytes, in order.
+    split = wire.raw_input_suffix(memoryview(data))
+    if split is None:
+        return
+    start, entries = split
+    assert entries
+    assert parsed_split(data, start, entries) == parsed_whole(data)
+
+
+def test_a_request_as_clients_write_it_has_its_raw_inputs_split_off() -> None:
+    request = ModelInferRequest(model_name="m", id="i")
+    request.inputs.add(name="x", datatype="FP32", shape=[2])
+    request.outputs.add(name="y")
+    request.raw_input_contents.extend([bytes(range(8)), b""])
+    data = request.SerializeToString()
+    split = wire.raw_input_suffix(memoryview(data))
+    assert split is not None
+    start, entries = split
+    assert [bytes(entry) for entry in entries] == [bytes(range(8)), b""]
+    assert data[start:] == record(7, bytes(range(8))) + record(7, b"")
+    # No raw inputs, or another field after one: parsed whole.
+    assert wire.raw_input_suffix(memoryview(data[:start])) is None
+    assert wire.raw_input_suffix(memoryview(data + record(1, b"n"))) is None

@@ -59,7 +59,7 @@ from trio_infer.protobuf.codec import (
     stream_response,
 )
 from trio_infer.protobuf.field_count import MODEL_INFER_REQUEST, FieldTree, count_fields
-from trio_infer.protobuf.wire import WireInferRequest
+from trio_infer.protobuf.wire import WireInferRequest, raw_input_suffix
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
 from trio_infer.transport.grpc_server import Call, Immediate
 from trio_infer.transport.quoting import header_text, shown
@@ -102,6 +102,10 @@ _BINARY_OUTPUT = "binary_data_output"
 #: The largest request message of a method that is not ModelInfer: names and versions, no
 #: tensors. A larger one is refused from its prefix, never read or parsed.
 _MAX_SMALL_MESSAGE = 64 * 1024
+#: From this size on, a ModelInfer request's raw inputs are split off its message before it is
+#: parsed (:func:`_parsed_infer`): walking its records costs less than the two copies of them
+#: the parse and the reading of each entry make.
+_SPLIT_MESSAGE = 16 * 1024
 #: Fields a ModelInferRequest may have outside its tensors' contents (counted before it is
 #: parsed: see :mod:`trio_infer.protobuf.field_count`): four full parameter maps and thousands
 #: of tensors.
@@ -126,6 +130,8 @@ class _Route:
     #: For a method answered from the server's state alone, without waiting (see
     #: :func:`_from_state`): that answer, which ``handler`` gives in a call's task.
     answer: Callable[[Any, Call], Message] | None = None
+    #: ModelInfer: its handler takes the request and its raw inputs (:func:`_parsed_infer`).
+    splits_raw: bool = False
 
     def __post_init__(self) -> None:
         if not self.message_name:
@@ -181,6 +187,7 @@ class GrpcService:
                 None,
                 MODEL_INFER_REQUEST,
                 pb.ModelInferRequest.DESCRIPTOR.full_name,
+                splits_raw=True,
             ),
             _HEALTH + "Check": _from_state(health_pb2.HealthCheckRequest, self._health_check),
         }
@@ -283,7 +290,7 @@ class GrpcService:
         """
         data = await call.receive_message()
         assert data is not None, "an announced message arrives or the call fails"
-        return _parsed(route, data)
+        return _parsed_infer(route, data) if route.splits_raw else _parsed(route, data)
 
     def _server_live(self, request: pb.ServerLiveRequest, call: Call) -> Message:
         return pb.ServerLiveResponse(live=self.core.server_live())
@@ -329,19 +336,20 @@ class GrpcService:
         return model_statistics_response(self.core.model_statistics(request.name, request.version))
 
     async def _model_infer(
-        self, request: Any, call: Call, reservation: Reservation
+        self, parsed: tuple[Any, Sequence[Buffer]], call: Call, reservation: Reservation
     ) -> list[Buffer]:
+        request, raw = parsed
         call.subject = request.model_name
         # Positional, here and for the request and state _decoded makes: a keyword call of a
         # dataclass's __init__ costs about twice a positional one, on every call.
         context = RequestContext(call.deadline, _model_headers(call), reservation)
         parameters = request.parameters
         if parameters:
-            answer = await self._infer_in_time(request, context)
+            answer = await self._infer_in_time(request, raw, context)
         else:
             # Most requests: no parameters, so no timeout of their own (the call's scope bounds
             # them), and no coroutine of _infer_in_time's.
-            answer = await self._infer(request, context, parameters)
+            answer = await self._infer(request, raw, context, parameters)
         if answer.headers:
             call.initial_metadata = tuple(answer.headers.items())
         if answer.trailers:
@@ -402,8 +410,9 @@ class GrpcService:
                 # Parsed here, in the order sent, so that a sequence's requests take their
                 # turns in that order (the tasks started next run in any order).
                 request: Any
+                raw: Sequence[Buffer] = ()
                 try:
-                    request = _parsed(infer_route, data)
+                    request, raw = _parsed_infer(infer_route, data)
                 except InferError as error:
                     request = error
                 except Exception:
@@ -416,6 +425,7 @@ class GrpcService:
                     call,
                     reservation,
                     request,
+                    raw,
                     headers,
                     turn,
                     sending,
@@ -432,6 +442,7 @@ class GrpcService:
         call: Call,
         reservation: Reservation,
         request: Any,
+        raw: Sequence[Buffer],
         headers: Mapping[str, str],
         turn: _Turn | None,
         sending: _StreamSender,
@@ -439,23 +450,26 @@ class GrpcService:
     ) -> None:
         """One message of a stream, from its admission (``reservation``, whose bytes are the
         task's to give back) to its answer. ``request`` is the parsed
-        request, or the InferError its parse failed with; ``headers``: the stream's metadata as
-        models see it; ``turn`` orders it among its sequence's."""
+        request, or the InferError its parse failed with, and ``raw`` its raw inputs (see
+        :func:`_parsed_infer`); ``headers``: the stream's metadata as models see it; ``turn``
+        orders it among its sequence's."""
         try:
             try:
                 if turn is None:
-                    answer = await self._stream_answer(call, request, headers, reservation, sending)
+                    answer = await self._stream_answer(
+                        call, request, raw, headers, reservation, sending
+                    )
                 else:
                     try:
                         answer = await self._turn_answer(
-                            call, request, headers, reservation, sending, turn
+                            call, request, raw, headers, reservation, sending, turn
                         )
                     finally:
                         turn.answered()
                 if answer is not None and not sending.claim(answer):
                     answer = _stream_error(_TRAILERS_FULL, request)
                     sending.claim(answer)
-                del request
+                del request, raw
                 if answer is not None:
                     # The stream's only message in flight has no other answer to leave with:
                     # written at once when its connection has no other call.
@@ -481,6 +495,7 @@ class GrpcService:
         self,
         call: Call,
         request: Any,
+        raw: Sequence[Buffer],
         headers: Mapping[str, str],
         reservation: Reservation,
         sending: _StreamSender,
@@ -494,12 +509,13 @@ class GrpcService:
             return _stream_error(error.message, request)
         if not await turn.wait(own):
             return _stream_error(TIMED_OUT, request)
-        return await self._stream_answer(call, request, headers, reservation, sending, own)
+        return await self._stream_answer(call, request, raw, headers, reservation, sending, own)
 
     async def _stream_answer(
         self,
         call: Call,
         request: Any,
+        raw: Sequence[Buffer],
         headers: Mapping[str, str],
         reservation: Reservation,
         sending: _StreamSender,
@@ -515,14 +531,14 @@ class GrpcService:
                 raise failure
             context = RequestContext(call.deadline, headers, reservation)  # positional: cheaper
             if self.core.decoupled(request.model_name, request.model_version):
-                await self._stream_each(call, request, context, sending, own)
+                await self._stream_each(call, request, raw, context, sending, own)
                 return None
             parameters = request.parameters
             if own is None and not parameters:
                 # No timeout of its own, as in _model_infer: no coroutine of _infer_in_time's.
-                answer = await self._infer(request, context, parameters)
+                answer = await self._infer(request, raw, context, parameters)
             else:
-                answer = await self._infer_in_time(request, context, own)
+                answer = await self._infer_in_time(request, raw, context, own)
             return _Answer(stream_response(answer.buffers), answer.headers, answer.trailers)
         except InferError as error:
             message = error.message
@@ -535,6 +551,7 @@ class GrpcService:
         self,
         call: Call,
         request: Any,
+        raw: Sequence[Buffer],
         context: RequestContext,
         sending: _StreamSender,
         own: float | None = None,
@@ -576,7 +593,7 @@ class GrpcService:
             held = answer
 
         with trio.move_on_at(own) as timed:
-            decoded, state = await self._decoded(request, context, parameters)
+            decoded, state = await self._decoded(request, raw, context, parameters)
             try:
                 await self.core.infer_each(decoded, context, respond)
             except InferError:
@@ -597,7 +614,11 @@ class GrpcService:
         raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
     async def _infer_in_time(
-        self, request: Any, context: RequestContext, own: float | None = None
+        self,
+        request: Any,
+        raw: Sequence[Buffer],
+        context: RequestContext,
+        own: float | None = None,
     ) -> _Answer:
         """:meth:`_infer`, ended with DEADLINE_EXCEEDED at the request's own ``timeout``
         (its call's deadline is the call's cancel scope); ``own``, that deadline when it was
@@ -609,25 +630,29 @@ class GrpcService:
             own = _own_deadline(parameters) if parameters else math.inf
         if own == math.inf:
             # No timeout of its own: its call's scope bounds it, and a scope costs microseconds.
-            return await self._infer(request, context, parameters)
+            return await self._infer(request, raw, context, parameters)
         context.deadline = min(context.deadline, own)
         with trio.move_on_at(own) as timed:
-            return await self._infer(request, context, parameters)
+            return await self._infer(request, raw, context, parameters)
         assert timed.cancelled_caught
         raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
 
     async def _infer(
-        self, request: Any, context: RequestContext, parameters: MutableMapping[str, Any]
+        self,
+        request: Any,
+        raw: Sequence[Buffer],
+        context: RequestContext,
+        parameters: MutableMapping[str, Any],
     ) -> _Answer:
         """Decode ``request`` (a WireInferRequest: a ModelInferRequest whose inputs' contents
-        are still serialised, see trio_infer.protobuf.wire; ``parameters``, its parameters
-        map), run it through the core and encode its answer (a serialised ModelInferResponse,
-        as buffers in order).
+        are still serialised, see trio_infer.protobuf.wire; ``raw``, its raw inputs, see
+        :func:`_parsed_infer`; ``parameters``, its parameters map), run it through the core
+        and encode its answer (a serialised ModelInferResponse, as buffers in order).
 
         The answer is encoded within the core's call: a refusal of it (its size over the memory
         budget, an output no datatype can carry) is then the status its statistics record.
         """
-        decoded, state = await self._decoded(request, context, parameters)
+        decoded, state = await self._decoded(request, raw, context, parameters)
         return await self.core.infer(
             decoded, context, functools.partial(self._answer, state, context)
         )
@@ -644,22 +669,31 @@ class GrpcService:
         return _Answer(encoded, answer.headers, answer.trailers)
 
     async def _decoded(
-        self, request: Any, context: RequestContext, parameters: MutableMapping[str, Any]
+        self,
+        request: Any,
+        raw: Sequence[Buffer],
+        context: RequestContext,
+        parameters: MutableMapping[str, Any],
     ) -> tuple[InferenceRequest, _Decoded]:
-        """The core's request from a WireInferRequest (``parameters``, its parameters map),
-        its decoded size reserved first."""
+        """The core's request from a WireInferRequest (``raw``, its raw inputs, see
+        :func:`_parsed_infer`; ``parameters``, its parameters map), its decoded size reserved
+        first."""
         reservation = context.reservation
-        raw = _take_flag(parameters, _BINARY_OUTPUT, default=True) if parameters else True
+        raw_output = _take_flag(parameters, _BINARY_OUTPUT, default=True) if parameters else True
         message_size = reservation.granted // RESERVED_PER_BYTE
-        known = decode_known_raw(request)
+        known = decode_known_raw(request, raw)
         if known is None:
+            if raw and not request.raw_input_contents:
+                # Split off its message: the stages read them from the request, as parsed whole.
+                request.raw_input_contents.extend([bytes(entry) for entry in raw])
             tensors, inputs, nbytes = await self._decode_staged(request, reservation, message_size)
         else:
             # Views of the message's buffers: nothing beyond the message to reserve.
             tensors, inputs = known
             nbytes = 0
-        # The arrays are views of their own copies of the raw buffers: the request's are not
-        # needed any more, and a large request would otherwise be held twice.
+        # The arrays are views of their own copies of the raw buffers, or of the message's
+        # (split off it): the request's entries are not needed any more, and a large request
+        # would otherwise be held twice.
         request.ClearField("raw_input_contents")
         values: dict[str, ParameterValue] = {}
         if parameters:  # most requests have none: no call for them
@@ -681,7 +715,7 @@ class GrpcService:
             values,
             input_parameters,
             [output.name for output in request.outputs[:]],  # outputs
-        ), _Decoded(raw, nbytes, message_size)
+        ), _Decoded(raw_output, nbytes, message_size)
 
     async def _decode_staged(
         self, request: Any, reservation: Reservation, message_size: int
@@ -1116,9 +1150,28 @@ def _check_length(call: Call, route: _Route, length: int) -> None:
         )
 
 
-def _parsed(route: _Route, data: bytes | bytearray) -> Any:
-    """``route``'s request message parsed from ``data``, its fields counted first when the
-    route says so.
+def _parsed_infer(route: _Route, data: bytes | bytearray) -> tuple[Any, Sequence[Buffer]]:
+    """A ModelInfer request parsed from ``data`` as :func:`_parsed` parses it, and its raw
+    inputs: the request's ``raw_input_contents``, or, for a large message whose raw inputs are
+    its last records (:func:`~trio_infer.protobuf.wire.raw_input_suffix`, as clients write
+    them), read-only slices of ``data`` and the request parsed from the records before them,
+    holding none: the arrays made of them view the message, not two copies of it.
+
+    Raises:
+        InvalidInput: ``data`` is not that message, or has too many fields.
+    """
+    if len(data) >= _SPLIT_MESSAGE:
+        split = raw_input_suffix(memoryview(data).toreadonly())
+        if split is not None:
+            start, raw = split
+            return _parsed(route, data, data[:start]), raw
+    request = _parsed(route, data)
+    return request, request.raw_input_contents
+
+
+def _parsed(route: _Route, data: bytes | bytearray, head: bytes | bytearray | None = None) -> Any:
+    """``route``'s request message parsed from ``data`` (from its first records ``head``,
+    when given), the fields of ``data`` counted first when the route says so.
 
     Raises:
         InvalidInput: ``data`` is not that message, or has too many fields.
@@ -1133,7 +1186,8 @@ def _parsed(route: _Route, data: bytes | bytearray) -> Any:
         )
     try:
         # The stubs say bytes; protobuf parses any bytes-like object.
-        return route.request_type.FromString(data)  # type: ignore[arg-type]
+        parsed = data if head is None else head
+        return route.request_type.FromString(parsed)  # type: ignore[arg-type]
     except DecodeError:
         # protobuf's message says no more than which type, under the view's name.
         raise InvalidInput(f"the request is not a valid {route.message_name}") from None

@@ -526,7 +526,9 @@ def decode_inputs(request: ModelInferRequest | WireInputs) -> dict[str, np.ndarr
     return _decode_tensors(request.inputs, request.raw_input_contents, contents, _REQUEST_IN)
 
 
-def decode_known_raw(request: Any) -> tuple[list[Any], dict[str, np.ndarray]] | None:
+def decode_known_raw(
+    request: Any, raw: Sequence[Buffer]
+) -> tuple[list[Any], dict[str, np.ndarray]] | None:
     """A raw request's inputs decoded in one pass, when each is of a numeric layout decoded
     before (:data:`_RAW_LAYOUTS`): the request's ``inputs`` (a list) and the arrays by name, as
     :func:`decode_inputs` gives them.
@@ -540,8 +542,10 @@ def decode_known_raw(request: Any) -> tuple[list[Any], dict[str, np.ndarray]] | 
 
     Args:
         request: A :data:`~trio_infer.protobuf.wire.WireInferRequest`.
+        raw: Its ``raw_input_contents``, or the entries
+            :func:`~trio_infer.protobuf.wire.raw_input_suffix` split off its message (then
+            the request holds none): the arrays view them.
     """
-    raw = request.raw_input_contents
     tensors: list[Any] = request.inputs[:]
     if not raw or len(raw) != len(tensors):
         return None

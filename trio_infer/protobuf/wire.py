@@ -42,6 +42,7 @@ __all__ = [
     "decode_varints",
     "encode_varint_parts",
     "encode_varints",
+    "raw_input_suffix",
     "split_records",
     "varint_encode_scratch",
     "varint_scratch",
@@ -163,6 +164,61 @@ def split_records(data: memoryview, limit: int) -> list[tuple[int, memoryview]]:
         records.append((number, data[position : position + length]))
         position += length
     return records
+
+
+#: ``ModelInferRequest.raw_input_contents``.
+_RAW_INPUT_CONTENTS = 7
+
+
+def raw_input_suffix(data: memoryview) -> tuple[int, list[memoryview]] | None:
+    """Where a serialised ModelInferRequest's ``raw_input_contents`` start, and their entries,
+    when they are its last records: ``(start, entries)``, the entries slices of ``data``.
+
+    Protobuf parses a message's records in order, appending each occurrence of a repeated
+    field: such a message is the fields before ``start``, parsed alone, with these entries
+    appended to ``raw_input_contents`` (the fields before ``start`` hold none of them: a record
+    of the field with another wire type is an unknown field). None, and the message is parsed
+    whole, which decides what it means or refuses it: when it has no such entry, a record of
+    another field follows one, or a record's key or length is not well-formed or runs past the
+    end. Only the records' keys and lengths are read; what the fields before ``start`` hold is
+    the parser's to check.
+    """
+    position = 0
+    size = len(data)
+    start = -1
+    entries: list[memoryview] = []
+    try:
+        while position < size:
+            record = position
+            key, position = _read_varint(data, position)
+            kind = key & 7
+            if key >> 3 == _RAW_INPUT_CONTENTS and kind == _DELIMITED:
+                length, position = _read_varint(data, position)
+                if length > size - position:
+                    return None
+                if start < 0:
+                    start = record
+                entries.append(data[position : position + length])
+                position += length
+                continue
+            if start >= 0:
+                return None
+            if kind == _VARINT:
+                _, position = _read_varint(data, position)
+            elif kind == _DELIMITED:
+                length, position = _read_varint(data, position)
+                position += length
+            elif kind == _FIXED64:
+                position += 8
+            elif kind == _FIXED32:
+                position += 4
+            else:
+                return None
+    except Irregular:
+        return None
+    if start < 0:
+        return None
+    return start, entries
 
 
 class VarintError(ValueError):
