@@ -3,6 +3,8 @@ packs by hand must leave both ends in the state h2 would have left them in."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import urllib.parse
 
 import h2.config
@@ -15,6 +17,8 @@ import h2.stream
 import hpack
 import pytest
 from h2.stream import StreamClosedBy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.support import GRPC_REQUEST, client_and_server
 from trio_infer.errors import StatusCode
@@ -967,3 +971,73 @@ def test_a_message_in_the_read_of_a_header_block_h2_dispatches_is_received(form:
     kinds = [type(event).__name__ for event in events]
     assert kinds == ["RequestReceived", "MessageAnnounced", "MessageReceived", "RequestEnded"]
     assert events[2] == MessageReceived(1, b"hi")
+
+
+def _message_events(data: bytes, cuts: list[int], limits: ProtocolLimits) -> list[object]:
+    """The events of a stream's request bytes ``data`` sent in DATA frames cut at ``cuts``:
+    each as its kind, stream and what it carries (a message as its bytes)."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    server = ServerProtocol(limits)
+    server.initiate_connection()
+    _exchange(client, server)
+    client.send_headers(1, GRPC_REQUEST)
+    events = server.receive_data(client.data_to_send())
+    for start, end in itertools.pairwise([0, *cuts, len(data)]):
+        events += server.receive_data(_frame(0x0, 0, 1, data[start:end]))
+    seen: list[object] = []
+    for event in events:
+        if isinstance(event, MessageReceived):
+            if isinstance(event.data, memoryview):
+                # A view of the frame's bytes, which nobody can change under the message.
+                assert event.data.readonly
+            seen.append(("message", event.stream_id, bytes(event.data)))
+        elif dataclasses.is_dataclass(event):  # this module's events compare by value
+            seen.append(event)
+        else:  # h2's and purerpc's do not
+            seen.append((type(event).__name__, getattr(event, "stream_id", None)))
+    return seen
+
+
+_VIEWED = grpc_protocol._VIEWED_MESSAGE
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(_VIEWED - 8, _VIEWED + 2) | st.integers(0, 4 * _VIEWED),
+    st.booleans(),
+    st.integers(-2, 2),
+    st.binary(max_size=7),
+    st.data(),
+)
+def test_a_message_in_one_frame_gives_the_events_it_gives_in_two(
+    length: int, compressed: bool, announced_off: int, tail: bytes, data: st.DataObject
+) -> None:
+    # A whole message in one DATA frame is a view of it: the same events, and the same bytes,
+    # as the message arriving in two frames gives (through the stream's buffer), whatever its
+    # prefix says (compressed, longer or shorter than what follows, over the size limit) and
+    # whatever follows it.
+    limits = ProtocolLimits(max_message_size=data.draw(st.sampled_from([length, length + 1])))
+    if length + announced_off < 0:
+        announced_off = 0
+    prefix = bytes([compressed]) + (length + announced_off).to_bytes(4, "big")
+    body = bytes([octet % 251 for octet in range(length)]) + tail
+    request = prefix + body
+    cut = data.draw(st.integers(1, max(1, len(request) - 1)))
+    assert _message_events(request, [], limits) == _message_events(request, [cut], limits)
+
+
+def test_a_large_message_in_one_frame_is_a_read_only_view_of_it() -> None:
+    client, server = _connected()
+    client.send_headers(1, GRPC_REQUEST)
+    server.receive_data(client.data_to_send())
+    message = bytes(range(256)) * (_VIEWED // 256)
+    events = server.receive_data(
+        _frame(0x0, 0, 1, b"\x00" + len(message).to_bytes(4, "big") + message)
+    )
+    assert events[0] == MessageAnnounced(1, len(message))
+    received = events[1]
+    assert isinstance(received, MessageReceived)
+    assert isinstance(received.data, memoryview)
+    assert received.data.readonly
+    assert received.data == message

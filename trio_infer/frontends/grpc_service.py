@@ -1150,7 +1150,7 @@ def _check_length(call: Call, route: _Route, length: int) -> None:
         )
 
 
-def _parsed_infer(route: _Route, data: bytes | bytearray) -> tuple[Any, Sequence[Buffer]]:
+def _parsed_infer(route: _Route, data: Buffer) -> tuple[Any, Sequence[Buffer]]:
     """A ModelInfer request parsed from ``data`` as :func:`_parsed` parses it, and its raw
     inputs: the request's ``raw_input_contents``, or, for a large message whose raw inputs are
     its last records (:func:`~trio_infer.protobuf.wire.raw_input_suffix`, as clients write
@@ -1169,7 +1169,7 @@ def _parsed_infer(route: _Route, data: bytes | bytearray) -> tuple[Any, Sequence
     return request, request.raw_input_contents
 
 
-def _parsed(route: _Route, data: bytes | bytearray, head: bytes | bytearray | None = None) -> Any:
+def _parsed(route: _Route, data: Buffer, head: Buffer | None = None) -> Any:
     """``route``'s request message parsed from ``data`` (from its first records ``head``,
     when given), the fields of ``data`` counted first when the route says so.
 

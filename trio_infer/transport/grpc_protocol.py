@@ -121,6 +121,10 @@ _STREAM_WINDOW = 128 * 1024
 #: When less unadmitted room than this is left, admitting a message tops the window back up.
 _STREAM_WINDOW_LOW = 16 * 1024
 _MESSAGE_PREFIX = struct.Struct(">?I")
+#: From this length on, a message that comes whole in one DATA frame is a view of the frame's
+#: bytes, not a copy of them; a smaller one is copied, which a parser reads without a copy of
+#: its own (it copies a view first).
+_VIEWED_MESSAGE = 16 * 1024
 #: An HTTP/2 frame header (RFC 9113 §4.1), as hyperframe packs it: length (24 bits, high and
 #: low part), type, flags, stream id.
 _FRAME_HEADER = struct.Struct(">HBBBL")
@@ -506,7 +510,8 @@ class MessageReceived:
     """A whole request message arrived on a stream."""
 
     stream_id: int
-    data: bytes | bytearray
+    #: A read-only view of the DATA frame's bytes for a large message that came in one.
+    data: bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -1368,6 +1373,19 @@ class _InboundStream:
     def feed(self, data: bytes) -> list[Event]:
         if self.refused:
             return []  # the rest of a refused message, in flight before the call's answer
+        if self.length is None and not self.buffer and len(data) >= _VIEWED_MESSAGE:
+            compressed, length = _MESSAGE_PREFIX.unpack_from(data)
+            if (
+                not compressed
+                and length == len(data) - _MESSAGE_PREFIX.size
+                and length <= self.max_message_size
+            ):
+                # Its prefix and all of it, as a unary call sends a large message: the events
+                # the buffer would give, the message a view of the frame's bytes.
+                return [
+                    MessageAnnounced(self.stream_id, length),
+                    MessageReceived(self.stream_id, memoryview(data)[_MESSAGE_PREFIX.size :]),
+                ]
         self.buffer += data
         events: list[Event] = []
         while True:

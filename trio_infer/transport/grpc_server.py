@@ -126,7 +126,7 @@ _READ_SIZE = 256 * 1024
 _GOODBYE_TIME = 0.2
 #: The most one TLS write encrypts and sends, so the send timeout measures a client's progress.
 _TLS_WRITE_SIZE = 256 * 1024
-_Inbound = int | bytes | bytearray | InferError
+_Inbound = int | Buffer | InferError
 #: Numbers the process's connections, never reusing a number.
 _connection_ids = itertools.count()
 _MESSAGE_PREFIX = struct.Struct(">?I")
@@ -204,7 +204,11 @@ class _InboundQueue:
         """The length of the one message queued, when the client sent exactly one, whole, and
         then ended its request (the queue is closed); None otherwise. Nothing is taken."""
         items = self._items
-        if self._closed and len(items) == 2 and isinstance(items[1], bytes | bytearray):
+        if (
+            self._closed
+            and len(items) == 2
+            and isinstance(items[1], bytes | bytearray | memoryview)
+        ):
             length = items[0]
             assert isinstance(length, int), "a message is always announced first"
             return length
@@ -321,7 +325,7 @@ class Call:
             self._announced = item
         return self._announced
 
-    async def receive_message(self) -> bytes | bytearray | None:
+    async def receive_message(self) -> Buffer | None:
         """Admit the next request message and wait for all of it; ``None`` once the client
         has sent its last one.
 
@@ -338,7 +342,7 @@ class Call:
             self._connection.flush()
         try:
             # A unary request usually came whole with its prefix: no scope to enter then.
-            item: int | bytes | bytearray | InferError | None = self._inbound.get_nowait()
+            item: _Inbound | None = self._inbound.get_nowait()
         except (trio.WouldBlock, trio.EndOfChannel):
             limit = self._connection.protocol.limits.receive_timeout
             item = None
@@ -358,19 +362,23 @@ class Call:
             raise InferError(
                 "the client ended the call in the middle of a message", StatusCode.INVALID_ARGUMENT
             )
-        assert isinstance(item, bytes | bytearray), "an announced message is followed by it"
+        assert isinstance(item, bytes | bytearray | memoryview), (
+            "an announced message is followed by it"
+        )
         self._announced = None
         self.bytes_in += length
         return item
 
-    def receive_message_nowait(self) -> bytes | bytearray:
+    def receive_message_nowait(self) -> Buffer:
         """Take the request message an :data:`Immediate` handler answers, without waiting: it
         has arrived whole (and is counted in :attr:`bytes_in`, as :meth:`receive_message`
         counts it)."""
         length = self._announced
         assert length is not None, "an immediate call's message is announced before it runs"
         item = self._inbound.get_nowait()
-        assert isinstance(item, bytes | bytearray), "an immediate call's message is all there"
+        assert isinstance(item, bytes | bytearray | memoryview), (
+            "an immediate call's message is all there"
+        )
         self._announced = None
         self.bytes_in += length
         return item
@@ -394,7 +402,7 @@ class Call:
         self._announced = item
         return True
 
-    async def _next_item(self) -> int | bytes | bytearray | None:
+    async def _next_item(self) -> int | Buffer | None:
         # A unary call's request usually arrives whole in the read that starts the call: taken
         # at once, it costs no pass of the scheduler (a checkpoint is one). A call cancelled
         # before it ran must still stop here, before the handler admits or queues it.
