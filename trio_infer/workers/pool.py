@@ -89,7 +89,7 @@ import socket
 import struct
 import tempfile
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -1545,10 +1545,10 @@ class _Lane:
         """Read the worker's reports until the connection ends, then end the talk."""
         try:
             staging = wire.Staging()
-            # Each report that is not taken whole gets its own reader at its start, before
-            # this one (of nothing) is stepped.
-            parse = wire.reader()
-            view = memoryview(b"")
+            # Each report that is not taken whole gets its own reader, and the first part it
+            # wants, at its start: both are set before they are read.
+            parse: Generator[memoryview, None, object]
+            view: memoryview
             reporting = False  # part of a report is read: the call it reports on has ended
             drained = False  # the last fill took all the socket held (Staging.drained)
             report: Any  # (done, skipped, item), as wire's module docstring says
