@@ -10,6 +10,7 @@ buffer is checked against its bound (``_check_bounds``), per stream and per conn
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import hpack
@@ -131,6 +132,68 @@ def test_random_frames_give_documented_events_or_a_protocol_violation(
         assert all(isinstance(event, EVENTS) for event in events), events
         assert len(protocol.h2_connection.incoming_buffer.data) <= 9 + MAX_FRAME
         protocol.data_to_send()
+
+
+def _events_of(protocol: ServerProtocol, chunks: list[bytes]) -> list[object]:
+    """The events ``chunks`` give, read in turn (each read's frames all handled), as values:
+    this module's events as they are (a message's data as bytes), h2's and purerpc's as their
+    kind and stream; a ProtocolViolation ends them, as its type."""
+    seen: list[object] = []
+    try:
+        for chunk in chunks:
+            events = protocol.receive_data(chunk)
+            while protocol.input_pending:
+                events += protocol.receive_data(b"")
+            for event in events:
+                if isinstance(event, MessageReceived):
+                    seen.append(("message", event.stream_id, bytes(event.data)))
+                elif dataclasses.is_dataclass(event):  # this module's events compare by value
+                    seen.append(event)
+                else:
+                    seen.append((type(event).__name__, getattr(event, "stream_id", None)))
+    except ProtocolViolation:
+        seen.append(ProtocolViolation)
+    return seen
+
+
+large_messages = st.builds(
+    lambda stream, length, end: frame(
+        0x0, 0x1 if end else 0, stream, b"\x00" + length.to_bytes(4, "big") + bytes(length)
+    ),
+    st.sampled_from([1, 3]),
+    st.sampled_from([0, 100, 16 * 1024 - 5, 16 * 1024, 64 * 1024, 100_000]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(frames | large_messages, max_size=12),
+    st.lists(st.integers(1, 70_000), min_size=1, max_size=6),
+)
+def test_frames_read_in_any_pieces_give_the_events_they_give_read_whole(
+    sequence: list[bytes], sizes: list[int]
+) -> None:
+    # A read ends anywhere: in the preface, a frame's header, its body. What the frames give
+    # does not depend on where (a violation ends the connection either way, with the events of
+    # the reads before it, which whole are none).
+    opening = frame(0x1, 0x4, 1, REQUEST_BLOCK) + frame(0x1, 0x4, 3, REQUEST_BLOCK)
+    wire = PREFACE + frame(0x4, 0x0, 0, b"") + opening + b"".join(sequence)
+    chunks, position, index = [], 0, 0
+    while position < len(wire):
+        size = sizes[index % len(sizes)]
+        chunks.append(wire[position : position + size])
+        position, index = position + size, index + 1
+    outcomes = []
+    for pieces in ([wire], chunks):
+        protocol = ServerProtocol(ProtocolLimits(max_message_size=1024 * 1024))
+        protocol.initiate_connection()
+        outcomes.append(_events_of(protocol, pieces))
+    whole, in_pieces = outcomes
+    if whole == [ProtocolViolation]:
+        assert in_pieces[-1] is ProtocolViolation
+    else:
+        assert in_pieces == whole
 
 
 # -- Every buffer bounded, after every read: a client driven by random actions ----------------

@@ -708,10 +708,6 @@ _ordered_setitem = collections.OrderedDict.__setitem__
 #: The bound of h2's ``_closed_streams`` (the SizeLimitDict its connection makes with it).
 _MAX_CLOSED_STREAMS = h2.connection.H2Connection.MAX_CLOSED_STREAMS
 
-#: Below this, a frame's body is copied out of the read buffer by slicing (two copies, but a
-#: fifth of the time for a small frame); from it, through a memoryview (one copy).
-_SLICE_COPY_BYTES = 4096
-
 
 class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
     """h2's inbound frame buffer, without its quadratic copying, and with the frames every call
@@ -719,8 +715,9 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
 
     h2 keeps unread bytes in ``bytes`` and re-slices all of them after every frame, so one read
     holding many frames (a 256 KiB read of 64 KiB requests holds about twenty) copied the read
-    about ten times over. Here they are a ``bytearray`` consumed from the front, which CPython
-    does without moving the rest; each frame's body is still copied once, by its parser.
+    about ten times over. Here the bytes are read from a position that moves past each frame:
+    a read is kept as it came, and only the start of a frame that it did not end is copied,
+    with the next read, into one ``bytes``. Each frame's body is copied once, by its parser.
 
     A gRPC client sends HEADERS, DATA and often a WINDOW_UPDATE with every call. hyperframe's
     objects for them (a frame, its flags, their parsers) were a large part of the time it took
@@ -732,9 +729,26 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
 
     def __init__(self, server: bool) -> None:
         super().__init__(server=server)
-        self.data = bytearray()
+        #: The bytes of the last read (after the start of a frame the read before did not end);
+        #: those before ``_at`` are taken. Once every whole frame is taken, only the start of
+        #: the next is kept: a connection holds no more of its reads than one frame.
+        self.data = b""
+        self._at = 0
         self.max_header_block = _MAX_HEADER_LIST_SIZE
         """The most encoded bytes one header block may have (HEADERS and its CONTINUATIONs)."""
+
+    def add_data(self, data: bytes | bytearray) -> None:
+        """Add a read's bytes after those not taken yet."""
+        if self._preamble_len:
+            # The connection's first bytes: h2 checks (and drops) its preface.
+            self.data, self._at = self.data[self._at :], 0
+            super().add_data(bytes(data))
+        elif self._at == len(self.data):
+            self.data, self._at = bytes(data), 0  # a read's bytes object is kept, not copied
+        elif data:
+            with memoryview(self.data) as held:
+                self.data = b"".join((held[self._at :], data))
+            self._at = 0
 
     def next(self) -> Any:
         frame = self.take()
@@ -746,8 +760,9 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
         """The next whole frame, or None until more data is added (h2's ``next`` without
         the exception it raises at the end of every read)."""
         data = self.data
-        while len(data) >= 9:
-            high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(data)
+        at = self._at
+        while len(data) - at >= 9:
+            high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(data, at)
             length = (high << 8) | low
             stream_id &= _STREAM_ID_MASK
             # Both limits are enforced from a frame's 9-byte header, before its body is
@@ -766,12 +781,12 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
                     record.flow_controlled_length = length
             elif kind == _WINDOW_UPDATE:
                 if length == 4 and not self._headers_buffer:
-                    if len(data) < 13:
-                        return None
+                    if len(data) - at < 13:
+                        break
                     update: _WindowUpdateRecord = _new_object(_WindowUpdateRecord)
                     update.stream_id = stream_id
-                    update.window_increment = _UINT32.unpack_from(data, 9)[0]
-                    del data[:13]
+                    update.window_increment = _UINT32.unpack_from(data, at + 9)[0]
+                    self._at = at + 13
                     return update
             elif kind in (_HEADERS, _CONTINUATION):
                 buffered = self._headers_buffer
@@ -785,34 +800,32 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
                 ):
                     record = _new_object(_HeadersRecord)
                     record.flags = _FLAG_NAMES[flags & (_END_STREAM | _END_HEADERS)]
+            end = at + 9 + length
             if record is not None:  # a DATA or HEADERS record, once its body is in
-                end = 9 + length
                 if len(data) < end:
-                    return None
+                    break
                 record.stream_id = stream_id
-                if length < _SLICE_COPY_BYTES:
-                    record.data = bytes(data[9:end])
-                else:
-                    with memoryview(data) as view, view[9:end] as body:
-                        record.data = bytes(body)
-                del data[:end]
+                record.data = data[at + 9 : end]  # its own bytes
+                self._at = end
                 return record
             try:
-                frame, length = self._parse_frame_header(data)
+                frame, length = self._parse_frame_header(data[at : at + 9])
             except InvalidFrameError as exc:
                 raise h2.exceptions.ProtocolError(f"invalid frame header: {exc}") from exc
-            if len(data) < length + 9:
+            if len(data) < end:
                 break
             if frame is not None:  # None: a frame type h2 does not know, skipped
                 try:
-                    with memoryview(data) as view, view[9 : 9 + length] as body:
+                    with memoryview(data) as view, view[at + 9 : end] as body:
                         frame.parse_body(body)
                 except InvalidFrameError as exc:
                     raise FrameDataMissingError("Frame data missing or invalid") from exc
-            del data[: 9 + length]
+            at = self._at = end
             frame = self._update_header_buffer(frame)
             if frame is not None:  # None: part of a header block still being assembled
                 return frame
+        if at:
+            self.data, self._at = data[at:], 0
         return None
 
     def _check_header_block(self, length: int) -> None:
