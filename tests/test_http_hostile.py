@@ -964,20 +964,31 @@ async def test_a_large_body_sent_after_100_continue_is_read_whole(server: Runnin
     assert reserved(server) == 0
 
 
+def echo_requests(server: RunningServer) -> int:
+    """The requests the echo model's core has ended, whatever their status."""
+    (statistics,) = server.core.model_statistics("echo")
+    return sum(statistics.requests.values())
+
+
 @pytest.mark.parametrize("ending", ["end", "reset of a second request"])
+@pytest.mark.parametrize("size", [4_096, len(LARGE), 262_000])
 async def test_a_client_that_ends_in_the_middle_of_a_large_body_is_gone_and_holds_nothing(
-    server: RunningServer, ending: str
+    server: RunningServer, ending: str, size: int
 ) -> None:
+    # Bodies just past the smaller straight bound, past the read size, and just under the
+    # larger bound: what is left unread of a body never reaches the model.
     bystander = Bystander(server)
-    request = binary_echo(LARGE)
+    x = np.random.default_rng(size).standard_normal(size).astype(np.float32)
+    request = binary_echo(x)
     async with await Raw.open(server.http_port) as raw:
         if ending != "end":
             # A first request read whole: its socket is watched for its end from then on.
             await raw.send(request)
             with trio.fail_after(10):
-                np.testing.assert_array_equal(echoed(await raw.final()), LARGE)
+                np.testing.assert_array_equal(echoed(await raw.final()), x)
+        before = echo_requests(server)
         await raw.send(request[: len(request) // 2])
-        await eventually(lambda: reserved(server) >= len(LARGE.tobytes()))
+        await eventually(lambda: reserved(server) >= x.nbytes)
         if ending == "end":
             await raw.stream.send_eof()
             # Gone: nothing is answered, and the connection ends.
@@ -990,6 +1001,7 @@ async def test_a_client_that_ends_in_the_middle_of_a_large_body_is_gone_and_hold
     await eventually(lambda: reserved(server) == 0)
     await eventually(lambda: connections(server) == 0)
     await bystander.call()
+    assert echo_requests(server) == before
 
 
 @pytest.mark.parametrize("length", [16_383, 16_384, 16_385, MiB - 1, MiB, MiB + 1])

@@ -410,7 +410,7 @@ class HttpService:
         return headers, buffers
 
     async def _decoded(
-        self, body: bytearray, header_length: int | None, reservation: Reservation
+        self, body: bytearray | memoryview, header_length: int | None, reservation: Reservation
     ) -> tuple[codec.ParsedInferRequest, dict[str, np.ndarray]]:
         """The request ``body`` parsed, and its inputs decoded; what parsing and decoding
         allocate reserved first.
@@ -566,7 +566,8 @@ async def _small_json(request: HttpRequest) -> dict[str, Any]:
     """
     if request.content_length is not None and request.content_length > _MAX_SMALL_BODY:
         raise HttpError(413, f"this request's body may be at most {_MAX_SMALL_BODY} bytes")
-    body = await request.receive_body(limit=_MAX_SMALL_BODY)
+    # As bytes: a large body comes as a memoryview, which the JSON parser does not take.
+    body = bytes(await request.receive_body(limit=_MAX_SMALL_BODY))
     if not body.strip():
         return {}
     return json_object(body, "the request body")

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import httptools
+import numpy
 import trio
 
 from trio_infer.buffers import MAX_BUFFERS, Buffer, first_bytes, unsent
@@ -142,10 +143,6 @@ _DECODE_SLICE = 256 * 1024
 #: has sent it (a larger body is gathered as it arrives).
 _STRAIGHT_BODY = 16 * 1024
 _STRAIGHT_MAX = 1024 * 1024
-#: Zeros that a body received straight starts as where it has not arrived: joined with what
-#: has, one copy makes its buffer (a ``bytearray(n)`` is zeroed, then written again).
-_ZEROS = bytes(_READ_SIZE)
-_ZEROS_VIEW = memoryview(_ZEROS)
 
 
 @dataclass(frozen=True)
@@ -721,7 +718,7 @@ class HttpRequest:
         on_data: Callable[[int], None] | None = None,
         limit: int | None = None,
         aligned_at: int = 0,
-    ) -> bytearray:
+    ) -> bytearray | memoryview:
         """Read the whole request body and return it (once per request; not for ``GET`` and
         ``HEAD``, whose handlers read none).
 
@@ -740,6 +737,8 @@ class HttpRequest:
         Returns:
             The body, decoded when it was sent gzip or deflate (Content-Encoding): decoded
             once it has arrived whole, the limit bounding what is sent and what it decodes to.
+            A bytearray, or a writable memoryview of bytes (format ``B``) when it was read from
+            the socket straight into its place (a large body of announced size, sent as is).
 
         Raises:
             HttpError: A body of unannounced size grew over the limit (413), the body did not
@@ -769,7 +768,7 @@ class HttpRequest:
         ):
             if length > limit:
                 raise _too_large(limit)
-            body = await connection.receive_straight(self, pad)
+            received: bytearray | memoryview = await connection.receive_straight(self, pad)
         else:
             body = bytearray(pad)
             body = self._take_body(body, pad, on_data, decoder, limit)
@@ -794,12 +793,13 @@ class HttpRequest:
                     )
             if decoder is not None:
                 await _decode(decoder, body, on_data)
-        del body[:pad]
-        self.bytes_in = len(body)
+            del body[:pad]
+            received = body
+        self.bytes_in = len(received)
         # From now on the client has nothing more to send for this request: its socket
         # becoming readable means it closed it (or pipelines, which is served in turn).
         connection.watch(self)
-        return body
+        return received
 
     def _take_body(
         self,
@@ -1254,11 +1254,12 @@ class HttpConnection:
         (a chunked body before it can have had the parser read ahead into it)."""
         return self._fd >= 0 and self._broken is None and not message.body_size
 
-    async def receive_straight(self, request: HttpRequest, pad: int) -> bytearray:
-        """Receive ``request``'s body, of known length, whole: after ``pad`` bytes of padding,
-        what is buffered of it copied once, the rest read from the socket into its place, and
-        never more than the body (what follows it stays buffered, or in the socket). The parser
-        sees none of it and starts anew after it, the body's end being known from its length.
+    async def receive_straight(self, request: HttpRequest, pad: int) -> memoryview:
+        """Receive ``request``'s body, of known length, whole: a writable view of bytes
+        starting ``pad`` bytes into a block the allocator aligns to 16, what is buffered of it
+        copied once, the rest read from the socket into its place, and never more than the body
+        (what follows it stays buffered, or in the socket). The parser sees none of it and
+        starts anew after it, the body's end being known from its length.
 
         Raises:
             HttpError: The body did not arrive within ``receive_timeout`` (408).
@@ -1268,19 +1269,15 @@ class HttpConnection:
         assert length is not None, "a body of known length"
         buffer = self._buffer
         held = min(len(buffer), length)
-        missing = length - held
+        # Memory not zeroed first: each of its bytes is written below (what is buffered copied,
+        # the rest read) before the body is returned, and a body not read whole is never
+        # returned (the request is cancelled or answered 408).
+        body = numpy.empty(pad + length, numpy.uint8).data[pad:]
         with memoryview(buffer) as view, view[:held] as part:
-            body = bytearray().join(
-                [
-                    _ZEROS_VIEW[:pad],
-                    part,
-                    *[_ZEROS] * (missing // _READ_SIZE),
-                    _ZEROS_VIEW[: missing % _READ_SIZE],
-                ]
-            )
+            body[:held] = part
         del buffer[:held]
-        done = pad + held
-        end = pad + length
+        done = held
+        end = length
         if done < end:
             # Tried before the timeout's scope is entered: the rest has often arrived already.
             done += await self._read_into(request, body, done, end)
@@ -1297,13 +1294,13 @@ class HttpConnection:
         self._parse.restart()
         return body
 
-    async def _read_into(self, request: HttpRequest, body: bytearray, start: int, end: int) -> int:
+    async def _read_into(self, request: HttpRequest, body: memoryview, start: int, end: int) -> int:
         """Read what the socket has of ``body[start:end]`` into its place, without waiting:
         the bytes read (0 when none had arrived). At the end of the client's input (or a
         broken socket) in the middle of the body, the client is gone: the request is cancelled.
         """
         try:
-            with memoryview(body) as view, view[start:end] as place:
+            with body[start:end] as place:
                 got = os.readv(self._fd, [place])
         except BlockingIOError:
             return 0
