@@ -505,17 +505,19 @@ def _check_bounds(
     handler: _Handler,
     wire: _Wire,
     consumed: dict[int, int],
+    padding: dict[int, int],
     limits: ProtocolLimits,
 ) -> None:
     h2_connection = protocol.h2_connection
     # (1) Per stream: what the stream's buffer holds, with what has left it (messages and their
     # prefixes), is no more than the client may send on it: the window the server granted on
     # the wire, which is the call's `allowed`; and that is never more than one stream window
-    # beyond what the call admitted. The buffer holds no more than the message being received
-    # (or a prefix being received).
+    # beyond what the call admitted and the padding it received (admitted as it comes: a
+    # stream still held was neither refused nor reset, so it admitted all its padding). The
+    # buffer holds no more than the message being received (or a prefix being received).
     for stream_id, inbound in protocol._inbound.items():
         granted = wire.granted.get(stream_id, STREAM_WINDOW)
-        admitted = handler.admitted.get(stream_id, 0)
+        admitted = handler.admitted.get(stream_id, 0) + padding.get(stream_id, 0)
         assert inbound.allowed == granted, (stream_id, inbound.allowed, granted)
         assert inbound.admitted == admitted, (stream_id, inbound.admitted, admitted)
         assert len(inbound.buffer) + consumed.get(stream_id, 0) <= granted, stream_id
@@ -644,11 +646,22 @@ def _drive(
     #: Bytes that have left each stream's buffer: messages, and prefixes.
     consumed: dict[int, int] = {}
     received = queued = 0
-    # Where each frame the client sent ends (the preface is not one).
-    ends, end = [], len(PREFACE)
+    # Where each frame the client sent ends (the preface is not one), and the stream and the
+    # padding (its length's byte included) of each: a DATA frame's, when it has any.
+    ends, paddings, end = [], [], len(PREFACE)
     while end + 9 <= len(sent):
-        end += 9 + int.from_bytes(sent[end : end + 3], "big")
+        length, kind, flags = (
+            int.from_bytes(sent[end : end + 3], "big"),
+            sent[end + 3],
+            sent[end + 4],
+        )
+        padded = kind == 0x0 and flags & 0x8 and length and end + 9 < len(sent)
+        stream = int.from_bytes(sent[end + 5 : end + 9], "big") & 0x7FFFFFFF
+        paddings.append((stream, 1 + sent[end + 9] if padded else 0))
+        end += 9 + length
         ends.append(end)
+    #: Bytes of padding each stream received, which the protocol admits as they come.
+    padding: dict[int, int] = {}
     position, index = 0, 0
     while position < len(sent):
         # Reads of varying sizes (a frame may arrive in pieces), and the rest in one once many
@@ -656,10 +669,19 @@ def _drive(
         size = cuts[index % len(cuts)] if index < 400 else len(sent)
         chunk, position, index = sent[position : position + size], position + size, index + 1
         received += len(chunk)
-        completed = sum(received - len(chunk) < end <= received for end in ends)
+        done = [i for i, end in enumerate(ends) if received - len(chunk) < end <= received]
+        completed = len(done)
+        padded_frames = 0
+        for stream, pad in (paddings[i] for i in done):
+            if pad:
+                padding[stream] = padding.get(stream, 0) + pad
+                padded_frames += 1
         frames_before, grants_before = wire.frames, handler.grants
         try:
+            # The read's frames all handled (the padding counted is of all of them).
             events = protocol.receive_data(chunk)
+            while protocol.input_pending:
+                events += protocol.receive_data(b"")
         except ProtocolViolation:
             events = None
         if events is not None:
@@ -676,11 +698,11 @@ def _drive(
             queued += wire.feed(protocol.data_to_send())
         # (4) What the protocol queues of its own accord is proportional to what it read: at
         # most one frame (an ACK, a reset, a window update) for each frame the read completed,
-        # one for each message admitted whose window had to grow, and a GOAWAY at the end
-        # (which may carry debug data: "too_many_pings"); none longer than a PING's ACK (17
-        # bytes) before that.
+        # one for each message admitted, or padded frame read, whose window had to grow, and a
+        # GOAWAY at the end (which may carry debug data: "too_many_pings"); none longer than a
+        # PING's ACK (17 bytes) before that.
         replies = wire.frames - frames_before
-        granted = handler.grants - grants_before
+        granted = handler.grants - grants_before + padded_frames
         assert replies <= completed + granted + (events is None), (replies, completed, granted)
         assert wire.largest <= 17 or events is None, wire.largest
         assert queued <= SENT_PER_BYTE_RECEIVED * received + QUEUED_SLACK, (queued, received)
@@ -692,7 +714,7 @@ def _drive(
             wire.frames, wire.largest = frames_before + replies, largest
         if events is None:
             return  # the connection ends; a GOAWAY is queued
-        _check_bounds(protocol, handler, wire, consumed, limits)
+        _check_bounds(protocol, handler, wire, consumed, padding, limits)
 
 
 def test_a_header_with_an_empty_name_fails_only_its_stream() -> None:

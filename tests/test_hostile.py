@@ -301,6 +301,56 @@ async def test_a_stream_window_update_of_zero_resets_only_that_stream(
     await Bystander(server.port).call()
 
 
+def padded_call(port: int, body: bytes, pad: int, timeout: float = 10.0) -> dict[str, str]:
+    """Send ``body`` on one call, a byte a DATA frame, each frame padded with ``pad`` bytes, as
+    the stream's window lets h2 send them; return the call's response headers and trailers
+    (with ``"timeout"`` if the window stayed shut and no answer came)."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, REQUEST_HEADERS)
+    out: dict[str, str] = {}
+    sent = 0
+    ended = False
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(timeout)
+        while True:
+            while sent < len(body) and client.local_flow_control_window(1) >= 1 + pad + 1:
+                client.send_data(1, body[sent : sent + 1], pad_length=pad)
+                sent += 1
+            if sent == len(body) and not ended:
+                client.end_stream(1)
+                ended = True
+            sock.sendall(client.data_to_send())
+            try:
+                received = sock.recv(65536)
+            except TimeoutError:
+                out["timeout"] = f"{sent} of {len(body)} bytes sent"
+                return out
+            if not received:
+                return out
+            for event in client.receive_data(received):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    out.update((name.decode(), value.decode()) for name, value in event.headers)
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    return out
+
+
+async def test_padded_data_frames_leave_the_stream_window_to_the_message(
+    server: RunningServer,
+) -> None:
+    # RFC 9113 §6.9.1: a DATA frame's padding counts against the windows. It holds nothing the
+    # call admits, so the server returns it as it comes: else a client that pads (here 255
+    # bytes a frame, some 160 KiB in all, more than a stream's 128 KiB) finds its window spent
+    # by padding alone and the call stalls, its message never whole.
+    request = pb.ModelInferRequest(model_name="echo")
+    encode_inputs(request, [("x", np.arange(600, dtype=np.uint8))], raw=True)
+    result = await trio.to_thread.run_sync(
+        padded_call, server.port, grpc_message(request.SerializeToString()), 255
+    )
+    assert result.get("grpc-status") == "0", result
+    await Bystander(server.port).call()
+
+
 @pytest.mark.parametrize("deadline", [[], [("grpc-timeout", "10S")]], ids=["none", "10s"])
 async def test_a_unary_call_is_answered_before_the_client_half_closes(
     server: RunningServer, deadline: list[tuple[str, str]]

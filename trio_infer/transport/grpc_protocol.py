@@ -1379,7 +1379,8 @@ class _InboundStream:
         self.length: int | None = None
         #: Bytes the client may send in all: the initial window plus every grant since.
         self.allowed = _STREAM_WINDOW
-        #: Bytes of messages (with their prefixes) the call has admitted.
+        #: Bytes of messages (with their prefixes) the call has admitted, and of DATA frames'
+        #: padding, which is admitted as it comes.
         self.admitted = 0
         self.refused = False
 
@@ -1687,6 +1688,11 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         inbound = self._inbound.get(stream_id)
         if inbound is None:
             return []  # a call already answered (e.g. its message was refused): drop the data
+        if flow_controlled_length != len(data) and not inbound.refused:
+            # The frame's padding counts against the stream's window (RFC 9113 §6.9.1) but
+            # holds nothing: admitted as it comes, or the client's window would shrink by it
+            # for good and a stream of padded frames stall, its message never whole.
+            self._admitted(inbound, flow_controlled_length - len(data))
         return inbound.feed(data)
 
     def _trailers_received(self, event: h2.events.TrailersReceived) -> list[Event]:
@@ -1983,12 +1989,18 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         inbound = self._inbound.get(stream_id)
         if inbound is None:
             return False  # the client has sent everything already
-        inbound.admitted += _MESSAGE_PREFIX.size + length
+        return self._admitted(inbound, _MESSAGE_PREFIX.size + length)
+
+    def _admitted(self, inbound: _InboundStream, size: int) -> bool:
+        """Count ``size`` more bytes of ``inbound``'s stream as admitted, and top its window
+        back up to 128 KiB of unadmitted room when less than 16 KiB is left; whether that
+        queued a WINDOW_UPDATE."""
+        inbound.admitted += size
         room = inbound.allowed - inbound.admitted
         if room >= _STREAM_WINDOW_LOW:
             return False
         grant = _STREAM_WINDOW - room
-        self.h2_connection.increment_flow_control_window(grant, stream_id=stream_id)
+        self.h2_connection.increment_flow_control_window(grant, stream_id=inbound.stream_id)
         inbound.allowed += grant
         return True
 
