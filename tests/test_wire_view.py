@@ -45,6 +45,15 @@ def record(number: int, payload: bytes) -> bytes:
     return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
+def overlong(value: int, size: int) -> bytes:
+    """``value`` as a varint of ``size`` bytes (at least its shortest), padded with groups of
+    zero bits: protobuf reads a value's varint of up to ten bytes, a key's of up to five."""
+    shortest = varint(value)
+    if size <= len(shortest):
+        return shortest
+    return bytes((*shortest[:-1], shortest[-1] | 0x80, *b"\x80" * (size - len(shortest) - 1), 0))
+
+
 def request_bytes(datatype: str, shape: list[int], contents: list[bytes]) -> bytes:
     tensor = ModelInferRequest.InferInputTensor(name="x", datatype=datatype, shape=shape)
     body = tensor.SerializeToString() + b"".join(record(5, part) for part in contents)
@@ -198,6 +207,8 @@ _VARINT_FIELDS = [
 @example("UINT8", [1], [(4, b"\x80\x02")], b"", 0)  # out of range once narrowed
 @example("BOOL", [2], [(1, b"\x02\x80\x01")], b"", 0)  # nonzero is true
 @example("INT64", [1], [(3, b"\x01")], b"", 2)  # contents cut inside a record
+@example("INT64", [1], [], overlong(3 << 3 | 2, 5) + overlong(1, 10) + b"\x05", 0)  # key of 5
+@example("INT64", [1], [], overlong(3 << 3 | 2, 6) + b"\x01\x05", 0)  # a key of six bytes
 def test_adversarial_contents_decode_or_fail_as_the_real_message_does(
     datatype: str, shape: list[int], records: list[tuple[int, bytes]], tail: bytes, cut: int
 ) -> None:
@@ -363,6 +374,9 @@ def request_records(draw: st.DrawFn) -> bytes:
 @example(record(7, b"a") + b"\x38\x01")
 @example(b"\x38\x01" + record(7, b"a"))
 @example(b"\x3a\x05ab")
+@example(overlong(7 << 3 | 2, 5) + overlong(1, 10) + b"a")  # the longest key and length
+@example(overlong(7 << 3 | 2, 6) + b"\x01a")  # a key longer than protobuf reads
+@example(record(1, b"m") + overlong(1 << 3 | 2, 6) + b"\x01n" + record(7, b"a"))
 def test_raw_inputs_split_off_a_request_parse_as_the_whole_request(data: bytes) -> None:
     # Split or not, the message is the same: the records before the split parse (or fail) as
     # the whole message does, and the raw inputs are slices of the bytes, in order.

@@ -51,6 +51,9 @@ __all__ = [
 
 #: A 64-bit value takes at most ten 7-bit groups; protobuf refuses a longer varint.
 MAX_VARINT_BYTES = 10
+#: A record's key (a 32-bit value) takes at most five; protobuf refuses a longer key, even one
+#: padded with groups of zero bits to a value that fits.
+_MAX_KEY_BYTES = 5
 
 #: The numeric fields of ``InferTensorContents``, which the contents view declares ``bytes``.
 NUMERIC_FIELDS = (
@@ -125,16 +128,24 @@ _VARINT, _FIXED64, _DELIMITED, _FIXED32 = 0, 1, 2, 5
 _LARGEST_FIELD = (1 << 29) - 1
 
 
-def _read_varint(data: memoryview, position: int) -> tuple[int, int]:
+def _read_varint(
+    data: memoryview, position: int, longest: int = MAX_VARINT_BYTES
+) -> tuple[int, int]:
+    """The varint at ``position`` (of at most ``longest`` bytes), as protobuf reads it (bits
+    past the 64th dropped), and the position after it.
+
+    Raises:
+        Irregular: It is truncated or longer.
+    """
     value = 0
-    for index in range(MAX_VARINT_BYTES):
+    for index in range(longest):
         if position + index >= len(data):
             raise Irregular("truncated")
         octet = data[position + index]
         value |= (octet & 0x7F) << (7 * index)
         if octet < 0x80:
             return value & 0xFFFFFFFFFFFFFFFF, position + index + 1
-    raise Irregular("a varint longer than ten bytes")
+    raise Irregular(f"a varint longer than {longest} bytes")
 
 
 def split_records(data: memoryview, limit: int) -> list[tuple[int, memoryview]]:
@@ -145,8 +156,9 @@ def split_records(data: memoryview, limit: int) -> list[tuple[int, memoryview]]:
     Raises:
         Irregular: If there are more than ``limit`` records, a record is not length-delimited
             (wire type 0, 1 or 5: an element sent unpacked; 3 or 4: a group), a field number is
-            0 or too large, or a record is truncated. The caller parses such a message with the
-            real type, which decides what it means, or refuses it.
+            0 or too large, a key is longer than protobuf reads, or a record is truncated. The
+            caller parses such a message with the real type, which decides what it means, or
+            refuses it.
     """
     records: list[tuple[int, memoryview]] = []
     position = 0
@@ -154,7 +166,7 @@ def split_records(data: memoryview, limit: int) -> list[tuple[int, memoryview]]:
     while position < size:
         if len(records) == limit:
             raise Irregular(f"more than {limit} records")
-        key, position = _read_varint(data, position)
+        key, position = _read_varint(data, position, _MAX_KEY_BYTES)
         number, kind = key >> 3, key & 7
         if kind != _DELIMITED or not 0 < number <= _LARGEST_FIELD:
             raise Irregular(f"field {number} has wire type {kind}")
@@ -190,7 +202,7 @@ def raw_input_suffix(data: memoryview) -> tuple[int, list[memoryview]] | None:
     try:
         while position < size:
             record = position
-            key, position = _read_varint(data, position)
+            key, position = _read_varint(data, position, _MAX_KEY_BYTES)
             kind = key & 7
             if key >> 3 == _RAW_INPUT_CONTENTS and kind == _DELIMITED:
                 length, position = _read_varint(data, position)
