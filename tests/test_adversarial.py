@@ -196,6 +196,44 @@ def test_frames_read_in_any_pieces_give_the_events_they_give_read_whole(
         assert in_pieces == whole
 
 
+def test_frames_read_in_three_pieces_cut_around_every_frame_edge_give_their_events_whole() -> None:
+    # Every pair of cuts near a frame's edges and inside its header: a read that ends a frame
+    # begun in the read before (its header whole or not, its end anywhere in the read, or the
+    # read ending with it), and one that ends in the same frame again. The events are those of
+    # the frames read whole, and what the buffer holds between reads is never more than a frame.
+    def message(stream: int, length: int, end: bool) -> bytes:
+        body = bytes(range(256)) * (length // 256 + 1)
+        prefix = b"\x00" + length.to_bytes(4, "big")
+        return frame(0x0, 0x1 if end else 0, stream, prefix + body[:length])
+
+    opening = frame(0x1, 0x4, 1, REQUEST_BLOCK) + frame(0x1, 0x4, 3, REQUEST_BLOCK)
+    start = PREFACE + frame(0x4, 0x0, 0, b"") + opening
+    body = [
+        message(1, 64 * 1024, True),
+        frame(0x8, 0x0, 0, (1000).to_bytes(4, "big")),
+        message(3, 20, False),
+        message(3, 100_000, True),
+    ]
+    edges, position = [], len(start)
+    for part in body:
+        edges += [position + offset for offset in (-1, 0, 1, 4, 8, 9, 10)]
+        position += len(part)
+    wire = start + b"".join(body)
+    limits = ProtocolLimits(max_message_size=1024 * 1024)
+    whole_protocol = ServerProtocol(limits)
+    whole_protocol.initiate_connection()
+    whole = _events_of(whole_protocol, [wire])
+    assert ProtocolViolation not in whole
+    cuts = sorted(set(edges))
+    for index, first in enumerate(cuts):
+        for second in cuts[index + 1 :]:
+            protocol = ServerProtocol(limits)
+            protocol.initiate_connection()
+            pieces = [wire[:first], wire[first:second], wire[second:]]
+            assert _events_of(protocol, pieces) == whole, (first, second)
+            assert len(protocol.h2_connection.incoming_buffer.data) <= 9 + MAX_FRAME
+
+
 # -- Every buffer bounded, after every read: a client driven by random actions ----------------
 
 #: What the server advertises and the tests hold it to (ProtocolLimits and grpc_protocol's

@@ -576,7 +576,8 @@ class _DataRecord:
     __slots__ = ("data", "flags", "flow_controlled_length", "stream_id")
     stream_id: int
     flags: frozenset[str]
-    data: bytes
+    #: The frame's body: its own bytes, or a view of a frame joined from two reads.
+    data: bytes | memoryview
     flow_controlled_length: int
 
 
@@ -597,6 +598,14 @@ class _WindowUpdateRecord:
     __slots__ = ("stream_id", "window_increment")
     stream_id: int
     window_increment: int
+
+
+def _frame_rest(start: memoryview) -> int:
+    """How many bytes the frame that ``start`` begins with still lacks: its 9-byte header's
+    length and the header, less what ``start`` holds; 0 while the header is incomplete."""
+    if len(start) < 9:
+        return 0
+    return 9 + int.from_bytes(start[:3], "big") - len(start)
 
 
 def _data_received(frame: Any) -> h2.events.DataReceived:
@@ -716,8 +725,11 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
     h2 keeps unread bytes in ``bytes`` and re-slices all of them after every frame, so one read
     holding many frames (a 256 KiB read of 64 KiB requests holds about twenty) copied the read
     about ten times over. Here the bytes are read from a position that moves past each frame:
-    a read is kept as it came, and only the start of a frame that it did not end is copied,
-    with the next read, into one ``bytes``. Each frame's body is copied once, by its parser.
+    a read is kept as it came, and only the start of a frame that it did not end is copied.
+    The next read's bytes that end that frame are joined to its start, into one ``bytes`` of
+    the frame alone, and the rest of the read is taken from where the frame ended, in place.
+    Each frame's body is copied once more, by its parser; that of a DATA frame joined from two
+    reads is a view of the joined bytes, which hold nothing else.
 
     A gRPC client sends HEADERS, DATA and often a WINDOW_UPDATE with every call. hyperframe's
     objects for them (a frame, its flags, their parsers) were a large part of the time it took
@@ -734,6 +746,10 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
         #: the next is kept: a connection holds no more of its reads than one frame.
         self.data = b""
         self._at = 0
+        #: A read whose first bytes ended the frame ``data`` holds (joined to its start), and
+        #: where in it the next frame starts: taken once that frame is. None otherwise.
+        self._rest: bytes | None = None
+        self._rest_at = 0
         self.max_header_block = _MAX_HEADER_LIST_SIZE
         """The most encoded bytes one header block may have (HEADERS and its CONTINUATIONs)."""
 
@@ -746,8 +762,16 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
         elif self._at == len(self.data):
             self.data, self._at = bytes(data), 0  # a read's bytes object is kept, not copied
         elif data:
-            with memoryview(self.data) as held:
-                self.data = b"".join((held[self._at :], data))
+            with memoryview(self.data) as held, held[self._at :] as start:
+                ending = _frame_rest(start)
+                if 0 < ending < len(data):
+                    # Only the bytes that end the frame are joined to its start; the rest of
+                    # the read is kept as it came, and taken once that frame is.
+                    self._rest, self._rest_at = bytes(data), ending
+                    with memoryview(data) as read, read[:ending] as end:
+                        self.data = b"".join((start, end))
+                else:
+                    self.data = b"".join((start, data))
             self._at = 0
 
     def next(self) -> Any:
@@ -805,7 +829,12 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
                 if len(data) < end:
                     break
                 record.stream_id = stream_id
-                record.data = data[at + 9 : end]  # its own bytes
+                if kind == _DATA and self._rest is not None:
+                    # A DATA frame joined from two reads: ``data`` holds that frame alone, of
+                    # which its body is a view (read-only, as bytes are), not a second copy.
+                    record.data = memoryview(data)[9:]
+                else:
+                    record.data = data[at + 9 : end]  # its own bytes
                 self._at = end
                 return record
             try:
@@ -824,6 +853,11 @@ class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
             frame = self._update_header_buffer(frame)
             if frame is not None:  # None: part of a header block still being assembled
                 return frame
+        if self._rest is not None and at == len(data):
+            # The frame joined from two reads is taken: on to the rest of the second read.
+            self.data, self._at = self._rest, self._rest_at
+            self._rest = None
+            return self.take()
         if at:
             self.data, self._at = data[at:], 0
         return None
@@ -1384,7 +1418,7 @@ class _InboundStream:
         self.admitted = 0
         self.refused = False
 
-    def feed(self, data: bytes) -> list[Event]:
+    def feed(self, data: bytes | memoryview) -> list[Event]:
         if self.refused:
             return []  # the rest of a refused message, in flight before the call's answer
         if self.length is None and not self.buffer and len(data) >= _VIEWED_MESSAGE:
@@ -1678,7 +1712,9 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     def _data_received(self, event: h2.events.DataReceived) -> list[Event]:
         return self._data(event.stream_id, event.data, event.flow_controlled_length)
 
-    def _data(self, stream_id: int, data: bytes, flow_controlled_length: int) -> list[Event]:
+    def _data(
+        self, stream_id: int, data: bytes | memoryview, flow_controlled_length: int
+    ) -> list[Event]:
         # Streams' windows bound what is buffered; the connection window is handed back as
         # data arrives, in batches so that large requests do not cost a frame per frame.
         self._unreturned += flow_controlled_length
