@@ -67,6 +67,7 @@ SCENARIOS = (
     "live",
     "dense-n1",
     "dense-n64",
+    "add_sub",
     "model-ready",
     "stream-dense-n1",
     "stream-add_sub",
@@ -276,6 +277,13 @@ class Client:
             return self._model_ready()
         if scenario.startswith("dense-n"):
             return self._dense(int(scenario.removeprefix("dense-n")))
+        if scenario == "add_sub":
+            a, b = client.add_sub_inputs()
+            return self._unary(
+                self.stub.ModelInfer,
+                client.add_sub_request(a, b),
+                lambda response: client.check_add_sub(response, a, b),
+            )
         if scenario == "stream-dense-n1":
             x = client.dense_input(1)
             request = client.infer_request("dense", x, raw=True)

@@ -104,3 +104,4 @@ def test_a_scenario_named_whole_is_that_scenario_alone_and_a_prefix_names_its_fa
         "rest-dense-n64-binary",
     ]
     assert select("dense") == ["dense-n1", "dense-n64"]
+    assert select("stream-add_sub,add_sub") == ["add_sub", "stream-add_sub"]
