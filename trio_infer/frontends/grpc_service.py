@@ -918,7 +918,9 @@ def _reserve_answer(reservation: Reservation, state: _Decoded, cost: EncodingCos
     # that or be added; the bytes stay reserved until the answer's buffers are written
     # (handle's release_when_sent).
     message_size = state.message_size
-    share = reservation.nbytes - message_size - max(state.nbytes, message_size)
+    # The larger of the two, compared here: max() parses its arguments, on every call's path.
+    inputs = state.nbytes if state.nbytes > message_size else message_size
+    share = reservation.nbytes - message_size - inputs
     extra = cost.outputs + cost.nbytes - share
     if extra > 0:
         reservation.grow_nowait(extra, "the encoded outputs")

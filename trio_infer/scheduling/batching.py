@@ -309,7 +309,9 @@ class _Forming:
             return
         self.positions.append(position)
         self.rows += request.rows
-        self.due = min(self.due, request.deadline - lead)
+        due = request.deadline - lead
+        if due < self.due:  # not min(): a builtin call parsing its arguments, every member
+            self.due = due
 
 
 def concatenate_inputs(batch: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:

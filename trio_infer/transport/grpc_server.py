@@ -472,7 +472,9 @@ class Call:
             # Room left before max_unsent_bytes (negative past it): a call queues no more
             # response data than this. unsent_bytes() written out: this runs for every chunk.
             room = max_unsent - connection._taken - protocol.pending_bytes()
-            window = min(protocol.send_window(self._stream_id), room)
+            window = protocol.send_window(self._stream_id)
+            if room < window:  # not min(): a builtin call parsing its arguments, every chunk
+                window = room
             if window <= 0:
                 if progress is None:
                     progress = trio.current_time()
