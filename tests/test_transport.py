@@ -234,6 +234,37 @@ async def test_the_deadline_of_a_call_that_ended_in_time_does_not_reach_the_next
     assert len(connection._idle_runners) == 1
 
 
+async def test_the_deadline_an_idle_runner_keeps_from_its_call_cancels_only_its_wait(
+    harness: Harness,
+) -> None:
+    # One call at a time: the task that ran the first call waits for the next with its scope,
+    # whose deadline is still the first call's.
+    response, _ = await harness.call("Echo", b"in time", timeout=1.5)
+    assert response == b"in time"
+    (connection,) = harness.server._connections
+    ((runner, kept),) = connection._idle_runners
+    assert kept.deadline < float("inf")
+    # The deadline passes while the task waits: its wait is cancelled, and it waits again, in a
+    # new scope without a deadline.
+    await eventually(lambda: kept.cancel_called)
+    await eventually(lambda: [task for task, _ in connection._idle_runners] == [runner])
+    ((_, fresh),) = connection._idle_runners
+    assert fresh is not kept
+    assert fresh.deadline == float("inf")
+    # Its next calls, with a deadline and without, run to their end in that scope.
+    response, _ = await harness.call("Echo", b"with a deadline", timeout=5)
+    assert response == b"with a deadline"
+    harness.hold_count = 1
+    future = harness.method("Hold").future(b"without one")
+    await harness.all_held.wait()
+    harness.release.set()
+    assert await trio.to_thread.run_sync(future.result) == b"without one"
+    assert harness.cancelled == []
+    assert connection._idle_runners == [(runner, fresh)]
+    assert fresh.deadline == float("inf")
+    assert not fresh.cancel_called
+
+
 def _calls_alive() -> int:
     gc.collect()
     return sum(1 for thing in gc.get_objects() if type(thing) is Call)
@@ -526,6 +557,26 @@ async def test_a_call_whose_deadline_passed_before_it_ran_never_gets_its_message
     assert (answer["grpc-status"], answer["grpc-message"]) == ("4", "deadline exceeded")
 
 
+async def test_calls_handed_to_a_runner_that_waits_with_a_deadline_each_end_as_their_own(
+    harness: Harness,
+) -> None:
+    # The first call leaves its task waiting with its scope, whose deadline is still that
+    # call's. The next ones come at once: the first of them, handed to that task, has a deadline
+    # already passed, so the scope it is put in is cancelled before the task runs again; the
+    # others run in tasks of their own, with a deadline and without.
+    with_one = [*GOOD_HEADERS, ("grpc-timeout", "10S")]
+    later = [[*GOOD_HEADERS, ("grpc-timeout", "1n")], with_one, GOOD_HEADERS]
+    answers = await trio.to_thread.run_sync(
+        _calls_after_one_ended, harness.port, len(later), with_one, later
+    )
+    assert [(answer["grpc-status"], answer.get("grpc-message")) for answer in answers] == [
+        ("0", None),
+        ("4", "deadline exceeded"),
+        ("0", None),
+        ("0", None),
+    ]
+
+
 async def test_a_malformed_request_fails_only_its_own_stream(harness: Harness) -> None:
     good = GOOD_HEADERS
     bad_content_type = [(k, "text/plain" if k == "content-type" else v) for k, v in good]
@@ -718,20 +769,29 @@ async def test_streams_over_the_limit_are_refused_not_the_connection(
     assert answers[2] == {"reset": str(h2.errors.ErrorCodes.REFUSED_STREAM)}
 
 
-def _calls_after_one_ended(port: int, count: int) -> list[dict[str, str]]:
-    """On one connection, make one call and read all of its answer (its stream is then closed
-    at both ends), then send ``count`` more at once. Returns the headers and trailers each
-    stream got back (``reset`` when it was reset instead), by stream id."""
+def _calls_after_one_ended(
+    port: int,
+    count: int,
+    first: list[tuple[str, str]] = GOOD_HEADERS,
+    later: list[list[tuple[str, str]]] | None = None,
+) -> list[dict[str, str]]:
+    """On one connection, make one call (with headers ``first``) and read all of its answer
+    (its stream is then closed at both ends), then send ``count`` more at once (with the
+    headers of ``later``, in order; by default ``GOOD_HEADERS``). Returns the headers and
+    trailers each stream got back (``reset`` when it was reset instead), by stream id."""
     connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     connection.initiate_connection()
     message = b"\x00\x00\x00\x00\x01x"
     answers: dict[int, dict[str, str]] = {}
+    headers = {1: first}
+    for index, each in enumerate(later or [GOOD_HEADERS] * count):
+        headers[3 + 2 * index] = each
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(5)
         for streams in ([1], [3 + 2 * i for i in range(count)]):
             for stream_id in streams:
                 answers[stream_id] = {}
-                connection.send_headers(stream_id, GOOD_HEADERS)
+                connection.send_headers(stream_id, headers[stream_id])
                 connection.send_data(stream_id, message, end_stream=True)
             sock.sendall(connection.data_to_send())
             ended: set[int] = set()

@@ -26,11 +26,13 @@ A task that has run its call waits for the next one the connection starts (at mo
 :data:`_MAX_IDLE_RUNNERS` of them wait): waking it costs less than Trio's start and end of a
 task (``docs/performance.md``). A runner's calls run in its one scope, each under its own
 deadline, while it is theirs alone: entering and leaving a scope for each call would cost more
-than moving the deadline. A scope once cancelled stays cancelled, so the call after one that
-had it cancelled gets a new one; a cancel that comes before the runner takes its call cancels
-the scope it is then run in. A call's status and cleanup are its own whichever task runs it,
-and an idle runner holds no call; the connection's end cancels the idle ones with the rest of
-its nursery.
+than moving the deadline. A call handed to an idle runner is put in its scope at once, its
+deadline replacing the one of the call before (an idle runner keeps it: a deadline that passes
+while the runner waits cancels only the wait, and the runner waits again in a new scope). A
+scope once cancelled stays cancelled, so the call after one that had it cancelled gets a new
+one; a cancel that comes before a call is in a scope cancels the scope it is then put in. A
+call's status and cleanup are its own whichever task runs it, and an idle runner holds no call;
+the connection's end cancels the idle ones with the rest of its nursery.
 
 Invariants:
 
@@ -645,8 +647,9 @@ class Connection:
         #: The peer broke HTTP/2: a GOAWAY is queued to send before the socket closes.
         self._goodbye_pending = False
         self._nursery: trio.Nursery | None = None
-        #: Runners waiting for a call (:meth:`_runner`), the last to wait last.
-        self._idle_runners: list[trio.lowlevel.Task] = []
+        #: Runners waiting for a call (:meth:`_runner`), each with its scope, the last to wait
+        #: last.
+        self._idle_runners: list[tuple[trio.lowlevel.Task, trio.CancelScope]] = []
         #: Since when the connection has carried no call (Trio clock): what the watchdog reads.
         self._idle_since = trio.current_time()
         #: Set once the client's preface and first SETTINGS have arrived.
@@ -1107,7 +1110,13 @@ class Connection:
         self._calls_in_flight.increment()
         self._calls_in_flight.in_tasks += 1
         if self._idle_runners:
-            trio.lowlevel.reschedule(self._idle_runners.pop(), outcome.Value((state, handler)))
+            task, scope = self._idle_runners.pop()
+            trio.lowlevel.reschedule(task, outcome.Value((state, handler)))
+            # Put in the runner's scope now, before the scheduler's next pass: the deadline of
+            # the runner's call before, kept while it waited, can then no longer cancel it. The
+            # runner no longer waits, so a cancel of its scope now (a deadline passed already,
+            # a call cancelled before it started) reaches it at its next checkpoint, in the call.
+            self._enter(state, scope)
             return
         assert self._nursery is not None
         self._nursery.start_soon(self._runner, state, handler)
@@ -1118,10 +1127,12 @@ class Connection:
         one scope until one of them has it cancelled, then in a new one."""
         task = trio.lowlevel.current_task()
         idle = self._idle_runners
+        waiting: tuple[trio.lowlevel.Task, trio.CancelScope]
 
         def abort(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
-            # Cancelled while idle (the connection is ending): no call may be handed to it.
-            idle.remove(task)
+            # Cancelled while idle (the connection is ending, or the deadline of the call before
+            # passed): no call may be handed to it.
+            idle.remove(waiting)
             return trio.lowlevel.Abort.SUCCEEDED
 
         # The call this task runs and its handler; None while it waits idle, for an idle
@@ -1132,13 +1143,17 @@ class Connection:
             scope = trio.CancelScope()
             try:
                 with scope:
+                    if job is not None:  # the call the task was started for
+                        self._enter(job[0], scope)
                     while True:
                         if job is None:
                             if len(idle) >= _MAX_IDLE_RUNNERS:
                                 return
-                            idle.append(task)
+                            waiting = (task, scope)
+                            idle.append(waiting)
+                            # _start_task puts the call it hands here in this scope.
                             job = await trio.lowlevel.wait_task_rescheduled(abort)
-                        status, message = await self._run_handler(job[0], job[1], scope)
+                        status, message = await self._run_handler(job[0].call, job[1])
                         done, job = job[0], None
                         self._finish(done, status, message)
                         del done
@@ -1222,21 +1237,25 @@ class Connection:
         if stream_id not in self._reset_in_read:
             self.protocol.end_response(stream_id, status, message, (), headers_sent=False)
 
-    async def _run_handler(
-        self, state: _CallState, handler: Handler, scope: trio.CancelScope
-    ) -> tuple[StatusCode, str]:
-        """Run ``state``'s call in ``scope`` under the call's deadline; the status its
-        handler's outcome gives. A cancel of ``scope`` goes up as Trio's ``Cancelled``."""
-        call = state.call
+    def _enter(self, state: _CallState, scope: trio.CancelScope) -> None:
+        """Put ``state``'s call in ``scope`` (a runner's, which runs it next) under the call's
+        deadline, which replaces the scope's (the call before's, or none); cancel the scope if
+        the deadline has passed or the call was cancelled already."""
         state.scope = scope
-        deadline = call.deadline
-        if deadline != math.inf:
+        deadline = state.call.deadline
+        # Moving a scope's deadline costs a context manager and Trio's deadline bookkeeping:
+        # only when it changes.
+        if deadline != scope.deadline:
             scope.deadline = deadline
-            # As a scope entered with a deadline that has passed: cancelled at once.
-            if deadline <= self._clock.current_time():
-                scope.cancel()
+        # As a scope entered with a deadline that has passed: cancelled at once.
+        if deadline != math.inf and deadline <= self._clock.current_time():
+            scope.cancel()
         if state.cancelled:
             scope.cancel()
+
+    async def _run_handler(self, call: Call, handler: Handler) -> tuple[StatusCode, str]:
+        """Run ``call`` (put in the runner's scope already); the status its handler's outcome
+        gives. A cancel of the scope goes up as Trio's ``Cancelled``."""
         try:
             await handler(call)
         except InferError as exc:
@@ -1244,10 +1263,6 @@ class Connection:
         except Exception:
             logger.exception("unexpected error in %s", call.method)
             return StatusCode.INTERNAL, "internal server error"
-        finally:
-            if deadline != math.inf:
-                # The next call in this scope has a deadline of its own, or none.
-                scope.deadline = math.inf
         return _OK, ""
 
     def _finish(self, state: _CallState, status: StatusCode, message: str) -> None:
