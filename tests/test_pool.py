@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.support import eventually
 from trio_infer.errors import InferError, InvalidInput, ModelFailed, StatusCode, Unavailable
@@ -31,7 +33,7 @@ from trio_infer.repository.settings import (
     load_repository,
 )
 from trio_infer.scheduling.sequences import SequenceFlags
-from trio_infer.workers.pool import WorkerPool
+from trio_infer.workers.pool import _RECENT_CALLS, WorkerPool, _CallTimes
 
 # Test models, written into a temporary repository: each model folder gets its own copy of
 # model.py and names its class as "model.<Class>", as a user's repository would.
@@ -1363,3 +1365,17 @@ async def test_a_sequence_started_as_its_only_lanes_worker_exited_runs_on_the_ne
         replacement
     )
     assert pool.statistics().crashed == 1
+
+
+@given(st.lists(st.floats(0.0, 10.0), max_size=40))
+def test_a_models_shortest_recent_call_time_is_the_least_of_its_last_calls(
+    seconds: list[float],
+) -> None:
+    # Kept as each time is learnt: at every step, the least of the last ones, 0 before any.
+    times = _CallTimes()
+    assert times.shortest == 0.0
+    for index, each in enumerate(seconds):
+        times.learn(each)
+        last = seconds[max(index + 1 - _RECENT_CALLS, 0) : index + 1]
+        assert list(times.recent) == last
+        assert times.shortest == min(last)

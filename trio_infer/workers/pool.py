@@ -825,7 +825,7 @@ class WorkerPool:
         if call.model is None or call.forced:
             return True
         times = self._times(call.model)
-        shortest = times.shortest()
+        shortest = times.shortest
         now = self._now()
         left = call.deadline - now - (lane.free_in(now) if lane is not None else 0.0)
         if left >= shortest:
@@ -849,7 +849,7 @@ class WorkerPool:
 
     def _learn(self, model: str | None, seconds: float) -> None:
         if model is not None:
-            self._times(model).recent.append(seconds)
+            self._times(model).learn(seconds)
 
     def _times(self, model: str) -> _CallTimes:
         # Not setdefault: it would build (and drop) a _CallTimes and its deque on every call.
@@ -860,7 +860,7 @@ class WorkerPool:
 
     def _shortest(self, model: str | None) -> float:
         times = self._timings.get(model) if model is not None else None
-        return times.shortest() if times is not None else 0.0
+        return times.shortest if times is not None else 0.0
 
     def _note_crash(self) -> None:
         self._crashed += 1
@@ -1896,9 +1896,15 @@ class _CallTimes:
 
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT_CALLS))
     refused_in_a_row: int = 0
+    #: The least of ``recent`` (0 while it is empty), kept as each time is learnt: it is read
+    #: for every call sent, and each worker's place in the queue, far more often than a
+    #: model's time is learnt.
+    shortest: float = 0.0
 
-    def shortest(self) -> float:
-        return min(self.recent, default=0.0)
+    def learn(self, seconds: float) -> None:
+        """Add a call's time to ``recent``."""
+        self.recent.append(seconds)
+        self.shortest = min(self.recent)
 
 
 def _peer_pid(connection: socket.socket) -> int | None:
