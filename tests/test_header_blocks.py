@@ -9,6 +9,7 @@ import h2.config
 import h2.connection
 import h2.events
 import hpack
+import pytest
 from hpack import HeaderTuple, NeverIndexedHeaderTuple
 from hpack.hpack import encode_integer
 from hpack.huffman import HuffmanEncoder
@@ -20,7 +21,12 @@ from hypothesis import strategies as st
 from tests.support import GRPC_REQUEST, MiB, client_and_server
 from trio_infer.errors import StatusCode
 from trio_infer.transport.grpc_protocol import _REQUEST_HEADERS, ProtocolLimits, ServerProtocol
-from trio_infer.transport.header_blocks import CachingDecoder, CachingEncoder, never_indexed
+from trio_infer.transport.header_blocks import (
+    CachingDecoder,
+    CachingEncoder,
+    never_indexed,
+    owed_size_updates,
+)
 
 # A small alphabet makes blocks repeat (cache hits) and tables churn (entries added, evicted).
 _fields = st.tuples(
@@ -112,6 +118,37 @@ def test_a_table_size_update_is_sent_once() -> None:
     after_resize = [caching.encode([(":path", "/a")], True) for _ in range(3)]
     assert after_resize == [plain.encode([(":path", "/a")], True) for _ in range(3)]
     assert after_resize[1] == after_resize[2] != after_resize[0]
+
+
+@given(st.lists(st.sampled_from([0, 64, 4096, 100_000]), min_size=1, max_size=6))
+def test_a_table_size_set_again_before_a_block_is_still_sent(sizes: list[int]) -> None:
+    # A client may change SETTINGS_HEADER_TABLE_SIZE several times between two blocks, to the
+    # size it set last among them: the next block still tells its decoder the final size.
+    encoder, decoder = CachingEncoder(), hpack.Decoder()
+    for _ in range(2):  # added to both tables, then indexed
+        decoder.decode(encoder.encode([("x-a", "1")]))
+    for size in sizes:
+        encoder.header_table_size = size
+    decoder.max_allowed_table_size = sizes[-1]
+    assert decoder.decode(encoder.encode([("x-a", "1")])) == [("x-a", "1")]
+    assert decoder.header_table_size == sizes[-1]
+
+
+@pytest.mark.parametrize(
+    ("owed", "size", "updates"),
+    [
+        ([], 64, [64]),
+        ([64], 64, [64]),
+        ([64], 0, [0]),
+        ([0], 4096, [0, 4096]),
+        ([0, 4096], 64, [0, 64]),
+        ([64, 4096], 100_000, [64, 100_000]),
+    ],
+)
+def test_the_updates_owed_are_the_smallest_size_then_the_last(
+    owed: list[int], size: int, updates: list[int]
+) -> None:
+    assert owed_size_updates(owed, size) == updates
 
 
 def test_a_block_that_changes_the_table_is_coded_anew_each_time() -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "decoded_size",
     "never_indexed",
     "never_indexed_name",
+    "owed_size_updates",
 ]
 
 #: Distinct blocks remembered per connection; a client sending a different deadline on every
@@ -58,6 +59,15 @@ def never_indexed_name(name: str) -> bytes:
     code it once, and a value after it as a string literal (a byte of length, below 127, then
     the value's bytes)."""
     return b"\x10" + _literal(name.encode("ascii"))
+
+
+def owed_size_updates(owed: list[int], size: int) -> list[int]:
+    """The dynamic table size updates to start the next block with, once the size is set to
+    ``size`` after the updates already ``owed``: the smallest size since the last block, then
+    the final one, or the final one alone when it is the smallest (RFC 7541 §4.2). A decoder
+    refuses an update to more than the size its side last set."""
+    smallest = min(owed, default=size)
+    return [size] if size <= smallest else [smallest, size]
 
 
 def _literal(raw: bytes) -> bytes:
@@ -140,6 +150,9 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
     after its first time anyway.
     """
 
+    #: The table size updates owed to the client, to start the next block with.
+    table_size_changes: list[int]
+
     def __init__(self) -> None:
         super().__init__()
         self.header_table = _VersionedTable()
@@ -149,6 +162,22 @@ class CachingEncoder(hpack.Encoder):  # type: ignore[misc]
         #: object's id: the tuple itself, its table version and its block. The entry holds the
         #: tuple, so no other object can have its id while the entry is there.
         self._same: dict[int, tuple[tuple[Any, ...], int, bytes]] = {}
+
+    @property
+    def header_table_size(self) -> int:
+        """The dynamic table's size, as the client's SETTINGS_HEADER_TABLE_SIZE last set it."""
+        return self.header_table.maxsize
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        # hpack marks an update owed only when the size changes (and so forgets one still owed
+        # when the size is set again to what it now is), and owes every size it was set to.
+        table = self.header_table
+        owed = table.resized
+        table.maxsize = value
+        if table.resized or owed:
+            table.resized = True
+            self.table_size_changes = owed_size_updates(self.table_size_changes, value)
 
     def encode(self, headers: Iterable[Any], huffman: bool = False) -> bytes:
         table = self.header_table
