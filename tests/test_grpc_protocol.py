@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import urllib.parse
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -1033,3 +1034,137 @@ def test_a_large_message_in_one_frame_is_a_read_only_view_of_it() -> None:
     assert isinstance(received.data, memoryview)
     assert received.data.readonly
     assert received.data == message
+
+
+def _answered_in_three(server: ServerProtocol, stream_id: int, message: bytes, rid: str) -> None:
+    """A whole OK answer as a call's task sends it: headers, the message, the trailers."""
+    server.start_response(stream_id, (), rid)
+    server.send_data(stream_id, memoryview(b"\x00" + len(message).to_bytes(4, "big") + message))
+    server.end_response(stream_id, StatusCode.OK, "", (), headers_sent=True, request_id=rid)
+
+
+_SETTING = h2.settings.SettingCodes
+#: What the client does next: a call answered in one pass if it can be (its message's length,
+#: its request id, whether its request has ended), a call answered otherwise (with metadata
+#: that the encoder indexes, or an error), or a change of one of its settings.
+_STEPS = st.one_of(
+    st.tuples(
+        st.just("call"),
+        st.sampled_from([0, 1, 7, 16379, 16380, 65530, 65531, 70000]),
+        st.sampled_from(["", "r-1", "a" * 126, "b" * 127, "c" * 300]),
+        st.booleans(),
+    ),
+    st.tuples(
+        st.just("other"),
+        st.sampled_from(list(StatusCode)),
+        st.sampled_from(["", "no such model", " spaced %"]),
+        st.sampled_from([(), (("x-model-state", "loading"),), (("x-a", "1"), ("x-b", "2"))]),
+    ),
+    st.tuples(
+        st.just("setting"),
+        st.sampled_from(
+            [_SETTING.HEADER_TABLE_SIZE, _SETTING.INITIAL_WINDOW_SIZE, _SETTING.MAX_FRAME_SIZE]
+        ),
+        st.sampled_from([0, 10, 64, 4096, 16384, 100_000]),
+    ),
+)
+
+
+def _answer_steps(steps: list[tuple[Any, ...]]) -> int:
+    """Run ``steps`` against two servers, one answering in one pass wherever it can, the other
+    in three steps, checking after each step that both queued the same bytes and are left in
+    the same state; every answer read by h2's client. How many answers took one pass."""
+    client, _ = client_and_server()
+    limits = ProtocolLimits(max_concurrent_streams=1000)
+    ours, theirs = ServerProtocol(limits), ServerProtocol(limits)
+    for server in (ours, theirs):
+        server.initiate_connection()
+    client.receive_data(b"".join(bytes(buffer) for buffer in ours.data_to_send()))
+    theirs.data_to_send()
+    client.increment_flow_control_window(2**30)
+
+    def alike(read: bytes = b"") -> None:
+        # The client's bytes to both servers; what both queued, the same, to the client.
+        states = []
+        for server in (ours, theirs):
+            if read:
+                server.receive_data(read)
+            states.append(_state(server))
+        assert states[0] == states[1]
+        for event in client.receive_data(states[0][-1]):
+            assert not isinstance(event, h2.events.ConnectionTerminated)
+            if isinstance(event, h2.events.StreamReset):  # only the calls reset here
+                assert event.error_code == h2.errors.ErrorCodes.CANCEL
+
+    alike(client.data_to_send())
+    one_pass = 0
+    for stream_id, step in zip(itertools.count(1, 2), steps, strict=False):
+        if step[0] == "setting":
+            _, code, value = step
+            if code == _SETTING.MAX_FRAME_SIZE:
+                value = max(value, 16384)
+            client.update_settings({code: value})
+            alike(client.data_to_send())
+            continue
+        ended = step[0] != "call" or step[3]
+        client.send_headers(stream_id, GRPC_REQUEST)
+        client.send_data(stream_id, b"\x00\x00\x00\x00\x00", end_stream=ended)
+        alike(client.data_to_send())
+        if step[0] == "call":
+            _, length, rid, _ = step
+            message = bytes(octet % 251 for octet in range(length))
+            if ours.answer(stream_id, message, rid):
+                one_pass += 1
+                _answered_in_three(theirs, stream_id, message, rid)
+            else:  # nothing queued, nothing changed: the call is ended another way
+                assert not ours.has_data_to_send()
+                assert _state(ours) == _state(theirs)
+                for server in (ours, theirs):
+                    server.reset(stream_id)
+        else:
+            _, status, text, metadata = step
+            for server in (ours, theirs):
+                if status == StatusCode.OK:
+                    server.start_response(stream_id, metadata)
+                server.end_response(
+                    stream_id,
+                    status,
+                    text,
+                    metadata,
+                    headers_sent=status == StatusCode.OK,
+                    request_id="r-9",
+                )
+        alike()
+    return one_pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_STEPS, max_size=25))
+def test_an_answer_in_one_pass_is_the_answer_in_three(steps: list[tuple[Any, ...]]) -> None:
+    # ServerProtocol.answer queues a whole OK answer in one pass. Wherever it takes one, it
+    # must queue the same bytes and leave the same state as the three steps it stands for, and
+    # queue nothing where it does not (a request not ended, a payload over a window, a frame or
+    # the size sent by reference): step by step, among other calls whose headers change the
+    # HPACK tables and after the client changes its table size, windows and frame size.
+    _answer_steps(steps)
+
+
+def test_ended_requests_are_answered_in_one_pass_among_others() -> None:
+    table, window = _SETTING.HEADER_TABLE_SIZE, _SETTING.INITIAL_WINDOW_SIZE
+    steps: list[tuple[Any, ...]] = [
+        ("call", 0, "r-1", True),
+        ("call", 7, "", True),
+        ("other", StatusCode.OK, "", (("x-model-state", "loading"),)),
+        ("call", 0, "a" * 126, True),
+        ("setting", table, 64),
+        ("call", 0, "b" * 127, True),
+        ("other", StatusCode.NOT_FOUND, "no such model", ()),
+        ("setting", table, 0),
+        ("call", 1, "r-2", True),
+        ("setting", table, 4096),
+        ("call", 16379, "r-3", True),
+        ("call", 0, "r-4", False),  # its request still open: not in one pass
+        ("setting", window, 10),
+        ("call", 7, "r-5", True),  # over the stream's window: not in one pass
+    ]
+    assert _answer_steps(steps) == 6

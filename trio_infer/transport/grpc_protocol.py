@@ -718,6 +718,42 @@ _ordered_setitem = collections.OrderedDict.__setitem__
 _MAX_CLOSED_STREAMS = h2.connection.H2Connection.MAX_CLOSED_STREAMS
 
 
+def _queue_block(h2_connection: Any, stream_id: int, block: bytes, flags: int) -> None:
+    """Queue a header block as a HEADERS frame with ``flags`` (END_HEADERS added), or, longer
+    than a frame, cut into CONTINUATION frames as h2 cuts it."""
+    size = len(block)
+    frame_size = h2_connection.max_outbound_frame_size
+    if size <= frame_size:  # the usual case: one frame
+        h2_connection._data_to_send += _FRAME_HEADER.pack(
+            size >> 8, size & 0xFF, _HEADERS, flags | _END_HEADERS, stream_id
+        )
+        h2_connection._data_to_send += block
+        return
+    # A block has no bound of its own: a response's metadata has none.
+    kind = _HEADERS
+    with memoryview(block) as view:
+        for start in range(0, size, frame_size):
+            piece = view[start : start + frame_size]
+            if start + frame_size >= size:
+                flags |= _END_HEADERS
+            h2_connection._data_to_send += _frame_header(len(piece), kind, flags, stream_id)
+            h2_connection._data_to_send += piece
+            kind, flags = _CONTINUATION, 0
+
+
+def _forget_closed(h2_connection: Any, stream_id: int, states: Any) -> None:
+    """Forget a stream its trailers closed, as h2 forgets a closed stream when it next counts
+    the open ones (at the stream limit, with a walk over every stream it holds); how it closed
+    is kept for the late frames RFC 9113 §5.1 allows."""
+    del h2_connection.streams[stream_id]
+    # h2's SizeLimitDict.__setitem__ (an OrderedDict's, then its bound kept) without its two
+    # Python calls.
+    closed = h2_connection._closed_streams
+    _ordered_setitem(closed, stream_id, states.stream_closed_by)
+    if len(closed) > _MAX_CLOSED_STREAMS:
+        closed.popitem(last=False)
+
+
 class _FrameBuffer(FrameBuffer):  # type: ignore[misc]
     """h2's inbound frame buffer, without its quadratic copying, and with the frames every call
     brings parsed by hand.
@@ -1486,6 +1522,7 @@ class _InboundStream:
 _RESPONSE_HEADERS = ((":status", "200"), ("content-type", "application/grpc"))
 _TRAILERS = tuple((("grpc-status", str(int(code))),) for code in sorted(StatusCode))
 _TRAILERS_ONLY = tuple((*_RESPONSE_HEADERS, *trailers) for trailers in _TRAILERS)
+_TRAILERS_OK = _TRAILERS[StatusCode.OK]
 
 
 class ServerProtocol(GRPCConnection):  # type: ignore[misc]
@@ -1933,26 +1970,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         block = h2_connection.encoder.encode(headers)
         if extra:
             block += extra
-        size = len(block)
-        if size <= h2_connection.max_outbound_frame_size:  # the usual case: one frame
-            h2_connection._data_to_send += _FRAME_HEADER.pack(
-                size >> 8, size & 0xFF, _HEADERS, flags | _END_HEADERS, stream_id
-            )
-            h2_connection._data_to_send += block
-            return
-        frame_size = h2_connection.max_outbound_frame_size
-        # The block has no bound of its own (metadata, or the table size updates the encoder
-        # owes the client, one for each change of its setting).
-        kind = _HEADERS
-        with memoryview(block) as view:
-            for start in range(0, len(block), frame_size):
-                piece = view[start : start + frame_size]
-                size = len(piece)
-                if start + frame_size >= len(block):
-                    flags |= _END_HEADERS
-                h2_connection._data_to_send += _frame_header(size, kind, flags, stream_id)
-                h2_connection._data_to_send += piece
-                kind, flags = _CONTINUATION, 0
+        _queue_block(h2_connection, stream_id, block, flags)
 
     def end_response(
         self,
@@ -1994,20 +2012,58 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         # h2's ``stream.closed``, without reading CLOSED off the enum.
         if states.state is _CLOSED:
             # The usual case, the client's END_STREAM already in: the trailers closed the
-            # stream. h2 forgets a closed stream only when it next counts the open ones, at the
-            # stream limit, with a walk over every stream it holds; forgotten now, as that walk
-            # forgets it (how it closed is kept for the late frames RFC 9113 §5.1 allows).
-            del h2_connection.streams[stream_id]
-            # h2's SizeLimitDict.__setitem__ (an OrderedDict's, then its bound kept) without
-            # its two Python calls.
-            closed = h2_connection._closed_streams
-            _ordered_setitem(closed, stream_id, states.stream_closed_by)
-            if len(closed) > _MAX_CLOSED_STREAMS:
-                closed.popitem(last=False)
+            # stream, forgotten now.
+            _forget_closed(h2_connection, stream_id, states)
         else:
             # The client is still sending (its END_STREAM has not come): tell it to stop, which
             # also frees the stream's slot under SETTINGS_MAX_CONCURRENT_STREAMS.
             h2_connection.reset_stream(stream_id, ErrorCodes.NO_ERROR)
+
+    def answer(self, stream_id: int, message: bytes, request_id: str = "") -> bool:
+        """Queue a whole answer that ends its call with OK, in one pass: the same frames, and
+        the same states after them, as :meth:`start_response` (no metadata), :meth:`send_data`
+        of ``message`` with its gRPC prefix, and :meth:`end_response` (OK, no message or
+        metadata, ``headers_sent``). Whether it did: only for a stream whose request has ended
+        and which has sent nothing, on the open connection, the payload fitting both windows
+        and one frame below :data:`BY_REFERENCE_BYTES`; nothing is queued otherwise, and the
+        caller answers those three ways."""
+        h2_connection = self.h2_connection
+        stream = h2_connection.streams.get(stream_id)
+        if stream is None or h2_connection.state_machine.state is not _SERVER_OPEN:
+            return False
+        states = stream.state_machine
+        size = _MESSAGE_PREFIX.size + len(message)
+        if (
+            states.state is not _HALF_CLOSED_REMOTE
+            or states.client is not False
+            or states.headers_sent
+            or size >= BY_REFERENCE_BYTES
+            or size > stream.outbound_flow_control_window
+            or size > h2_connection.outbound_flow_control_window
+            or size > h2_connection.max_outbound_frame_size
+        ):
+            return False
+        # The moves _headers_sent, _data_sent and _headers_sent again make from
+        # HALF_CLOSED_REMOTE: the trailers' END_STREAM closes the stream.
+        states.headers_sent = True
+        states.trailers_sent = True
+        states.state = _CLOSED
+        states.stream_closed_by = _CLOSED_BY_SENT_END
+        h2_connection.answered = True
+        stream.outbound_flow_control_window -= size
+        h2_connection.outbound_flow_control_window -= size
+        encoder = h2_connection.encoder
+        _queue_block(
+            h2_connection, stream_id, encoder.encode(_RESPONSE_HEADERS) + _request_id(request_id), 0
+        )
+        h2_connection._data_to_send += _FRAME_HEADER.pack(
+            size >> 8, size & 0xFF, _DATA, 0, stream_id
+        ) + _MESSAGE_PREFIX.pack(False, len(message))
+        h2_connection._data_to_send += message
+        _queue_block(h2_connection, stream_id, encoder.encode(_TRAILERS_OK), _END_STREAM)
+        self._inbound.pop(stream_id, None)
+        _forget_closed(h2_connection, stream_id, states)
+        return True
 
     def reset(self, stream_id: int) -> None:
         """Abandon a stream with RST_STREAM CANCEL, if it is still open."""

@@ -1196,28 +1196,42 @@ class Connection:
             call._inbound.get_nowait()  # its announced length: taken as the call's
             call._announced = length
             status, message = _OK, ""
+            ended = False
             try:
                 response = self._immediate[call.method](call, length)
                 if response is None:
                     self._start_task(call, self._handler)  # it would wait: as any call
                     continue
-                frames = _data_frames(response)
-                size = _size(frames)
                 room = max_unsent - self._taken - protocol.pending_bytes()
-                if size > protocol.send_window(stream_id) or size > room:
-                    self._start_task(call, _sender(response))
-                    continue
-                protocol.start_response(stream_id, call.initial_metadata, call.request_id)
-                call._headers_sent = True
-                while frames:
-                    protocol.send_data(stream_id, frames.pop())
-                call.bytes_out += size
+                if (
+                    type(response) is bytes
+                    and not call.initial_metadata
+                    and not call.trailing_metadata
+                    and len(response) + _MESSAGE_PREFIX.size <= room
+                    and protocol.answer(stream_id, response, call.request_id)
+                ):
+                    # Headers, message and OK trailers queued together: the call has ended.
+                    call._headers_sent = True
+                    call.bytes_out += len(response) + _MESSAGE_PREFIX.size
+                    ended = True
+                else:
+                    frames = _data_frames(response)
+                    size = _size(frames)
+                    if size > protocol.send_window(stream_id) or size > room:
+                        self._start_task(call, _sender(response))
+                        continue
+                    protocol.start_response(stream_id, call.initial_metadata, call.request_id)
+                    call._headers_sent = True
+                    while frames:
+                        protocol.send_data(stream_id, frames.pop())
+                    call.bytes_out += size
             except InferError as exc:
                 status, message = exc.code, exc.message
             except Exception:
                 logger.exception("unexpected error in %s", call.method)
                 status, message = StatusCode.INTERNAL, "internal server error"
-            self._end(call, status, message)
+            if not ended:
+                self._end(call, status, message)
             if self._access_log:
                 self._log(call, status)
             if call._on_sent is not None:
