@@ -1457,18 +1457,24 @@ class _InboundStream:
     def feed(self, data: bytes | memoryview) -> list[Event]:
         if self.refused:
             return []  # the rest of a refused message, in flight before the call's answer
-        if self.length is None and not self.buffer and len(data) >= _VIEWED_MESSAGE:
+        if self.length is None and not self.buffer and len(data) >= _MESSAGE_PREFIX.size:
             compressed, length = _MESSAGE_PREFIX.unpack_from(data)
             if (
                 not compressed
                 and length == len(data) - _MESSAGE_PREFIX.size
                 and length <= self.max_message_size
             ):
-                # Its prefix and all of it, as a unary call sends a large message: the events
-                # the buffer would give, the message a view of the frame's bytes.
+                # Its prefix and all of it, as a unary call sends its message: the events the
+                # buffer would give, a large message a view of the frame's bytes, a small one
+                # a copy of them.
+                whole: bytes | memoryview
+                if length < _VIEWED_MESSAGE:
+                    whole = data[_MESSAGE_PREFIX.size :]
+                else:
+                    whole = memoryview(data)[_MESSAGE_PREFIX.size :]
                 return [
                     MessageAnnounced(self.stream_id, length),
-                    MessageReceived(self.stream_id, memoryview(data)[_MESSAGE_PREFIX.size :]),
+                    MessageReceived(self.stream_id, whole),
                 ]
         self.buffer += data
         events: list[Event] = []
