@@ -881,6 +881,56 @@ async def test_window_updates_that_open_no_room_do_not_hold_off_the_send_timeout
     await server.calls_in_flight.wait_idle()
 
 
+def _answer_opened_by_settings(port: int) -> tuple[int, str | None]:
+    """Send a 1 MiB call to an echo server, the connection's window open wide but the stream's
+    left at 64 KiB; once the answer stalls on it, raise SETTINGS_INITIAL_WINDOW_SIZE (which
+    opens the stream's window, RFC 9113 §6.9.2) and send no WINDOW_UPDATE for the stream. The
+    answer's bytes received and its grpc-status (None if it did not end)."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    connection.increment_flow_control_window(64 * MiB)
+    stream_id = connection.get_next_available_stream_id()
+    connection.send_headers(stream_id, GOOD_HEADERS)
+    body = b"\x00" + MiB.to_bytes(4, "big") + b"s" * MiB
+    received, status, opened = 0, None, False
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        while status is None:
+            while body and connection.local_flow_control_window(stream_id):
+                step = min(
+                    connection.local_flow_control_window(stream_id),
+                    connection.max_outbound_frame_size,
+                )
+                chunk, body = body[:step], body[step:]
+                connection.send_data(stream_id, chunk, end_stream=not body)
+            sock.sendall(connection.data_to_send())
+            if not opened and received >= 65535:  # the stream's first window, all spent
+                # The connection's window is back (just sent), the SETTINGS frame comes alone.
+                opened = True
+                time.sleep(0.2)
+                connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * MiB})
+                sock.sendall(connection.data_to_send())
+            data = sock.recv(65536)
+            if not data:
+                break
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    received += len(event.data)
+                    # The connection's window only: the stream's is opened by SETTINGS alone.
+                    connection.increment_flow_control_window(event.flow_controlled_length)
+                elif isinstance(event, h2.events.TrailersReceived):
+                    status = dict(event.headers).get(b"grpc-status", b"").decode()
+    return received, status
+
+
+async def test_a_settings_frame_that_opens_the_streams_windows_wakes_a_stalled_answer(
+    nursery: trio.Nursery,
+) -> None:
+    _, port = await serve_echo(nursery, ProtocolLimits())
+    received, status = await trio.to_thread.run_sync(_answer_opened_by_settings, port)
+    assert (received, status) == (5 + MiB, "0")
+
+
 async def test_shutdown_lets_calls_finish_then_cancels_the_rest(harness: Harness) -> None:
     future = harness.method("Sleep").future(b"x")
     await harness.sleeping.wait()

@@ -71,7 +71,7 @@ from hyperframe.exceptions import InvalidFrameError, InvalidPaddingError
 from hyperframe.frame import GoAwayFrame, RstStreamFrame
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
-from purerpc.grpclib.events import RequestEnded, RequestReceived, WindowUpdated
+from purerpc.grpclib.events import RequestEnded, RequestReceived
 from purerpc.grpclib.exceptions import ProtocolError as _PurerpcProtocolError
 from purerpc.grpclib.headers import HeaderDict, sanitize_headers
 
@@ -102,7 +102,6 @@ __all__ = [
     "RequestReceived",
     "ServerProtocol",
     "StreamReset",
-    "WindowUpdated",
     "at_deadline",
     "grpc_message_value",
 ]
@@ -543,7 +542,6 @@ Event: TypeAlias = (
     RequestReceived
     | MessageReceived
     | RequestEnded
-    | WindowUpdated
     | CallRejected
     | MessageAnnounced
     | MessageRefused
@@ -559,7 +557,6 @@ _OWN_EVENTS = frozenset(
         RequestReceived,
         MessageReceived,
         RequestEnded,
-        WindowUpdated,
         CallRejected,
         MessageAnnounced,
         MessageRefused,
@@ -939,6 +936,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         self.answered = False
         #: The frames of the last read are not all handled yet (see :meth:`receive_data`).
         self.input_pending = False
+        #: A WINDOW_UPDATE opened a window since :meth:`ServerProtocol.take_window_opened`.
+        self.window_opened = False
         #: A frame of the last :meth:`receive_data` went through h2's dispatch.
         self.dispatched = False
         #: Seconds to wait before reading more of the client's frames (calls it cancelled
@@ -1376,9 +1375,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
 
     def _window_increment(self, frame: Any) -> list[Any] | None:
         """A WINDOW_UPDATE that opens a window of the open connection or of a stream open
-        or half-closed (remote) without overflowing it: its event, already the
-        :class:`WindowUpdated` that :class:`ServerProtocol` hands on (h2's event would only be
-        made into it); None for any other."""
+        or half-closed (remote) without overflowing it: no event, :attr:`window_opened` set;
+        None for any other."""
         increment = frame.window_increment
         stream_id = frame.stream_id
         if self.state_machine.state is _SERVER_OPEN and increment > 0:
@@ -1388,7 +1386,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             if stream_id == 0:
                 if self.outbound_flow_control_window + increment <= _MAX_WINDOW:
                     self.outbound_flow_control_window += increment
-                    return [WindowUpdated(0, increment)]
+                    self.window_opened = True
+                    return []
             else:
                 # In OPEN and HALF_CLOSED_REMOTE a WINDOW_UPDATE only adds to the stream's
                 # window (h2's state machine changes nothing else in them).
@@ -1398,7 +1397,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                     state is _OPEN or state is _HALF_CLOSED_REMOTE
                 ) and stream.outbound_flow_control_window + increment <= _MAX_WINDOW:
                     stream.outbound_flow_control_window += increment
-                    return [WindowUpdated(stream_id, increment)]
+                    self.window_opened = True
+                    return []
         return None
 
     def _receive_rst_stream_frame(self, frame: Any) -> Any:
@@ -1596,6 +1596,9 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         #: Connection-window bytes received but not yet returned to the client.
         self._unreturned = 0
         self._parsed_requests: dict[tuple[Any, ...], RequestReceived] = {}
+        #: The streams reset among the events :meth:`receive_data` last returned (the
+        #: :class:`StreamReset` events' streams).
+        self.resets: set[int] = set()
 
     # -- purerpc hooks -------------------------------------------------------------------------
 
@@ -1789,13 +1792,19 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
 
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Event]:
         self._inbound.pop(event.stream_id, None)
+        self.resets.add(event.stream_id)
         return [StreamReset(event.stream_id, event.remote_reset)]
 
+    def _window_updated(self, event: h2.events.WindowUpdated) -> list[Event]:
+        self.h2_connection.window_opened = True
+        return []
+
     def _remote_settings_changed(self, event: h2.events.RemoteSettingsChanged) -> list[Event]:
-        # The client's first SETTINGS frame follows its preface: the handshake is done.
+        # The client's first SETTINGS frame follows its preface: the handshake is done. New
+        # settings may open windows (SETTINGS_INITIAL_WINDOW_SIZE), as purerpc takes them to.
         self.handshake_done = True
-        events: list[Event] = super()._remote_settings_changed(event)
-        return events
+        self.h2_connection.window_opened = True
+        return []
 
     def _connection_terminated(self, event: h2.events.ConnectionTerminated) -> list[Event]:
         return [ConnectionTerminated()]
@@ -1816,6 +1825,15 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if h2_connection.queued:  # most of the time, everything is in the buffer
             pending += sum(memoryview(part).nbytes for part in h2_connection.queued)
         return pending
+
+    def take_window_opened(self) -> bool:
+        """Whether a WINDOW_UPDATE from the client opened a flow-control window since the last
+        time this was asked (a client sends one or two with nearly every call, and whoever
+        waits for room is woken once for all of them)."""
+        h2_connection = self.h2_connection
+        opened: bool = h2_connection.window_opened
+        h2_connection.window_opened = False
+        return opened
 
     def take_read_pause(self) -> float:
         """Seconds the transport must wait before it reads more from the client (0: none):
@@ -1838,6 +1856,8 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             ProtocolViolation: the peer broke HTTP/2; a GOAWAY is queued and the connection
                 must be closed after sending it.
         """
+        if self.resets:  # the last read's, which the caller may still hold
+            self.resets = set()
         h2_connection = self.h2_connection
         try:
             received: list[Any] = h2_connection.receive_data(data)

@@ -92,7 +92,6 @@ from trio_infer.transport.grpc_protocol import (
     RequestReceived,
     ServerProtocol,
     StreamReset,
-    WindowUpdated,
 )
 from trio_infer.transport.lingering import end_connection
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
@@ -658,8 +657,7 @@ class Connection:
         self._no_calls: trio.Event | None = None
         #: When the connection reaches its maximum age (Trio clock; inf: never).
         self._retire_at = retirement_time(trio.current_time(), limits.max_connection_age)
-        #: The protocol's events, by type, to what the connection does with them (but
-        #: WindowUpdated, which the reader handles itself).
+        #: The protocol's events, by type, to what the connection does with them.
         self._handlers: dict[type, Callable[[Any], None]] = {
             RequestReceived: self._start_call,
             MessageAnnounced: self._message_announced,
@@ -929,27 +927,14 @@ class Connection:
             if not handshaken and protocol.handshake_done:
                 handshaken = True
                 self._handshake.set()
-            resets: set[int] | None = None
+            self._reset_in_read = protocol.resets
             for event in events:
-                if type(event) is StreamReset:
-                    if resets is None:
-                        resets = set()
-                    resets.add(event.stream_id)
-            self._reset_in_read = _NO_RESETS if resets is None else resets
-            window_updated = False
-            for event in events:
-                kind = type(event)
-                if kind is WindowUpdated:
-                    # A client sends two with nearly every call: whoever waits for the window
-                    # is woken once for all of them.
-                    window_updated = True
-                    continue
-                handler = handlers.get(kind)
+                handler = handlers.get(type(event))
                 if handler is not None:  # others (a PING's ACK, SETTINGS' ACK) need nothing
                     handler(event)
             if self._held:
                 self._answer_held()
-            if window_updated:
+            if protocol.take_window_opened():
                 self._window_updated.set()
             if protocol.has_data_to_send():
                 self.flush()
