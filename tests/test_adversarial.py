@@ -34,6 +34,7 @@ from trio_infer.transport.grpc_protocol import (
     RequestReceived,
     ServerProtocol,
     StreamReset,
+    WholeRequest,
 )
 from trio_infer.transport.header_blocks import decoded_size
 
@@ -47,6 +48,7 @@ EVENTS = (
     RequestEnded,
     RequestReceived,
     StreamReset,
+    WholeRequest,
 )
 #: The most a connection's frame buffer may hold: one frame being received, and its header.
 MAX_FRAME = 128 * 1024
@@ -146,6 +148,8 @@ def _events_of(protocol: ServerProtocol, chunks: list[bytes]) -> list[object]:
             for event in events:
                 if isinstance(event, MessageReceived):
                     seen.append(("message", event.stream_id, bytes(event.data)))
+                elif isinstance(event, WholeRequest):
+                    seen.append(("whole", event.stream_id, event.length, bytes(event.data)))
                 elif dataclasses.is_dataclass(event):  # this module's events compare by value
                     seen.append(event)
                 else:
@@ -488,9 +492,10 @@ class _Handler:
                     self.answer(event.stream_id, event.status, event.message)
             elif (
                 # A stream's events only (ConnectionTerminated has no stream).
-                isinstance(event, RequestEnded | MessageReceived) and event.stream_id in self.calls
+                isinstance(event, RequestEnded | MessageReceived | WholeRequest)
+                and event.stream_id in self.calls
             ) and (
-                (isinstance(event, RequestEnded) and self.choice() != 2)
+                (isinstance(event, RequestEnded | WholeRequest) and self.choice() != 2)
                 or (isinstance(event, MessageReceived) and self.choice() == 1)
             ):
                 self.answer(event.stream_id, StatusCode.OK, "")
@@ -728,6 +733,8 @@ def _drive(
                     consumed[event.stream_id] = consumed.get(event.stream_id, 0) + 5
                 elif isinstance(event, MessageReceived):
                     consumed[event.stream_id] = consumed.get(event.stream_id, 0) + len(event.data)
+                elif isinstance(event, WholeRequest):
+                    consumed[event.stream_id] = consumed.get(event.stream_id, 0) + 5 + event.length
         queued += wire.feed(protocol.data_to_send())
         if events is not None:
             handler.note(events)

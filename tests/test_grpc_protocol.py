@@ -31,9 +31,9 @@ from trio_infer.transport.grpc_protocol import (
     ProtocolLimits,
     ProtocolViolation,
     RateLimit,
-    RequestEnded,
     ServerProtocol,
     StreamReset,
+    WholeRequest,
     request_headers_problem,
 )
 
@@ -71,10 +71,7 @@ def test_data_with_the_reserved_bit_and_undefined_flags_is_read_as_hyperframe_re
     message = b"\x00\x00\x00\x00\x02hi"
     data = _frame(0x0, 0x1 | 0x2 | 0x20, 0x80000001, message)
     events = server.receive_data(client.data_to_send() + data)
-    received, ended = events[-2:]
-    assert received == MessageReceived(1, b"hi")
-    assert isinstance(ended, RequestEnded)
-    assert ended.stream_id == 1
+    assert events[-1] == WholeRequest(1, 2, b"hi")
 
 
 def _request_headers_outcome(
@@ -960,8 +957,8 @@ def test_a_message_in_the_read_of_a_header_block_h2_dispatches_is_received(form:
     message = b"\x00\x00\x00\x00\x02hi"
     events = server.receive_data(headers + _frame(0x0, 0x1, 1, message))
     kinds = [type(event).__name__ for event in events]
-    assert kinds == ["RequestReceived", "MessageAnnounced", "MessageReceived", "RequestEnded"]
-    assert events[2] == MessageReceived(1, b"hi")
+    assert kinds == ["RequestReceived", "WholeRequest"]
+    assert events[1] == WholeRequest(1, 2, b"hi")
 
 
 def _message_events(data: bytes, cuts: list[int], limits: ProtocolLimits) -> list[object]:

@@ -102,6 +102,7 @@ __all__ = [
     "RequestReceived",
     "ServerProtocol",
     "StreamReset",
+    "WholeRequest",
     "at_deadline",
     "grpc_message_value",
 ]
@@ -513,6 +514,19 @@ class MessageReceived:
     data: bytes | bytearray | memoryview
 
 
+@dataclass
+class WholeRequest:
+    """A stream's whole request arrived in one DATA frame: one message of ``length`` bytes
+    (prefix and all), then the client's END_STREAM. What :class:`MessageAnnounced`,
+    :class:`MessageReceived` and ``RequestEnded`` would say, in one event, as a unary call's
+    request comes."""
+
+    stream_id: int
+    length: int
+    #: A read-only view of the DATA frame's bytes for a large message.
+    data: bytes | memoryview
+
+
 @dataclass(frozen=True)
 class MessageRefused:
     """A stream's request message cannot be taken (too large, compressed); the call must end
@@ -544,6 +558,7 @@ Event: TypeAlias = (
     | RequestEnded
     | CallRejected
     | MessageAnnounced
+    | WholeRequest
     | MessageRefused
     | StreamReset
     | ConnectionTerminated
@@ -559,6 +574,7 @@ _OWN_EVENTS = frozenset(
         RequestEnded,
         CallRejected,
         MessageAnnounced,
+        WholeRequest,
         MessageRefused,
         StreamReset,
         ConnectionTerminated,
@@ -1454,28 +1470,38 @@ class _InboundStream:
         self.admitted = 0
         self.refused = False
 
+    def whole(self, data: bytes | memoryview) -> bytes | memoryview | None:
+        """The message ``data`` holds, when it holds one whole, its prefix and all, and
+        nothing else, with nothing of another buffered (as a unary call sends its message): a
+        view of a large one's bytes, a copy of a small one's. None otherwise (:meth:`feed`
+        takes it then), and for a refused stream, whose data is dropped."""
+        if (
+            self.refused
+            or self.length is not None
+            or self.buffer
+            or len(data) < _MESSAGE_PREFIX.size
+        ):
+            return None
+        compressed, length = _MESSAGE_PREFIX.unpack_from(data)
+        if (
+            compressed
+            or length != len(data) - _MESSAGE_PREFIX.size
+            or length > self.max_message_size
+        ):
+            return None
+        if length < _VIEWED_MESSAGE:
+            return data[_MESSAGE_PREFIX.size :]
+        return memoryview(data)[_MESSAGE_PREFIX.size :]
+
     def feed(self, data: bytes | memoryview) -> list[Event]:
         if self.refused:
             return []  # the rest of a refused message, in flight before the call's answer
-        if self.length is None and not self.buffer and len(data) >= _MESSAGE_PREFIX.size:
-            compressed, length = _MESSAGE_PREFIX.unpack_from(data)
-            if (
-                not compressed
-                and length == len(data) - _MESSAGE_PREFIX.size
-                and length <= self.max_message_size
-            ):
-                # Its prefix and all of it, as a unary call sends its message: the events the
-                # buffer would give, a large message a view of the frame's bytes, a small one
-                # a copy of them.
-                whole: bytes | memoryview
-                if length < _VIEWED_MESSAGE:
-                    whole = data[_MESSAGE_PREFIX.size :]
-                else:
-                    whole = memoryview(data)[_MESSAGE_PREFIX.size :]
-                return [
-                    MessageAnnounced(self.stream_id, length),
-                    MessageReceived(self.stream_id, whole),
-                ]
+        whole = self.whole(data)
+        if whole is not None:  # the events the buffer would give, without it
+            return [
+                MessageAnnounced(self.stream_id, len(whole)),
+                MessageReceived(self.stream_id, whole),
+            ]
         self.buffer += data
         events: list[Event] = []
         while True:
@@ -1664,10 +1690,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             return [*self._stream_reset(reset), *self._data_received(dropped)]
         if ended is None:
             return None
-        events = self._data(frame.stream_id, frame.data, frame.flow_controlled_length)
-        if ended:
-            events.extend(self._ended(frame.stream_id))
-        return events
+        return self._data(frame.stream_id, frame.data, frame.flow_controlled_length, ended)
 
     def _request_received(self, event: h2.events.RequestReceived) -> list[Event]:
         return self._request(event.stream_id, event.headers, event.stream_ended is not None)
@@ -1756,11 +1779,14 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         return request
 
     def _data_received(self, event: h2.events.DataReceived) -> list[Event]:
-        return self._data(event.stream_id, event.data, event.flow_controlled_length)
+        # Its StreamEnded, if it ended the stream, follows: the request has ended by then.
+        ended = event.stream_ended is not None
+        return self._data(event.stream_id, event.data, event.flow_controlled_length, ended)
 
     def _data(
-        self, stream_id: int, data: bytes | memoryview, flow_controlled_length: int
+        self, stream_id: int, data: bytes | memoryview, flow_controlled_length: int, ended: bool
     ) -> list[Event]:
+        """The events of a request's DATA, and of its END_STREAM when ``ended``."""
         # Streams' windows bound what is buffered; the connection window is handed back as
         # data arrives, in batches so that large requests do not cost a frame per frame.
         self._unreturned += flow_controlled_length
@@ -1775,7 +1801,15 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             # holds nothing: admitted as it comes, or the client's window would shrink by it
             # for good and a stream of padded frames stall, its message never whole.
             self._admitted(inbound, flow_controlled_length - len(data))
-        return inbound.feed(data)
+        if not ended:
+            return inbound.feed(data)
+        del self._inbound[stream_id]
+        whole = inbound.whole(data)
+        if whole is not None:
+            return [WholeRequest(stream_id, len(whole), whole)]
+        events = inbound.feed(data)
+        events.append(RequestEnded(stream_id))
+        return events
 
     def _trailers_received(self, event: h2.events.TrailersReceived) -> list[Event]:
         # Request trailers are legal HTTP/2 (RFC 9113 §8.1) but carry nothing gRPC reads: they

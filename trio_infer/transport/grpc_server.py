@@ -92,6 +92,7 @@ from trio_infer.transport.grpc_protocol import (
     RequestReceived,
     ServerProtocol,
     StreamReset,
+    WholeRequest,
 )
 from trio_infer.transport.lingering import end_connection
 from trio_infer.transport.listening import CallCounter, ConnectionServer, Transport
@@ -162,6 +163,16 @@ class _InboundQueue:
         if not self._closed:
             self._items.append(item)
             if self._reader is not None:  # most items come before their call's task runs
+                self._wake()
+
+    def put_last(self, length: int, message: Buffer) -> None:
+        """A message's announced ``length``, the message, then :meth:`close`: a whole request
+        (the reader, if it waits, wakes once)."""
+        if not self._closed:
+            self._items.append(length)
+            self._items.append(message)
+            self._closed = True
+            if self._reader is not None:
                 self._wake()
 
     def close(self) -> None:
@@ -663,6 +674,7 @@ class Connection:
             MessageAnnounced: self._message_announced,
             MessageReceived: self._message_received,
             RequestEnded: self._request_ended,
+            WholeRequest: self._whole_request,
             MessageRefused: self._message_refused,
             StreamReset: self._stream_reset,
             CallRejected: self._call_rejected,
@@ -1026,6 +1038,12 @@ class Connection:
         call = state.call if state is not None else self._held.get(event.stream_id)
         if call is not None:
             call._inbound.close()
+
+    def _whole_request(self, event: WholeRequest) -> None:
+        state = self._calls.get(event.stream_id)
+        call = state.call if state is not None else self._held.get(event.stream_id)
+        if call is not None:
+            call._inbound.put_last(event.length, event.data)
 
     def _message_refused(self, event: MessageRefused) -> None:
         state = self._calls.get(event.stream_id)
