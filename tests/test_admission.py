@@ -300,6 +300,38 @@ async def test_while_shedding_a_probe_waits_at_most_target_wait_and_light_load_e
         assert not admission.statistics().shedding
 
 
+async def test_a_request_of_no_bytes_holds_nothing_and_shows_room_as_any_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    admission = Admission(budget_bytes=100, max_waiting_bytes=200, max_owner_bytes=50)
+
+    async def hold() -> None:
+        async with admission.reserve(100, math.inf):
+            await trio.sleep(0.3)
+
+    async with trio.open_nursery() as nursery:
+        # Each waits 0.3 s for the one before: a queue that stands for over an interval.
+        for _ in range(3):
+            nursery.start_soon(hold)
+            await trio.sleep(0.01)
+        await trio.sleep(0.35 - 0.03)
+        # Behind a waiter: it would wait, and holds nothing.
+        assert admission.reserve_nowait(0, "client") is None
+        assert (admission.statistics().waiting, admission.statistics().reserved_bytes) == (1, 100)
+        await trio.sleep(0.3)
+        assert admission.statistics().shedding  # seen when the last got room, at 0.6 s
+        # No waiter, and no refusal since: as any request that finds room, it ends the
+        # shedding, holding nothing.
+        assert admission.reserve_nowait(0, "client") is None
+        statistics = admission.statistics()
+        assert (statistics.shedding, statistics.reserved_bytes) == (False, 100)
+    # Nothing held for the client: its whole share is there.
+    reservation = admission.reserve_nowait(50, "client")
+    assert reservation is not None
+    reservation.release()
+    assert admission.statistics().reserved_bytes == 0
+
+
 async def test_one_connection_holds_at_most_its_share_and_others_still_get_room() -> None:
     admission = Admission(budget_bytes=100)  # a connection's share: half the budget
     async with admission.reserve(30, math.inf, owner=1), admission.reserve(20, math.inf, owner=1):

@@ -319,11 +319,18 @@ class Admission:
         waiting; None when it would wait (for room, or behind requests already waiting), and
         nothing is held then. The caller gives the bytes back with
         :meth:`Reservation.release`, or keeps them with :meth:`Reservation.release_later`.
+        None too for ``nbytes`` 0: no bytes are nothing to hold or give back, and the room
+        found or not is taken note of as for any request.
 
         Raises:
             Overloaded: :meth:`reserve` would refuse the request at once (larger than the
                 budget, or past the owner's share).
         """
+        if not nbytes:
+            # No owner's share can be past its bound (nothing grows it there), so none refuses
+            # no bytes more: the owner changes nothing.
+            self._take_now(0, None)
+            return None
         reservation = Reservation(self, nbytes, owner)
         return reservation if self._take_now(nbytes, reservation._owner) else None
 
