@@ -1490,7 +1490,9 @@ class _InboundStream:
         ):
             return None
         if length < _VIEWED_MESSAGE:
-            return data[_MESSAGE_PREFIX.size :]
+            # ``bytes`` of its own even when the frame's body is a view (a frame joined from
+            # two reads): a parser copies a small view before it reads it.
+            return bytes(data[_MESSAGE_PREFIX.size :])
         return memoryview(data)[_MESSAGE_PREFIX.size :]
 
     def feed(self, data: bytes | memoryview) -> list[Event]:
