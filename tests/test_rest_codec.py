@@ -1212,3 +1212,77 @@ def test_a_request_of_a_layout_seen_before_is_its_own_and_leaves_the_next_whole(
         parsed.input_parameters["x"].clear()
         parsed.output_parameters["y"]["q"] = "changed"
         parsed.outputs.append("z")
+
+
+@st.composite
+def binary_layouts(draw: st.DrawFn) -> np.ndarray:
+    """A numeric array of any datatype and byte order, C-ordered, Fortran-ordered, strided,
+    0-d or empty."""
+    datatype = draw(st.sampled_from(NUMERIC))
+    dtype = DATATYPES[datatype].newbyteorder(draw(st.sampled_from("<>=")))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
+    array = draw(hnp.arrays(dtype, shape))
+    layout = draw(st.sampled_from(["c", "f", "strided", "transposed"]))
+    if layout == "f":
+        return np.asfortranarray(array)
+    if layout == "strided" and array.ndim:
+        return array[::2]
+    if layout == "transposed":
+        return array.T
+    return array
+
+
+@given(binary_layouts())
+@settings(max_examples=500, deadline=None)
+def test_a_binary_output_is_its_row_major_little_endian_bytes_in_any_layout(
+    array: np.ndarray,
+) -> None:
+    # What the wire carries, made the general way: a C-contiguous little-endian copy as bytes.
+    datatype = codec.datatype_of(array)
+    dtype = DATATYPES[datatype].newbyteorder("<")
+    expected = np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8).data
+    blob = codec._binary_blob("output 'y'", datatype, array)
+    assert isinstance(blob, memoryview)
+    assert (blob.format, blob.ndim, blob.nbytes) == ("B", 1, expected.nbytes)
+    assert blob.tobytes() == expected.tobytes()
+    if array.dtype == dtype and array.flags.c_contiguous and array.size:
+        # Sent from the array's own memory, not a copy of it.
+        assert np.shares_memory(np.frombuffer(blob, np.uint8), array)
+
+
+@pytest.mark.parametrize("datatype", NUMERIC)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (1, 5), (2, 3, 2)])
+@pytest.mark.parametrize("pad", range(8))
+def test_a_binary_input_is_the_array_of_its_bytes_in_its_shape(
+    datatype: str, shape: tuple[int, ...], pad: int
+) -> None:
+    # What frombuffer then reshape made of the bytes, at every alignment of their place.
+    values = sample(datatype, shape)
+    raw = values.astype(DATATYPES[datatype].newbyteorder("<")).tobytes()
+    document = {
+        "id": "p" * pad,
+        "inputs": [
+            {
+                "name": "x",
+                "datatype": datatype,
+                "shape": list(shape),
+                "parameters": {"binary_data_size": len(raw)},
+            }
+        ],
+    }
+    body, header_length = body_of(document, raw)
+    for parsed_body in (bytearray(body), bytes(body)):  # writable, and read-only
+        decoded = decode_infer_request(parsed_body, header_length).inputs["x"]
+        assert header_length is not None
+        expected = np.frombuffer(
+            memoryview(parsed_body)[header_length:], DATATYPES[datatype].newbyteorder("<")
+        ).reshape(shape)
+        assert decoded.dtype == expected.dtype
+        assert decoded.shape == expected.shape
+        assert decoded.tobytes() == expected.tobytes()
+        assert decoded.flags.c_contiguous
+        assert decoded.flags.aligned
+        if decoded.flags.owndata:  # copied, where its place was not aligned
+            assert decoded.flags.writeable
+        else:
+            assert decoded.flags.writeable == expected.flags.writeable

@@ -254,8 +254,8 @@ class _InputSpec:
     """Bytes decoding copies a binary input into: its size where the body is not aligned for
     the dtype, else 0 (a view)."""
     array: np.ndarray | None = None
-    """A binary numeric input's flat array, a view of :attr:`binary` (None for BYTES and
-    JSON inputs): made when its alignment is checked, and decoded from there."""
+    """A binary numeric input's array in its shape, a view of :attr:`binary` (None for BYTES
+    and JSON inputs): made when its alignment is checked, and decoded from there."""
 
 
 @dataclass(slots=True)
@@ -408,16 +408,17 @@ def parse_infer_request(
         binary_outputs = BinaryOutputs(default_binary, by_name)
     else:
         binary_outputs = _ALL_BINARY if default_binary else _NO_BINARY
+    # Positional: a class called with keywords gets them as a dict made for the call.
     parsed = ParsedInferRequest(
-        id=request_id,
-        parameters=parameters,
-        input_parameters=input_parameters,
-        outputs=outputs,
-        binary_outputs=binary_outputs,
-        output_parameters=output_parameters,
-        decoded_nbytes=decoded_nbytes,
-        _inputs=specs,
-        _may_hold_bools=may_hold_bools,
+        request_id,
+        parameters,
+        input_parameters,
+        outputs,
+        binary_outputs,
+        output_parameters,
+        decoded_nbytes,
+        specs,
+        may_hold_bools,
     )
     if key is not None and all(spec.binary is not None for spec in specs):
         if len(_LAYOUTS) >= _MAX_LAYOUTS:
@@ -480,23 +481,28 @@ class _Layout:
                 spec, cost = _binary_numeric(name, datatype, shape, binary)
             specs.append(spec)
             decoded_nbytes += cost
+        # Positional: a class called with keywords gets them as a dict made for the call.
         return ParsedInferRequest(
-            id=self.id,
-            parameters=dict(self.parameters),
-            input_parameters=_copied(self.input_parameters),
-            outputs=list(self.outputs),
-            binary_outputs=self.binary_outputs,
-            output_parameters=_copied(self.output_parameters),
-            decoded_nbytes=decoded_nbytes,
-            _inputs=specs,
-            _may_hold_bools=False,
+            self.id,
+            dict(self.parameters),
+            _copied(self.input_parameters),
+            list(self.outputs),
+            self.binary_outputs,
+            _copied(self.output_parameters),
+            decoded_nbytes,
+            specs,
+            False,
         )
 
 
 def _copied(
     maps: dict[str, dict[str, ParameterValue]],
 ) -> dict[str, dict[str, ParameterValue]]:
-    return {name: dict(values) for name, values in maps.items()}
+    # A loop, not a comprehension: the comprehension is a function made and called (Python 3.11).
+    copied = {}
+    for name, values in maps.items():
+        copied[name] = dict(values)
+    return copied
 
 
 #: Layouts by JSON part and body size (:class:`_Layout`); emptied when full.
@@ -738,7 +744,8 @@ def _binary_numeric(
     """A binary numeric input of ``binary``'s bytes (as many as its shape takes), and its
     decoding cost: a copy when its place in the body is not aligned for its dtype (numpy's own
     test of the element's address), known before anything is decoded."""
-    array = np.frombuffer(binary, dtype=_BINARY_DTYPES[datatype])
+    # Made in its shape at once: the same view as frombuffer's array reshaped, in one call.
+    array = np.ndarray(shape, _BINARY_DTYPES[datatype], binary)
     copy_nbytes = 0 if array.flags.aligned else binary.nbytes
     return _InputSpec(name, datatype, shape, None, binary, copy_nbytes, array), copy_nbytes
 
@@ -825,8 +832,8 @@ def _decode_binary(where: str, spec: _InputSpec) -> np.ndarray:
             )
     if spec.copy_nbytes:
         # Numeric code (numpy's own, and models') may assume aligned elements.
-        array = array.copy()
-    return array.reshape(spec.shape)
+        return array.copy()
+    return array
 
 
 def _decode_lazy(
@@ -1210,5 +1217,14 @@ def _binary_blob(where: str, datatype: str, array: np.ndarray) -> Buffer:
             parts.append(element)
         return b"".join(parts)
     # BOOL is one byte per element, as numpy stores it; views it as bytes without a copy.
-    contiguous = np.ascontiguousarray(array, dtype=_BINARY_DTYPES[datatype])
+    target = _BINARY_DTYPES[datatype]
+    if array.dtype == target:
+        try:
+            # Most outputs: C-contiguous and of the wire's dtype, viewed as bytes in one call
+            # (of the buffer numpy gives: a subclass's ``data`` may be something else). ndarray
+            # exports a buffer; numpy's stubs do not declare it.
+            return memoryview(array).cast("B")  # type: ignore[arg-type]
+        except TypeError:
+            pass  # Not C-contiguous, or without elements: made so below.
+    contiguous = np.ascontiguousarray(array, dtype=target)
     return contiguous.reshape(-1).view(np.uint8).data
