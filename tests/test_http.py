@@ -25,13 +25,19 @@ from hypothesis import strategies as st
 
 from tests.support import GrpcioClient, eventually, start_server
 from trio_infer.errors import StatusCode
-from trio_infer.frontends.http_service import http_status
+from trio_infer.frontends.http_service import (
+    _header_length,
+    _model_route,
+    http_status,
+    infer_route,
+)
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs
 from trio_infer.server import RunningServer
 from trio_infer.transport import http_server
 from trio_infer.transport.http_server import (
     HttpConnection,
+    HttpError,
     HttpLimits,
     HttpRequest,
     error_body,
@@ -191,6 +197,79 @@ async def test_unknown_models_paths_and_methods_are_404_and_405(
         assert (response.status_code, response.content) == (200, b"")
         # The server goes on serving the same client.
         assert (await client.get("/v2/health/live")).status_code == 200
+
+
+async def test_an_inference_path_in_any_spelling_is_answered_as_its_plain_form(
+    server: RunningServer,
+) -> None:
+    # The plain forms are read by infer_route; a percent-encoded one by the route's split, a
+    # request of another method or for another model the same way: the same answers.
+    spellings = [
+        ("/v2/models/add_sub/infer", "/v2/models/add%5Fsub/infer"),
+        ("/v2/models/add_sub/versions/1/infer", "/v2/models/add_sub/versions/%31/infer"),
+        ("/v2/models/nope/infer", "/v2/models/n%6Fpe/infer"),
+        ("/v2/models/nope/versions/3/infer", "/v2/models/nope/versions/%33/infer"),
+    ]
+    async with _client(server) as client:
+        for plain, encoded in spellings:
+            for method in ("POST", "GET", "PUT"):
+                answers = [
+                    await client.request(method, path, json=ADD_SUB_BODY)
+                    for path in (plain, encoded)
+                ]
+                first, second = answers
+                assert first.status_code == second.status_code, (method, plain)
+                assert first.content == second.content, (method, plain)
+                assert first.headers.get("allow") == second.headers.get("allow")
+        # The plain form is the one served, not refused.
+        plain_answer = await client.post("/v2/models/add_sub/infer", json=ADD_SUB_BODY)
+        assert plain_answer.status_code == 200
+
+
+@given(
+    st.lists(
+        st.sampled_from(["", "v2", "models", "versions", "infer", "ready", "m", "1", "%41", "a/b"]),
+        max_size=7,
+    )
+)
+@settings(max_examples=2000, deadline=None)
+def test_infer_route_reads_a_path_as_the_route_does(segments: list[str]) -> None:
+    path = "/".join(segments)
+    found = infer_route(path)
+    # As HttpService._route reads a path: split at "/", "/v2" first, "models" and a name, then
+    # what _model_route finds after it.
+    parts = path.split("/")
+    routed = None
+    if len(parts) >= 4 and not parts[0] and parts[1:3] == ["v2", "models"] and parts[3]:
+        name, version, action = _model_route(parts[3:])
+        if action == "infer":
+            routed = (name, version)
+    if "%" in path:
+        assert found is None  # percent-encoded paths are the route's to decode
+    else:
+        assert found == routed
+
+
+@given(
+    st.binary(max_size=24)
+    | st.sampled_from([b"\xb2", b"\xb9", b"1_0", b" 1", b"+1", b"-1", b"0" * 19, b"9" * 20])
+    | st.text(alphabet="0123456789\u00b2\u00b3\u00b9\u0663", max_size=21).map(
+        lambda text: text.encode("latin-1", "replace")
+    )
+)
+@settings(max_examples=2000, deadline=None)
+def test_a_header_length_is_read_from_its_bytes_as_from_its_text(value: bytes) -> None:
+    # As the header's text (Latin-1) is read: ASCII digits, at most 19 of them, a number.
+    text = value.decode("latin-1")
+    if text.isascii() and text.isdigit() and len(text) <= 19:
+        assert _header_length([value]) == int(text)
+    else:
+        with pytest.raises(HttpError) as caught:
+            _header_length([value])
+        assert caught.value.status == 400
+        assert caught.value.message == (
+            f"inference-header-content-length must be a number of bytes, got {text[:40]!r}"
+        )
 
 
 @pytest.mark.parametrize("framing", ["Content-Length: 65537", "Transfer-Encoding: chunked"])

@@ -29,8 +29,9 @@ import hmac
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import unquote
 
@@ -54,7 +55,14 @@ from trio_infer.transport.access_log import REQUEST_ID_HEADER
 from trio_infer.transport.http_server import HttpError, HttpRequest, error_body
 from trio_infer.transport.quoting import header_text, shown
 
-__all__ = ["HttpService", "MetricsRenderer", "http_status", "metrics_handler", "serve_metrics"]
+__all__ = [
+    "HttpService",
+    "MetricsRenderer",
+    "http_status",
+    "infer_route",
+    "metrics_handler",
+    "serve_metrics",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +131,12 @@ _PROTOCOL_FIELDS = frozenset(name.encode("latin-1") for name in _PROTOCOL_HEADER
 #: The most digits an Inference-Header-Content-Length may have (2**63 has 19).
 _MAX_HEADER_LENGTH_DIGITS = 19
 
+#: The parameters of an inference's answer: none (the encoder only reads them).
+_NO_PARAMETERS: Mapping[str, codec.ParameterValue] = MappingProxyType({})
+#: The parts of an inference's path around its model's name and version (infer_route).
+_MODELS_PREFIX = "/v2/models/"
+_VERSIONS = "/versions/"
+_INFER_SUFFIX = "/infer"
 #: The methods of a route that only reads, as an ``allow`` field lists them.
 _READ_METHODS = "GET, HEAD"
 _READS = frozenset(("GET", "HEAD"))
@@ -185,6 +199,12 @@ class HttpService:
         try:
             check = self._health.get(request.path)
             if check is None:
+                route = infer_route(request.path)
+                if route is not None:
+                    # An inference, its path in the form clients send: served without the
+                    # route's split and coroutine.
+                    await self._infer_at(request, *route)
+                    return
                 check = await self._route(request)
             if check is not None:
                 _check_get(request)
@@ -220,9 +240,7 @@ class HttpService:
             if action is None:
                 raise _not_found(request)
             if action == "infer":
-                if request.method != "POST":
-                    raise _not_allowed("POST")
-                await self._infer(request, name, version)
+                await self._infer_at(request, name, version)
             elif action == "ready":
                 _check_get(request)
                 await self._model_ready(request, name, version)
@@ -328,6 +346,18 @@ class HttpService:
             },
         )
 
+    def _infer_at(self, request: HttpRequest, name: str, version: str) -> Awaitable[None]:
+        """The inference a path names (model ``name``, ``version``), to be awaited by the
+        caller, without a coroutine of its own between the caller's and :meth:`_infer`.
+
+        Raises:
+            HttpError: The request is not a POST (405).
+        """
+        request.subject = name
+        if request.method != "POST":
+            raise _not_allowed("POST")
+        return self._infer(request, name, version)
+
     async def _infer(self, request: HttpRequest, name: str, version: str) -> None:
         """``POST .../infer``: reserve from ``Content-Length``, read, decode, infer, encode.
 
@@ -387,22 +417,30 @@ class HttpService:
     ) -> tuple[list[tuple[str, str]], list[Buffer]]:
         """The response's header fields and body buffers for ``answer``; encoded in a thread
         when its outputs are large."""
-        encode = partial(
-            codec.encode_infer_response,
+        outputs = answer.outputs
+        elements = 0
+        for _, array in outputs:
+            elements += array.size
+        arguments = (
             answer.model_name,
             answer.model_version,
             answer.id,
-            answer.outputs,
-            {},
+            outputs,
+            _NO_PARAMETERS,
             binary_outputs,
         )
-        if sum(array.size for _, array in answer.outputs) > _OFF_LOOP_ELEMENTS:
+        if elements > _OFF_LOOP_ELEMENTS:
             buffers, json_length = await trio.to_thread.run_sync(
-                encode, limiter=self._off_loop, abandon_on_cancel=False
+                codec.encode_infer_response,
+                *arguments,
+                limiter=self._off_loop,
+                abandon_on_cancel=False,
             )
         else:
-            buffers, json_length = encode()
-        headers = [*answer.headers.items(), *answer.trailers.items()]
+            buffers, json_length = codec.encode_infer_response(*arguments)
+        # Most answers carry no metadata: their (empty) mappings are not unpacked.
+        metadata = answer.headers or answer.trailers
+        headers = [*answer.headers.items(), *answer.trailers.items()] if metadata else []
         if json_length is None:
             headers.append(_JSON)
         else:
@@ -442,6 +480,22 @@ class HttpService:
         else:
             inputs = codec.input_arrays(parsed)
         return parsed, inputs
+
+
+def infer_route(path: str) -> tuple[str, str] | None:
+    """``(name, version)`` of an inference's path as clients send it,
+    ``/v2/models/{name}[/versions/{version}]/infer`` with no segment empty and nothing
+    percent-encoded; None for any other path (:meth:`HttpService._route` reads it, and finds
+    the same model and version for a path this reads)."""
+    if not (path.startswith(_MODELS_PREFIX) and path.endswith(_INFER_SUFFIX)) or "%" in path:
+        return None
+    middle = path[len(_MODELS_PREFIX) : -len(_INFER_SUFFIX)]
+    if "/" not in middle:
+        return (middle, "") if middle else None
+    name, versions, version = middle.partition(_VERSIONS)
+    if not name or "/" in name or not versions or not version or "/" in version:
+        return None
+    return name, version
 
 
 def _model_route(rest: list[str]) -> tuple[str, str, str | None]:
@@ -520,11 +574,12 @@ def _header_length(values: list[bytes]) -> int:
         raise HttpError(
             400, f"{_HEADER_LENGTH} is sent {len(values)} times; it is one number of bytes"
         )
-    value = values[0].decode("latin-1")
-    # ASCII digits only ("\u00b2".isdigit() is true, and int() refuses it), and few enough for
-    # int() (which refuses over 4,300) and for any body.
-    if not (value.isascii() and value.isdigit()) or len(value) > _MAX_HEADER_LENGTH_DIGITS:
-        raise HttpError(400, f"{_HEADER_LENGTH} must be a number of bytes, got {value[:40]!r}")
+    value = values[0]
+    # ASCII digits only (bytes.isdigit: "\u00b2".isdigit() is true of the text, and int()
+    # refuses it), and few enough for int() (which refuses over 4,300) and for any body.
+    if not value.isdigit() or len(value) > _MAX_HEADER_LENGTH_DIGITS:
+        shown_value = value.decode("latin-1")[:40]
+        raise HttpError(400, f"{_HEADER_LENGTH} must be a number of bytes, got {shown_value!r}")
     return int(value)
 
 
