@@ -474,7 +474,11 @@ def header_lines(fields: Sequence[tuple[str, str]]) -> str:
     Raises:
         ValueError: A name or value holds a CR or LF (it would start a line of its own).
     """
-    lines = "".join([f"{name}: {value}\r\n" for name, value in fields])
+    # A loop, not a comprehension: the comprehension is a function made and called (Python
+    # 3.11), which costs more than the few fields a response has.
+    lines = ""
+    for name, value in fields:
+        lines += f"{name}: {value}\r\n"
     if lines.count("\n") != len(fields) or lines.count("\r") != len(fields):
         raise ValueError("a response header's name or value holds a line break")
     return lines
@@ -751,10 +755,12 @@ class HttpRequest:
         message = self._message
         limits = connection.limits
         limit = limits.max_body_size if limit is None else min(limit, limits.max_body_size)
-        try:
-            decoder = body_decoder(self._coding, limit)
-        except ContentCodingError as exc:
-            raise HttpError(exc.status, exc.message) from None
+        decoder: BodyDecoder | None = None
+        if self._coding is not None:  # without the header, a body is sent as it is
+            try:
+                decoder = body_decoder(self._coding, limit)
+            except ContentCodingError as exc:
+                raise HttpError(exc.status, exc.message) from None
         if message.expects_continue and not message.body_size and not connection.buffered:
             await connection.send([_CONTINUE], self)
         pad = -aligned_at % 16
