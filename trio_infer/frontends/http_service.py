@@ -387,15 +387,16 @@ class HttpService:
             body = await request.receive_body(grow, aligned_at=header_length or 0)
             parsed, inputs = await self._decoded(body, header_length, reservation)
             own = take_timeout(parsed.parameters)
-            context = RequestContext(deadline=own, headers=metadata, reservation=reservation)
+            # Positional: a class called with keywords gets them as a dict made for the call.
+            context = RequestContext(own, metadata, reservation)
             inference = InferenceRequest(
-                model_name=name,
-                model_version=version,
-                id=parsed.id,
-                inputs=inputs,
-                parameters=parsed.parameters,
-                input_parameters=parsed.input_parameters,
-                outputs=parsed.outputs,
+                name,
+                version,
+                parsed.id,
+                inputs,
+                parsed.parameters,
+                parsed.input_parameters,
+                parsed.outputs,
             )
             # Encoded within the core's call: a refusal of the answer (a BYTES output asked for
             # as JSON that is not UTF-8) is then the status its statistics record.
