@@ -1496,14 +1496,18 @@ class _InboundStream:
         return memoryview(data)[_MESSAGE_PREFIX.size :]
 
     def feed(self, data: bytes | memoryview) -> list[Event]:
-        if self.refused:
-            return []  # the rest of a refused message, in flight before the call's answer
         whole = self.whole(data)
         if whole is not None:  # the events the buffer would give, without it
             return [
                 MessageAnnounced(self.stream_id, len(whole)),
                 MessageReceived(self.stream_id, whole),
             ]
+        return self.feed_buffered(data)
+
+    def feed_buffered(self, data: bytes | memoryview) -> list[Event]:
+        """:meth:`feed` of ``data`` that :meth:`whole` has found no whole message in."""
+        if self.refused:
+            return []  # the rest of a refused message, in flight before the call's answer
         self.buffer += data
         events: list[Event] = []
         while True:
@@ -1809,7 +1813,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         whole = inbound.whole(data)
         if whole is not None:
             return [WholeRequest(stream_id, len(whole), whole)]
-        events = inbound.feed(data)
+        events = inbound.feed_buffered(data)
         events.append(RequestEnded(stream_id))
         return events
 
