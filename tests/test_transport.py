@@ -7,7 +7,6 @@ import functools
 import gc
 import itertools
 import socket
-import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
@@ -487,7 +486,8 @@ GOOD_HEADERS = [
 
 
 def _late_reader_echo(port: int, message: bytes) -> tuple[bytes, dict[str, str]]:
-    """Send one Echo call, wait before reading any of the answer, then read it all."""
+    """Send one Echo call, wait until the server can do nothing more before reading any of the
+    answer, then read it all. Runs in a thread of the server's Trio run."""
     connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     connection.local_settings = h2.settings.Settings(
         client=True,
@@ -521,7 +521,8 @@ def _late_reader_echo(port: int, message: bytes) -> tuple[bytes, dict[str, str]]
             sock.sendall(connection.data_to_send())
             if body:
                 connection.receive_data(sock.recv(65536))
-        time.sleep(0.5)  # the server's answer fills the socket's buffers meanwhile
+        # Every task of the server blocked: its answer fills the socket's buffers and waits.
+        trio.from_thread.run(trio.testing.wait_all_tasks_blocked)
         while "grpc-status" not in trailers:
             data = sock.recv(1 << 20)
             if not data:
@@ -882,10 +883,13 @@ async def test_window_updates_that_open_no_room_do_not_hold_off_the_send_timeout
 
 
 def _answer_opened_by_settings(port: int) -> tuple[int, str | None]:
-    """Send a 1 MiB call to an echo server, the connection's window open wide but the stream's
-    left at 64 KiB; once the answer stalls on it, raise SETTINGS_INITIAL_WINDOW_SIZE (which
-    opens the stream's window, RFC 9113 §6.9.2) and send no WINDOW_UPDATE for the stream. The
-    answer's bytes received and its grpc-status (None if it did not end)."""
+    """Send a 1 MiB call to an echo server, the connection's window open wide enough for the
+    whole answer but the stream's left at 64 KiB; once the answer has spent that and every task
+    of the server is blocked (its sender waiting for the window), raise
+    SETTINGS_INITIAL_WINDOW_SIZE, which opens the stream's window (RFC 9113 §6.9.2). No
+    WINDOW_UPDATE is ever sent, so the SETTINGS frame alone can wake the sender. The answer's
+    bytes received and its grpc-status (None if it did not end). Runs in a thread of the
+    server's Trio run."""
     connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     connection.initiate_connection()
     connection.increment_flow_control_window(64 * MiB)
@@ -905,9 +909,8 @@ def _answer_opened_by_settings(port: int) -> tuple[int, str | None]:
                 connection.send_data(stream_id, chunk, end_stream=not body)
             sock.sendall(connection.data_to_send())
             if not opened and received >= 65535:  # the stream's first window, all spent
-                # The connection's window is back (just sent), the SETTINGS frame comes alone.
                 opened = True
-                time.sleep(0.2)
+                trio.from_thread.run(trio.testing.wait_all_tasks_blocked)
                 connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * MiB})
                 sock.sendall(connection.data_to_send())
             data = sock.recv(65536)
@@ -916,8 +919,6 @@ def _answer_opened_by_settings(port: int) -> tuple[int, str | None]:
             for event in connection.receive_data(data):
                 if isinstance(event, h2.events.DataReceived):
                     received += len(event.data)
-                    # The connection's window only: the stream's is opened by SETTINGS alone.
-                    connection.increment_flow_control_window(event.flow_controlled_length)
                 elif isinstance(event, h2.events.TrailersReceived):
                     status = dict(event.headers).get(b"grpc-status", b"").decode()
     return received, status
