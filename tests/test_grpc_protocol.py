@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support import GRPC_REQUEST, client_and_server
+from trio_infer.buffers import unsent
 from trio_infer.errors import StatusCode
 from trio_infer.transport import grpc_protocol
 from trio_infer.transport.grpc_protocol import (
@@ -1163,3 +1164,43 @@ def test_ended_requests_are_answered_in_one_pass_among_others() -> None:
         ("call", 7, "r-5", True),  # over the stream's window: not in one pass
     ]
     assert _answer_steps(steps) == 6
+
+
+def _queued_size(server: ServerProtocol) -> int:
+    """What is queued to send, counted part by part."""
+    h2_connection = server.h2_connection
+    parts = [*h2_connection.queued, h2_connection._data_to_send]
+    return sum(memoryview(part).nbytes for part in parts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("queue"), st.integers(0, 3 * grpc_protocol.BY_REFERENCE_BYTES // 2)),
+            st.tuples(st.just("take"), st.integers(0, 4 * grpc_protocol.BY_REFERENCE_BYTES)),
+            st.tuples(st.just("clear"), st.just(0)),
+        ),
+        max_size=30,
+    )
+)
+def test_pending_bytes_count_what_is_queued_however_it_was_queued_and_taken(
+    steps: list[tuple[str, int]],
+) -> None:
+    # Small DATA payloads go into h2's buffer, large ones by reference (the buffer moved
+    # ahead of them); a write that takes part of what data_to_send gave puts the rest back.
+    _, server = _connected()
+    for kind, size in steps:
+        if kind == "queue":
+            server.h2_connection.queue_data_frame(1, bytes(size))
+        elif kind == "take":
+            data = server.data_to_send()
+            rest = unsent(data, size)
+            if rest:
+                server.put_back(rest)
+        else:
+            server.h2_connection.clear_outbound_data_buffer()
+        assert server.pending_bytes() == _queued_size(server)
+    pending = server.pending_bytes()
+    assert pending == sum(memoryview(part).nbytes for part in server.data_to_send())
+    assert server.pending_bytes() == 0

@@ -989,6 +989,10 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
         #: What is queued to send ahead of ``_data_to_send``, in order: earlier contents of that
         #: buffer, and large DATA frames as a header and the payload itself.
         self.queued: list[Buffer] = []
+        #: The bytes of :attr:`queued`, counted as parts are queued and taken: they are asked
+        #: for at every read and every answer sent, while the queue grows with the answers
+        #: that wait for the writer.
+        self.queued_bytes = 0
 
     def receive_data(self, data: bytes | bytearray) -> list[Any]:
         """h2's ``receive_data``, handling at most :data:`_FRAMES_PER_PASS` frames; the rest of
@@ -1051,13 +1055,16 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
             return
         if self._data_to_send:
             self.queued.append(self._data_to_send)
+            self.queued_bytes += len(self._data_to_send)
             self._data_to_send = bytearray()
         self.queued.append(header)
         self.queued.append(payload)
+        self.queued_bytes += len(header) + size
 
     def clear_outbound_data_buffer(self) -> None:
         super().clear_outbound_data_buffer()
         self.queued.clear()
+        self.queued_bytes = 0
 
     def _is_cleaned_up(self, stream_id: int) -> bool:
         return (
@@ -1861,9 +1868,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     def pending_bytes(self) -> int:
         """Bytes queued to send that :meth:`data_to_send` has not handed out yet."""
         h2_connection = self.h2_connection
-        pending: int = len(h2_connection._data_to_send)
-        if h2_connection.queued:  # most of the time, everything is in the buffer
-            pending += sum(memoryview(part).nbytes for part in h2_connection.queued)
+        pending: int = len(h2_connection._data_to_send) + h2_connection.queued_bytes
         return pending
 
     def take_window_opened(self) -> bool:
@@ -1929,6 +1934,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         h2_connection = self.h2_connection
         data: list[Buffer] = h2_connection.queued
         h2_connection.queued = []
+        h2_connection.queued_bytes = 0
         if h2_connection._data_to_send:
             data.append(h2_connection._data_to_send)
             h2_connection._data_to_send = bytearray()
@@ -1941,7 +1947,9 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
     def put_back(self, data: list[Buffer]) -> None:
         """Queue again, ahead of anything queued since, what :meth:`data_to_send` gave that
         could not be sent."""
-        self.h2_connection.queued[:0] = data
+        h2_connection = self.h2_connection
+        h2_connection.queued[:0] = data
+        h2_connection.queued_bytes += sum(memoryview(part).nbytes for part in data)
 
     def send_window(self, stream_id: int) -> int:
         """Bytes of DATA that may be sent on ``stream_id`` now (0 when the stream is closed).
