@@ -556,7 +556,13 @@ class WorkerPool:
         call = self._model_call(settings, child.predict, inputs, parameters, deadline)
         call.timing = timing
         home = self._home(call, settings, sequence, priority)
-        outputs: ModelOutputs = await self._submit(call, home)
+        try:
+            self._enqueue(call, home)
+        except BaseException:
+            self._finished(call)
+            raise
+        # The reply awaited here, without a coroutine between: on every model call's path.
+        outputs: ModelOutputs = await self._reply(call)
         return outputs
 
     async def generate(
@@ -719,14 +725,6 @@ class WorkerPool:
             message=(function.__name__, args),
             deadline=trio.current_effective_deadline() if deadline is None else deadline,
         )
-
-    async def _submit(self, call: _Call, home: deque[_Call]) -> Any:
-        try:
-            self._enqueue(call, home)
-        except BaseException:
-            self._finished(call)
-            raise
-        return await self._reply(call)
 
     async def _reply(self, call: _Call) -> Any:
         """Wait for the reply of a call sent to the queues; one given up on is abandoned."""
