@@ -654,22 +654,32 @@ def _frames_of_every_kind(port: int) -> dict[int, dict[str, object]]:
     connection.max_outbound_frame_size = frame_size
     connection.send_data(5, message, end_stream=True)
     answers: dict[int, dict[str, object]] = {1: {}, 3: {}, 5: {}}
+    for event in _events_until_ended(port, connection, len(answers)):
+        if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+            answers[event.stream_id].update(
+                (name.decode(), value.decode()) for name, value in event.headers
+            )
+        elif isinstance(event, h2.events.DataReceived):
+            answers[event.stream_id]["message"] = event.data
+    return answers
+
+
+def _events_until_ended(
+    port: int, connection: h2.connection.H2Connection, streams: int
+) -> list[h2.events.Event]:
+    """Send what ``connection`` has queued on a new connection to the server; return the
+    events of its answers until ``streams`` streams have ended."""
+    events: list[h2.events.Event] = []
     ended = 0
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(5)
         sock.sendall(connection.data_to_send())
-        while ended < len(answers):
+        while ended < streams:
             for event in connection.receive_data(sock.recv(65536)):
-                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                    answers[event.stream_id].update(
-                        (name.decode(), value.decode()) for name, value in event.headers
-                    )
-                elif isinstance(event, h2.events.DataReceived):
-                    answers[event.stream_id]["message"] = event.data
-                elif isinstance(event, h2.events.StreamEnded):
-                    ended += 1
+                events.append(event)
+                ended += isinstance(event, h2.events.StreamEnded)
             sock.sendall(connection.data_to_send())
-    return answers
+    return events
 
 
 async def test_frames_in_every_shape_a_client_may_choose_are_read_alike(
@@ -682,6 +692,71 @@ async def test_frames_in_every_shape_a_client_may_choose_are_read_alike(
         answer = answers[stream_id]
         assert answer["message"] == b"\x00\x00\x00\x00\x05hello"
         assert (answer["grpc-status"], answer["echo-x-shape"]) == ("0", shape)
+
+
+def _calls_in_frames(port: int, shapes: dict[str, list[bytes]]) -> dict[str, bytes]:
+    """One call per shape on one connection, its request body sent as the shape's DATA frames
+    (END_STREAM on the last); return each call's answer, by its shape's name."""
+    connection = _h2_client()
+    names: dict[int, str] = {}
+    for name, frames in shapes.items():
+        stream_id = connection.get_next_available_stream_id()
+        names[stream_id] = name
+        connection.send_headers(stream_id, [*GOOD_HEADERS, ("x-shape", name)])
+        for index, frame in enumerate(frames):
+            connection.send_data(stream_id, frame, end_stream=index == len(frames) - 1)
+    answers = dict.fromkeys(shapes, b"")
+    for event in _events_until_ended(port, connection, len(shapes)):
+        if isinstance(event, h2.events.DataReceived):
+            answers[names[event.stream_id]] += event.data
+    return answers
+
+
+async def test_a_message_length_taken_without_waiting_is_the_one_waited_for(
+    nursery: trio.Nursery,
+) -> None:
+    # receive_message_length_nowait short-cuts receive_message_length for a request whole in
+    # hand: in every framing, it gives the same length or nothing, and takes nothing then.
+    seen: dict[str, tuple[int | None, int | None, bytes | None, bool]] = {}
+
+    async def handler(call: Call) -> None:
+        nowait = call.receive_message_length_nowait()
+        length = await call.receive_message_length()
+        received = None if length is None else await call.receive_message()
+        data = None if received is None else bytes(received)
+        seen[dict(call.metadata)["x-shape"]] = (nowait, length, data, call.another_message_nowait())
+        await call.send_message(data or b"")
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(GrpcServer(handler, ProtocolLimits()).serve, listeners)
+    message = b"hello"
+    framed = b"\x00" + len(message).to_bytes(4, "big") + message
+    shapes = {
+        "whole": [framed],
+        "ended-after": [framed, b""],
+        "prefix-apart": [framed[:5], framed[5:]],
+        "cut-in-the-prefix": [framed[:2], framed[2:]],
+        "cut-in-the-message": [framed[:7], framed[7:]],
+        "two-messages": [framed + framed],
+        "two-frames-two-messages": [framed, framed],
+        "no-message": [b""],
+        "empty-message": [b"\x00\x00\x00\x00\x00"],
+    }
+    answers = await trio.to_thread.run_sync(
+        _calls_in_frames, listeners[0].socket.getsockname()[1], shapes
+    )
+    assert set(seen) == set(shapes)
+    for name, (nowait, length, data, another) in seen.items():
+        assert nowait is None or nowait == length, name
+        expected = b"" if name == "empty-message" else message
+        assert data == (None if name == "no-message" else expected), name
+        assert another == name.startswith("two"), name
+        assert answers[name] == (b"\x00" + len(data or b"").to_bytes(4, "big") + (data or b"")), (
+            name
+        )
+    # The one request whole in hand when its call starts is taken without waiting.
+    assert seen["whole"][0] == len(message)
+    assert seen["empty-message"][0] == 0
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:

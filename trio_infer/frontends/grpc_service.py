@@ -220,14 +220,22 @@ class GrpcService:
         route = self._routes.get(call.method)
         if route is None:
             raise Unimplemented(f"method {shown(call.method, 200)} is not served here")
-        length = await self._announced_length(call, route)
+        # A unary request usually came whole in the read that started the call: its length is
+        # taken without the coroutines that would wait for it, once the call is known not to
+        # be cancelled (as they know it before they take a message's prefix).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        length = call.receive_message_length_nowait()
+        if length is None:
+            length = await self._announced_length(call, route)
+        else:
+            _check_length(call, route, length)
         # A route answered from the server's state takes room only if there is some now, never
         # waiting, in a task (its request came in pieces) as when the transport answers it at
         # once (:meth:`_answer_now`).
         async with self.core.reserve(
             length, call.deadline, call.connection_id, wait=route.answer is None
         ) as reservation:
-            request = await self._received(call, route)
+            request = _request_of(route, await call.receive_message())
             response = await route.handler(request, call, reservation)
             # A unary call is one message. One more that arrived by now fails the call; the
             # end of the request is not waited for (a client may half-close late, or never).
@@ -280,17 +288,6 @@ class GrpcService:
         if reservation is not None:
             call.release_when_sent(reservation.release_later())
         return response.SerializeToString()
-
-    @staticmethod
-    async def _received(call: Call, route: _Route) -> Any:
-        """The call's announced request message, read and parsed (its room reserved first).
-
-        Raises:
-            InvalidInput: The message is not a valid one.
-        """
-        data = await call.receive_message()
-        assert data is not None, "an announced message arrives or the call fails"
-        return _parsed_infer(route, data) if route.splits_raw else _parsed(route, data)
 
     def _server_live(self, request: pb.ServerLiveRequest, call: Call) -> Message:
         return pb.ServerLiveResponse(live=self.core.server_live())
@@ -652,7 +649,10 @@ class GrpcService:
         The answer is encoded within the core's call: a refusal of it (its size over the memory
         budget, an output no datatype can carry) is then the status its statistics record.
         """
-        decoded, state = await self._decoded(request, raw, context, parameters)
+        # Most requests: no parameters, raw inputs of known layouts, decoded without the
+        # coroutine of the others.
+        known = None if parameters else _decoded_known(request, raw, context.reservation)
+        decoded, state = known or await self._decoded(request, raw, context, parameters)
         return await self.core.infer(
             decoded, context, functools.partial(self._answer, state, context)
         )
@@ -691,31 +691,13 @@ class GrpcService:
             # Views of the message's buffers: nothing beyond the message to reserve.
             tensors, inputs = known
             nbytes = 0
-        # The arrays are views of their own copies of the raw buffers, or of the message's
-        # (split off it): the request's entries are not needed any more, and a large request
-        # would otherwise be held twice.
-        request.ClearField("raw_input_contents")
         values: dict[str, ParameterValue] = {}
         if parameters:  # most requests have none: no call for them
             values = decode_parameters(parameters)
             _sequence_id_as_uint64(values)
-        # The inputs' names are the arrays' keys, in the tensors' order (decode_inputs refuses a
-        # name that repeats), and the tensors a list already: no second slice of the repeated
-        # field, nor a second read of each name. Indexed, not zipped: zip's strict= is a
-        # keyword, which costs a call a dict. Most inputs have no parameters: no call for them.
-        input_parameters: dict[str, dict[str, ParameterValue]] = {}
-        for index, name in enumerate(inputs):
-            given = tensors[index].parameters
-            input_parameters[name] = decode_parameters(given) if given else {}
-        return InferenceRequest(
-            request.model_name,
-            request.model_version,
-            request.id,
-            inputs,
-            values,
-            input_parameters,
-            [output.name for output in request.outputs[:]],  # outputs
-        ), _Decoded(raw_output, nbytes, message_size)
+        return _inference_request(request, tensors, inputs, values), _Decoded(
+            raw_output, nbytes, message_size
+        )
 
     async def _decode_staged(
         self, request: Any, reservation: Reservation, message_size: int
@@ -862,7 +844,7 @@ class GrpcService:
         route = self._routes[_HEALTH + "Check"]
         length = await self._announced_length(call, route)
         async with self.core.reserve(length, call.deadline, call.connection_id):
-            service = (await self._received(call, route)).service
+            service = _request_of(route, await call.receive_message()).service
         sent: int | None = None
         while True:
             changes = self.core.health_changes
@@ -908,6 +890,54 @@ class _Decoded:
     """What its decoded inputs take (held in the reservation)."""
     message_size: int
     """Its message's size (the reservation's unit)."""
+
+
+def _decoded_known(
+    request: Any, raw: Sequence[Buffer], reservation: Reservation
+) -> tuple[InferenceRequest, _Decoded] | None:
+    """The core's request from a WireInferRequest without parameters whose raw inputs are of
+    layouts decoded before (:func:`~trio_infer.protobuf.codec.decode_known_raw`), as
+    :meth:`GrpcService._decoded` makes it, without waiting; None for any other request, with
+    nothing taken or made."""
+    known = decode_known_raw(request, raw)
+    if known is None:
+        return None
+    tensors, inputs = known
+    # Views of the message's buffers: nothing beyond the message to reserve.
+    return _inference_request(request, tensors, inputs, {}), _Decoded(
+        True, 0, reservation.granted // RESERVED_PER_BYTE
+    )
+
+
+def _inference_request(
+    request: Any,
+    tensors: Sequence[Any],
+    inputs: dict[str, np.ndarray],
+    parameters: dict[str, ParameterValue],
+) -> InferenceRequest:
+    """The core's request of a WireInferRequest whose ``inputs`` (the arrays by name, of its
+    ``tensors``, a list) are decoded, with its request-level ``parameters`` decoded."""
+    # The arrays are views of their own copies of the raw buffers, or of the message's (split
+    # off it): the request's entries are not needed any more, and a large request would
+    # otherwise be held twice.
+    request.ClearField("raw_input_contents")
+    # The inputs' names are the arrays' keys, in the tensors' order (decode_inputs refuses a
+    # name that repeats), and the tensors a list already: no second slice of the repeated
+    # field, nor a second read of each name. Indexed, not zipped: zip's strict= is a
+    # keyword, which costs a call a dict. Most inputs have no parameters: no call for them.
+    input_parameters: dict[str, dict[str, ParameterValue]] = {}
+    for index, name in enumerate(inputs):
+        given = tensors[index].parameters
+        input_parameters[name] = decode_parameters(given) if given else {}
+    return InferenceRequest(
+        request.model_name,
+        request.model_version,
+        request.id,
+        inputs,
+        parameters,
+        input_parameters,
+        [output.name for output in request.outputs[:]],  # outputs
+    )
 
 
 def _reserve_answer(reservation: Reservation, state: _Decoded, cost: EncodingCost) -> None:
@@ -1150,6 +1180,17 @@ def _check_length(call: Call, route: _Route, length: int) -> None:
             f"request message of {length} bytes is larger than the maximum of "
             f"{route.max_message} bytes for {call.method}"
         )
+
+
+def _request_of(route: _Route, data: Buffer | None) -> Any:
+    """``route``'s request parsed from ``data``, the call's announced request message, which
+    :meth:`Call.receive_message` returned (its room reserved first).
+
+    Raises:
+        InvalidInput: The message is not a valid one.
+    """
+    assert data is not None, "an announced message arrives or the call fails"
+    return _parsed_infer(route, data) if route.splits_raw else _parsed(route, data)
 
 
 def _parsed_infer(route: _Route, data: Buffer) -> tuple[Any, Sequence[Buffer]]:

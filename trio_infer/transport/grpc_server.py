@@ -337,6 +337,24 @@ class Call:
             self._announced = item
         return self._announced
 
+    def receive_message_length_nowait(self) -> int | None:
+        """The length of the next request message, as :meth:`receive_message_length` returns
+        it, when that needs no wait: the message is announced already, or the client sent it
+        whole as its one message and ended its request (a unary call's usual request). None
+        otherwise, with nothing taken: :meth:`receive_message_length` waits for it.
+
+        Not a checkpoint: the caller checks for cancellation first, as
+        :meth:`receive_message_length` does before it takes a message's prefix.
+        """
+        if self._announced is None:
+            inbound = self._inbound
+            length = inbound.one_message()
+            if length is None:
+                return None
+            inbound.get_nowait()  # the prefix whose length one_message read
+            self._announced = length
+        return self._announced
+
     async def receive_message(self) -> Buffer | None:
         """Admit the next request message and wait for all of it; ``None`` once the client
         has sent its last one.
