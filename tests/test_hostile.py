@@ -1306,3 +1306,68 @@ async def test_a_remembered_layout_with_a_wrong_datatype_typed_data_or_an_entry_
             assert outputs["OUTPUT1"].tolist() == [[0.0] * 16]
     finally:
         client.channel.close()
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("sent", [1, 4])
+async def test_a_request_ended_inside_a_message_prefix_is_refused_saying_what_arrived(
+    server: RunningServer, sent: int, split: bool
+) -> None:
+    # A stream that ends after part of a message's 5-byte prefix sent a message's start, not
+    # no message: the status says so, whether the bytes came in one DATA frame or several.
+    prefix = grpc_message(echo_request())[:sent]
+    parts = [prefix[:1], prefix[1:]] if split else [prefix]
+    send: list[tuple[int, str, object]] = [(1, "headers", REQUEST_HEADERS)]
+    send += [(1, "data", part) for part in parts if part]
+    send.append((1, "end", None))
+    result = await trio.to_thread.run_sync(answers, server.port, send)
+    assert result[1].get("grpc-status") == "3", result[1]  # INVALID_ARGUMENT
+    assert urllib.parse.unquote(result[1]["grpc-message"]) == (
+        f"the request ended after {sent} of a message's 5 prefix bytes"
+    )
+    await Bystander(server.port).call()
+
+
+async def test_a_request_ended_inside_a_message_prefix_by_trailers_is_refused_saying_so(
+    server: RunningServer,
+) -> None:
+    result = await trio.to_thread.run_sync(
+        answers,
+        server.port,
+        [
+            (1, "headers", REQUEST_HEADERS),
+            (1, "data", b"\x00\x00"),
+            (1, "trailers", [("x-trailer", "1")]),
+        ],
+    )
+    assert result[1].get("grpc-status") == "3", result[1]
+    assert urllib.parse.unquote(result[1]["grpc-message"]) == (
+        "the request ended after 2 of a message's 5 prefix bytes"
+    )
+
+
+async def test_a_request_ended_inside_a_message_is_refused_saying_how_much_arrived(
+    server: RunningServer,
+) -> None:
+    message = echo_request()
+    result = await trio.to_thread.run_sync(
+        call_with_body, server.port, grpc_message(message)[: 5 + 3]
+    )
+    assert result.get("grpc-status") == "3", result
+    assert urllib.parse.unquote(result["grpc-message"]) == (
+        f"the request ended after 3 of its message's {len(message)} bytes"
+    )
+
+
+async def test_a_request_of_no_bytes_is_refused_as_one_without_a_message(
+    server: RunningServer,
+) -> None:
+    result = (
+        await trio.to_thread.run_sync(
+            answers, server.port, [(1, "headers", REQUEST_HEADERS), (1, "end", None)]
+        )
+    )[1]
+    assert result.get("grpc-status") == "3", result
+    assert urllib.parse.unquote(result["grpc-message"]) == (
+        "/inference.GRPCInferenceService/ModelInfer expects one request message and got none"
+    )

@@ -1555,6 +1555,17 @@ class _InboundStream:
             self.length = None
             events.append(MessageReceived(self.stream_id, message))
 
+    def end(self) -> RequestEnded | MessageRefused:
+        """The event of the client's END_STREAM: the request's end, or, when it came part way
+        into a message (its prefix or its body), the message refused, saying how far."""
+        if self.refused or not (self.buffer or self.length is not None):
+            return RequestEnded(self.stream_id)
+        if self.length is None:
+            arrived = f"{len(self.buffer)} of a message's {_MESSAGE_PREFIX.size} prefix bytes"
+        else:
+            arrived = f"{len(self.buffer)} of its message's {self.length} bytes"
+        return self._refuse(StatusCode.INVALID_ARGUMENT, f"the request ended after {arrived}")
+
     def _refuse(self, status: StatusCode, message: str) -> MessageRefused:
         self.refused = True
         self.buffer = bytearray()
@@ -1821,7 +1832,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         if whole is not None:
             return [WholeRequest(stream_id, len(whole), whole)]
         events = inbound.feed_buffered(data)
-        events.append(RequestEnded(stream_id))
+        events.append(inbound.end())
         return events
 
     def _trailers_received(self, event: h2.events.TrailersReceived) -> list[Event]:
@@ -1833,9 +1844,10 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         return self._ended(event.stream_id)
 
     def _ended(self, stream_id: int) -> list[Event]:
-        if self._inbound.pop(stream_id, None) is None:
+        inbound = self._inbound.pop(stream_id, None)
+        if inbound is None:
             return []
-        return [RequestEnded(stream_id)]
+        return [inbound.end()]
 
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Event]:
         self._inbound.pop(event.stream_id, None)
