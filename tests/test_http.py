@@ -41,6 +41,7 @@ from trio_infer.transport.http_server import (
     HttpLimits,
     HttpRequest,
     error_body,
+    list_members,
     response_head,
 )
 from trio_infer.transport.listening import CallCounter
@@ -270,6 +271,25 @@ def test_a_header_length_is_read_from_its_bytes_as_from_its_text(value: bytes) -
         assert caught.value.message == (
             f"inference-header-content-length must be a number of bytes, got {text[:40]!r}"
         )
+
+
+@pytest.mark.parametrize(
+    ("value", "members"),
+    [
+        (b"100-continue", [b"100-continue"]),
+        (b" 100-continue ,\t, foo ,", [b"100-continue", b"foo"]),
+        (b'foo="a,b", 100-continue', [b'foo="a,b"', b"100-continue"]),
+        (b'foo="a\\",b", bar', [b'foo="a\\",b"', b"bar"]),
+        (b'foo="a\\\\", bar', [b'foo="a\\\\"', b"bar"]),
+        (b'foo="unclosed, 100-continue', [b'foo="unclosed, 100-continue']),
+        (b"", []),
+        (b" , ,", []),
+    ],
+)
+def test_a_list_field_splits_at_the_commas_outside_quoted_strings(
+    value: bytes, members: list[bytes]
+) -> None:
+    assert list_members(value) == members
 
 
 @pytest.mark.parametrize("framing", ["Content-Length: 65537", "Transfer-Encoding: chunked"])

@@ -470,6 +470,11 @@ async def test_an_expectation_other_than_100_continue_is_417_unread_and_the_conn
     for expect, unmet in [
         ("something", "something"),
         ("100-continue, foo", "foo"),
+        # RFC 9110 5.6: a comma in a quoted string is the value's, not the list's.
+        ('foo="a,b", 100-continue', 'foo="a,b"'),
+        ('100-continue, foo="x, 100-continue"', 'foo="x, 100-continue"'),
+        # 100-continue has no parameters: one with some is another expectation.
+        ("100-continue;a=b", "100-continue;a=b"),
         ("foo=" + "a" * 4000, "foo=" + "a" * 60 + "..."),
     ]:
         # The body follows its head at once: it is not read, and nothing after it is served.
@@ -536,6 +541,27 @@ async def test_an_expectation_other_than_100_continue_on_a_request_without_a_bod
         answer = await raw.final()
         assert (answer.status, answer.closes) == (200, False), answer
     assert started(server) == 6
+
+
+async def test_expect_100_continue_on_a_request_without_a_body_gets_no_interim_100(
+    server: RunningServer,
+) -> None:
+    # RFC 9110 10.1.1: a 100 asks for a body; none is owed when the framing says there is none.
+    index = "/v2/repository/index"
+    async with await Raw.open(server.http_port) as raw:
+        for request in [
+            head("POST", index, "Content-Length: 0", "Expect: 100-continue"),
+            head("POST", index, "Expect: 100-continue"),
+            head("GET", "/v2/health/live", "Expect: 100-continue"),
+            chunked(index, b"0\r\n\r\n", "Expect: 100-continue"),
+        ]:
+            await raw.send(request)
+            with trio.fail_after(5):
+                answer = await raw.response()
+            assert answer is not None
+            assert (answer.status, answer.closes) == (200, False), (request, answer)
+    # A body yet to come still gets its 100.
+    await continued_and_kept(server, "100-continue")
 
 
 async def test_a_head_refused_before_any_handler_runs_is_answered_with_a_head_alone(

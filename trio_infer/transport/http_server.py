@@ -126,6 +126,8 @@ _KEEP_ALIVE_LINE = "connection: keep-alive\r\n"
 _REQUEST_ID = REQUEST_ID_HEADER.encode("ascii")
 #: The first byte of a request target in origin form (``/path?query``).
 _SLASH = ord("/")
+#: What delimits a list's members and quoted strings in a field's value (RFC 9110 5.6).
+_COMMA, _QUOTE, _BACKSLASH = b',"\\'
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: How much of a chunked body is parsed at a time: its end is known only once parsed, so what
 #: follows it in the same piece (a pipelined request) is parsed ahead, at most this much.
@@ -364,11 +366,10 @@ class _Parse:
                 message.content_encoding = coding if previous is None else f"{previous}, {coding}"
             elif name == b"expect":
                 # RFC 9110 10.1.1: a list of expectations (repeated, one list).
-                for member in value.split(b","):
-                    expectation = member.strip(b" \t")
+                for expectation in list_members(value):
                     if expectation.lower() == b"100-continue":
                         message.expects_continue = True
-                    elif expectation and unmet is None:
+                    elif unmet is None:
                         unmet = expectation
             elif name == _REQUEST_ID and message.request_id is None:
                 message.request_id = value
@@ -415,6 +416,30 @@ class _Parse:
         the middle of a body received without it (a parser whose callbacks are set sees every
         byte of a body, and httptools copies each piece into a ``bytes`` for ``on_body``)."""
         self.parser = httptools.HttpRequestParser(self)
+
+
+def list_members(value: bytes) -> list[bytes]:
+    """The members of a field's value that is a list (RFC 9110 5.6.1): split at the commas
+    outside quoted strings (5.6.4, where a backslash quotes the next character), each without
+    the whitespace around it, empty ones dropped. A quoted string left open runs to the end."""
+    members: list[bytes] = []
+    start = 0
+    quoted = escaped = False
+    for at, byte in enumerate(value):
+        if escaped:
+            escaped = False
+        elif quoted:
+            if byte == _BACKSLASH:
+                escaped = True
+            elif byte == _QUOTE:
+                quoted = False
+        elif byte == _QUOTE:
+            quoted = True
+        elif byte == _COMMA:
+            members.append(value[start:at])
+            start = at + 1
+    members.append(value[start:])
+    return [stripped for member in members if (stripped := member.strip(b" \t"))]
 
 
 def _origin_form(target: bytes) -> bytes:
@@ -761,7 +786,14 @@ class HttpRequest:
                 decoder = body_decoder(self._coding, limit)
             except ContentCodingError as exc:
                 raise HttpError(exc.status, exc.message) from None
-        if message.expects_continue and not message.body_size and not connection.buffered:
+        # RFC 9110 10.1.1: no 100 once some of the body has come, or when its framing says
+        # there is none (Content-Length: 0, or neither it nor chunked).
+        if (
+            message.expects_continue
+            and not message.complete
+            and not message.body_size
+            and not connection.buffered
+        ):
             await connection.send([_CONTINUE], self)
         pad = -aligned_at % 16
         length = message.content_length
