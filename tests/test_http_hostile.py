@@ -1101,6 +1101,39 @@ async def test_a_large_content_length_over_the_limit_is_refused_before_the_body_
     await Bystander(server).call()
 
 
+def send_whole_then_read(port: int, request: bytes) -> bytes:
+    """Send all of ``request`` before reading anything, as a client that writes its whole
+    request first does; then what the server sent until it closed. A reset fails the call."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        received = b""
+        while data := sock.recv(65536):
+            received += data
+    return received
+
+
+@pytest.mark.parametrize(("header", "status"), [("X-Filler: 1", 413), ("Expect: something", 417)])
+async def test_a_body_refused_unread_and_sent_anyway_does_not_reset_its_answer_away(
+    nursery: trio.Nursery, header: str, status: int
+) -> None:
+    # Refused from its head (a 413 for its length over the limit, a 417 for its expectation),
+    # the body is still sent, whole, before the client reads: the server drops it as it
+    # closes, so that the close is no reset and the answer is there to read.
+    server = await start_server(nursery, workers=1, max_message_size=64 * 1024, **TIMEOUTS)
+    body = bytes(512 * 1024) if status == 413 else bytes(32 * 1024)
+    received = await trio.to_thread.run_sync(
+        send_whole_then_read, server.http_port, infer(body, header)
+    )
+    fields, _, answer = received.partition(b"\r\n\r\n")
+    assert fields.startswith(f"HTTP/1.1 {status} ".encode()), received[:200]
+    assert b"\r\nconnection: close" in fields
+    assert f"\r\ncontent-length: {len(answer)}".encode() in fields
+    assert reserved(server) == 0
+    await Bystander(server).call()
+
+
 def _tritonclient_large_binary(port: int, x: np.ndarray) -> list[np.ndarray]:
     """``x`` sent to echo with tritonclient.http's binary extension, under JSON parts of 17
     lengths (the binary part at every offset modulo 16), and the tensors answered."""
