@@ -31,9 +31,11 @@ plus a second plus ``EXIT_SLACK``, and ``AT_ONCE`` after a second signal.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -41,7 +43,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -797,22 +799,31 @@ async def _ok_then_slow(request: HttpRequest) -> None:
     await request.respond(200, [("content-type", "text/plain")], [b"ok"])
 
 
+async def _served_once(
+    nursery: trio.Nursery, handler: Callable[[HttpRequest], Awaitable[None]], sock: socket.socket
+) -> HttpServer:
+    """An HTTP server serving ``handler`` in ``nursery``, ``sock`` connected to it and its
+    answer to ``GET /ok`` read: the connection is kept alive, waiting for a next request."""
+    server = HttpServer(handler, HttpLimits())
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(server.serve, listeners)
+    sock.connect(listeners[0].socket.getsockname()[:2])
+    sock.settimeout(10)
+    sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = await trio.to_thread.run_sync(sock.recv, 65536)
+    assert first.startswith(b"HTTP/1.1 200")
+    return server
+
+
 async def test_a_request_that_arrived_on_an_idle_connection_as_it_drains_is_answered() -> None:
     # The client's next request is in the server's socket when a shutdown's drain ends the
     # wait for it: it is served within the grace period (counted in flight from the drain),
     # the connection's last, and the connection then closes without a reset (which would have
     # lost the answer and made the client see "connection reset"). As run_server does, the
     # connections are cut off once the shutdown returns.
-    server = HttpServer(_ok_then_slow, HttpLimits())
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     with socket.socket() as sock:
         async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve, listeners)
-            sock.connect(listeners[0].socket.getsockname()[:2])
-            sock.settimeout(10)
-            sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
-            first = await trio.to_thread.run_sync(sock.recv, 65536)
-            assert first.startswith(b"HTTP/1.1 200")
+            server = await _served_once(nursery, _ok_then_slow, sock)
             await trio.testing.wait_all_tasks_blocked()  # it waits for the next head
             sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")  # in its socket now
             await server.shutdown(grace_period=10)  # before the connection's task runs again
@@ -851,3 +862,39 @@ async def test_a_connection_cut_off_while_it_lingers_still_closes_its_socket() -
     after = open_descriptors()
     await stream.aclose()
     assert after <= before - 2  # the listener's socket and the connection's
+
+
+@pytest.mark.parametrize("arrived", [b"", b"GET /slow HT"])
+async def test_a_request_racing_the_drain_of_its_idle_connection_is_answered_or_never_read(
+    arrived: bytes,
+) -> None:
+    # A drain ends a keep-alive connection's wait for its next request while the client sends
+    # one. Part of its head already there: the rest is waited for and the request answered,
+    # the connection's last. None of it there: the server's side is closed first, the request
+    # then read and dropped, and the client reads the end of the connection, not a reset.
+    served: list[str] = []
+
+    async def handler(request: HttpRequest) -> None:
+        served.append(request.path)
+        await _ok_then_slow(request)
+
+    with socket.socket() as sock:
+        async with trio.open_nursery() as nursery:
+            server = await _served_once(nursery, handler, sock)
+            if arrived:
+                sock.sendall(arrived)
+            await trio.testing.wait_all_tasks_blocked()  # the head's first bytes taken
+            nursery.start_soon(functools.partial(server.shutdown, grace_period=10))
+            if not arrived:
+                # The server's end of the connection reaches the client before the request.
+                await trio.to_thread.run_sync(select.select, [sock], [], [], 10)
+            sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"[len(arrived) :])
+            answer = await trio.to_thread.run_sync(_response, sock)
+            nursery.cancel_scope.cancel()
+    if arrived:
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert b"\r\nconnection: close\r\n" in answer.lower()
+        assert served == ["/ok", "/slow"]
+    else:
+        assert answer == b""
+        assert served == ["/ok"]
