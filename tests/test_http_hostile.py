@@ -377,6 +377,35 @@ async def test_an_obsolete_line_fold_is_refused_as_rfc_9112_allows(
     await Bystander(server).call()
 
 
+@pytest.mark.parametrize(
+    ("sent", "answered"),
+    [
+        # Bytes no head begins with after a request whose Content-Length did not count them (a
+        # careless client's body); heads ended with a bare LF. Too short to hold a head's blank
+        # line, they are parsed as they come, not held back for the rest of the head until the
+        # handshake timeout ends the wait with a 408.
+        (post("/v2/repository/index", b"") + b"{}", [200]),
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: x\n\r\n", []),
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: x\n\n", []),
+        (b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\n", []),
+    ],
+)
+async def test_bytes_too_few_for_a_head_s_end_that_cannot_begin_or_end_one_are_400_at_once(
+    server: RunningServer, sent: bytes, answered: list[int]
+) -> None:
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(sent)
+        with trio.fail_after(10):
+            for status in answered:
+                assert (await raw.final()).status == status
+            answer = await raw.final()
+            assert answer.status == 400, answer
+            assert answer.error().startswith("malformed request: "), answer.error()
+            assert answer.closes
+            await raw.ends()
+    await Bystander(server).call()
+
+
 # -- framing: request smuggling ---------------------------------------------------------------
 
 SMUGGLED = head("GET", "/v2/health/live", "X-Request-Id: smuggled")

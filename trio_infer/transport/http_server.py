@@ -442,6 +442,16 @@ def list_members(value: bytes) -> list[bytes]:
     return [stripped for member in members if (stripped := member.strip(b" \t"))]
 
 
+def _blank_line_begun(head: bytearray) -> int:
+    """How many of the last bytes of ``head``, which holds no blank line, may begin the one
+    that ends it: the longest of its ends that ``\\r\\n\\r\\n`` starts with."""
+    if head.endswith(b"\r\n\r"):
+        return 3
+    if head.endswith(b"\r\n"):
+        return 2
+    return 1 if head.endswith(b"\r") else 0
+
+
 def _origin_form(target: bytes) -> bytes:
     """The path and query of an absolute-form target (``http://host:port/v2?x`` -> ``/v2?x``;
     ``/`` for an empty path), any other target unchanged (``*``, a CONNECT's authority).
@@ -1432,11 +1442,12 @@ class HttpConnection:
 
     def _parse_head(self) -> bool:
         """Parse what is buffered of the next request's head, up to the blank line that ends
-        it (what follows stays buffered), or all but its last 3 bytes when the head has not
-        come whole (its end may come split across reads); False if nothing was."""
+        it (what follows stays buffered), or, when the head has not come whole, all but the
+        last bytes that may be the start of that blank line (its end may come split across
+        reads); False if nothing was."""
         buffer = self._buffer
         end = buffer.find(b"\r\n\r\n")
-        size = end + 4 if end >= 0 else len(buffer) - 3
+        size = end + 4 if end >= 0 else len(buffer) - _blank_line_begun(buffer)
         tail = self._head_tail
         if tail:
             # A head begun past a chunked body's end: its blank line may have begun among the
