@@ -1371,3 +1371,52 @@ async def test_a_request_of_no_bytes_is_refused_as_one_without_a_message(
     assert urllib.parse.unquote(result["grpc-message"]) == (
         "/inference.GRPCInferenceService/ModelInfer expects one request message and got none"
     )
+
+
+def trailers_then_call(port: int, answered: bool) -> tuple[list[object], dict[str, str]]:
+    """A call on stream 1 whose trailers come without END_STREAM (once its answer is read, if
+    ``answered``), then a whole call on stream 3, on one connection: the h2 events of stream 1
+    and the connection after the trailers, and stream 3's response headers and trailers."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, REQUEST_HEADERS)
+    client.send_data(1, grpc_message(echo_request()))
+    events: list[object] = []
+    third: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(client.data_to_send())
+        if answered:
+            read_until_a_stream_ends(sock, client)
+        trailers = frame(0x1, 0x4, 1, client.encoder.encode([("x-trailer", "1")]))
+        client.send_headers(3, REQUEST_HEADERS)
+        client.send_data(3, grpc_message(echo_request()), end_stream=True)
+        sock.sendall(trailers + client.data_to_send())
+        while "grpc-status" not in third:  # stream 1's reset, if any, was queued before
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            for event in client.receive_data(chunk):
+                stream = getattr(event, "stream_id", 0)
+                if stream == 3 and hasattr(event, "headers"):
+                    third.update((n.decode(), v.decode()) for n, v in event.headers)
+                elif stream != 3 and not isinstance(event, h2.events.RemoteSettingsChanged):
+                    events.append(event)
+            sock.sendall(client.data_to_send())
+    return events, third
+
+
+@pytest.mark.parametrize("answered", [False, True])
+async def test_request_trailers_without_end_stream_reset_their_stream_alone(
+    server: RunningServer, answered: bool
+) -> None:
+    # RFC 9113 §8.1: a second header block without END_STREAM makes the request malformed,
+    # a stream error (§8.1.1): its stream is reset, and the connection's other calls go on. A
+    # stream answered (and reset with NO_ERROR, its request not ended) ignores it (§5.1).
+    events, third = await trio.to_thread.run_sync(trailers_then_call, server.port, answered)
+    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
+    assert [(e.stream_id, e.error_code) for e in resets] == (
+        [] if answered else [(1, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
+    )
+    assert not goaway_codes(events)
+    assert third.get("grpc-status") == "0", third
+    await Bystander(server.port).call()

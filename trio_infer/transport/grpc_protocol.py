@@ -168,9 +168,17 @@ class _MalformedRequest(Exception):
     """A request's headers are not those of a gRPC call (the message says why)."""
 
 
-class _BadContentLength(h2.exceptions.ProtocolError):  # type: ignore[misc]
-    """A request's ``content-length`` fields do not state one length: a malformed request
-    (RFC 9113 §8.1.1), a stream error."""
+class _MalformedBlock(h2.exceptions.ProtocolError):  # type: ignore[misc]
+    """A header block, decoded, makes its request malformed (RFC 9113 §8.1.1): a stream error,
+    not the connection error h2 makes of its ProtocolError."""
+
+
+class _BadContentLength(_MalformedBlock):
+    """A request's ``content-length`` fields do not state one length."""
+
+
+class _UnendedTrailers(_MalformedBlock):
+    """A request's second header block (its trailers) does not end its stream (§8.1)."""
 
 
 def _declared_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
@@ -196,6 +204,14 @@ class _RequestStream(h2.stream.H2Stream):  # type: ignore[misc]
     (h2 reads it with ``int()``), from the request's headers only. A ``content-length`` in
     trailers frames nothing (RFC 9110 §6.5.1), so it changes nothing (h2 took it as the
     body's length)."""
+
+    def receive_headers(self, headers: Any, end_stream: bool, header_encoding: Any) -> Any:
+        # Open, or answered and still open on the client's side, the stream has had its
+        # request's header block: this one is its trailers.
+        state = self.state_machine.state
+        if not end_stream and (state is _OPEN or state is _HALF_CLOSED_LOCAL):
+            raise _UnendedTrailers("request trailers without END_STREAM")
+        return super().receive_headers(headers, end_stream, header_encoding)
 
     def _initialize_content_length(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         if not self.state_machine.trailers_received:
@@ -1178,8 +1194,8 @@ class _H2Connection(h2.connection.H2Connection):  # type: ignore[misc]
                     self._inbound_counted = None
             else:
                 frames, events = super()._receive_headers_frame(frame)
-        except _BadContentLength:
-            # Raised once the block is decoded and the stream has taken it: as below.
+        except _MalformedBlock:
+            # Raised once the block is decoded (the connection's HPACK state intact): as below.
             return [], [self._stream_error(frame.stream_id)]
         try:
             for event in events:
