@@ -35,6 +35,7 @@ from trio_infer.transport.grpc_protocol import (
     ServerProtocol,
     StreamReset,
     WholeRequest,
+    method_path_problem,
     request_headers_problem,
 )
 
@@ -490,6 +491,7 @@ GRPC_CALL = [
     (":method", "POST"),
     (":scheme", "http"),
     (":path", "/p.S/M"),
+    ("te", "trailers"),
     ("content-type", "application/grpc"),
 ]
 
@@ -498,15 +500,23 @@ GRPC_CALL = [
     ("headers", "problem"),
     [
         (GRPC_CALL, None),
-        ([*GRPC_CALL[:3], ("content-type", "application/grpc+proto")], None),
+        ([*GRPC_CALL[:4], ("content-type", "application/grpc+proto")], None),
         ([*GRPC_CALL, ("grpc-timeout", "12345678m")], None),
         (
             [(":method", "GET"), *GRPC_CALL[1:]],
             "the request's :method is 'GET'; gRPC calls are POST",
         ),
-        (GRPC_CALL[:3], "content-type appears 0 times; a gRPC call sends it once"),
+        (GRPC_CALL[:4], "content-type appears 0 times; a gRPC call sends it once"),
         (
-            [*GRPC_CALL[:3], ("content-type", "application/grpcx")],
+            [*GRPC_CALL[:3], GRPC_CALL[4]],
+            "the request has no te field; gRPC calls send te: trailers",
+        ),
+        (
+            [GRPC_CALL[0], (":scheme", "ws"), *GRPC_CALL[2:]],
+            "the request's :scheme is 'ws'; gRPC calls are http or https",
+        ),
+        (
+            [*GRPC_CALL[:4], ("content-type", "application/grpcx")],
             "content-type 'application/grpcx' is not application/grpc",
         ),
         (
@@ -527,6 +537,26 @@ GRPC_CALL = [
 )
 def test_request_headers_problem(headers: list[tuple[str, str]], problem: str | None) -> None:
     assert request_headers_problem(headers) == problem
+
+
+@pytest.mark.parametrize(
+    ("path", "served"),
+    [
+        ("/p.S/M", True),
+        ("/p.S/", True),  # a method of no name: answered as one not served
+        ("//M", True),
+        ("p.S/M", False),
+        ("/p.S/M/x", False),
+        ("/p.S", False),
+        ("//p.S/M", False),
+    ],
+)
+def test_a_method_path_is_a_slash_a_service_a_slash_and_a_method(path: str, served: bool) -> None:
+    assert (method_path_problem(path) is None) == served
+    if not served:
+        assert method_path_problem(path) == (
+            f"method {path} is not served here; a gRPC method's path is /service/method"
+        )
 
 
 @pytest.mark.parametrize(

@@ -364,26 +364,57 @@ async def test_a_unary_call_is_answered_before_the_client_half_closes(
 
 
 @pytest.mark.parametrize(
-    ("headers", "message"),
+    ("headers", "status", "message"),
     [
         (
             [*REQUEST_HEADERS, ("content-type", "application/grpc")],
+            "3",  # INVALID_ARGUMENT
             "content-type appears 2 times; a gRPC call sends it once",
         ),
         (
             [(":method", "GET"), *REQUEST_HEADERS[1:]],
+            "3",
             "the request's :method is 'GET'; gRPC calls are POST",
         ),
         (
             [*REQUEST_HEADERS, ("grpc-timeout", "1" * 40 + "S")],
+            "3",
             "grpc-timeout '11111111111111111111...' is not a gRPC timeout (1 to 8 digits and a "
             "unit: H, M, S, m, u or n)",
         ),
+        (
+            [field for field in REQUEST_HEADERS if field[0] != "te"],
+            "3",
+            "the request has no te field; gRPC calls send te: trailers",
+        ),
+        (
+            [(":scheme", "ftp") if name == ":scheme" else (name, v) for name, v in REQUEST_HEADERS],
+            "3",
+            "the request's :scheme is 'ftp'; gRPC calls are http or https",
+        ),
+        (
+            [(":path", "/a/b/c") if name == ":path" else (name, v) for name, v in REQUEST_HEADERS],
+            "12",  # UNIMPLEMENTED, as a path naming no method served
+            "method /a/b/c is not served here; a gRPC method's path is /service/method",
+        ),
+        (
+            [(":path", "x") if name == ":path" else (name, v) for name, v in REQUEST_HEADERS],
+            "12",
+            "method x is not served here; a gRPC method's path is /service/method",
+        ),
     ],
-    ids=["duplicate-content-type", "get", "40-digit-timeout"],
+    ids=[
+        "duplicate-content-type",
+        "get",
+        "40-digit-timeout",
+        "no-te",
+        "ftp",
+        "three-segment-path",
+        "relative-path",
+    ],
 )
 async def test_malformed_request_headers_get_a_clean_status_for_their_stream(
-    server: RunningServer, headers: list[tuple[str, str]], message: str
+    server: RunningServer, headers: list[tuple[str, str]], status: str, message: str
 ) -> None:
     body = grpc_message(echo_request())
     result = await trio.to_thread.run_sync(
@@ -399,7 +430,7 @@ async def test_malformed_request_headers_get_a_clean_status_for_their_stream(
         ],
     )
     first = result[1]
-    assert first.get("grpc-status") == "3", first  # INVALID_ARGUMENT
+    assert first.get("grpc-status") == status, first
     assert urllib.parse.unquote(first["grpc-message"]) == message
     assert result[3].get("grpc-status") == "0", result[3]
     await Bystander(server.port).call()

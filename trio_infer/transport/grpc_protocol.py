@@ -165,7 +165,12 @@ _REQUEST_TRAILERS = _REQUEST_HEADERS._replace(is_trailer=True)
 
 
 class _MalformedRequest(Exception):
-    """A request's headers are not those of a gRPC call (the message says why)."""
+    """A request's headers are not those of a gRPC call (the message says why): the call is
+    answered with ``status``."""
+
+    def __init__(self, message: str, status: StatusCode = StatusCode.INVALID_ARGUMENT) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _MalformedBlock(h2.exceptions.ProtocolError):  # type: ignore[misc]
@@ -305,6 +310,7 @@ def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
     """What makes a request's (HTTP/2-valid) headers not a gRPC call, or None if nothing.
 
     A pure function of the header list, so each rule is tested directly: ``:method`` is POST,
+    ``:scheme`` http or https, ``te`` is sent (HTTP/2 allows it only as ``trailers``),
     ``content-type`` appears once and is ``application/grpc`` (or ``application/grpc+...``), and
     ``grpc-timeout``, if sent, appears once and is gRPC's form of a timeout.
     """
@@ -314,6 +320,11 @@ def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
     method = values.get(":method", [""])[0]
     if method != "POST":
         return f"the request's :method is {shown(method)!r}; gRPC calls are POST"
+    scheme = values.get(":scheme", [""])[0]
+    if scheme not in ("http", "https"):
+        return f"the request's :scheme is {shown(scheme)!r}; gRPC calls are http or https"
+    if "te" not in values:
+        return "the request has no te field; gRPC calls send te: trailers"
     content_types = values.get("content-type", [])
     if len(content_types) != 1:
         return f"content-type appears {len(content_types)} times; a gRPC call sends it once"
@@ -323,6 +334,13 @@ def request_headers_problem(headers: Sequence[tuple[str, str]]) -> str | None:
     ):
         return f"content-type {shown(content_type)!r} is not application/grpc"
     return timeout_problem(values.get("grpc-timeout", []))
+
+
+def method_path_problem(path: str) -> str | None:
+    """What makes a request's ``:path`` not a gRPC method's, ``/service/method``, or None."""
+    if path.startswith("/") and path.count("/") == 2:
+        return None
+    return f"method {shown(path)} is not served here; a gRPC method's path is /service/method"
 
 
 def timeout_problem(values: Sequence[str]) -> str | None:
@@ -1751,7 +1769,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                     )
                 ]
         except _MalformedRequest as exc:
-            return [CallRejected(stream_id, StatusCode.INVALID_ARGUMENT, str(exc))]
+            return [CallRejected(stream_id, exc.status, str(exc))]
         except Exception:
             # purerpc's parser raises whatever a header it did not expect makes it trip on;
             # what it tripped on is its own business, not the client's.
@@ -1798,6 +1816,10 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
             problem = request_headers_problem(rest)
             if problem is not None:
                 raise _MalformedRequest(problem)
+            # As gRPC's own servers answer a path that names no method they serve.
+            problem = method_path_problem(next(value for name, value in rest if name == ":path"))
+            if problem is not None:
+                raise _MalformedRequest(problem, StatusCode.UNIMPLEMENTED)
             parsed = RequestReceived.parse_from_stream_id_and_headers_destructive(
                 stream_id, HeaderDict(rest)
             )
