@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -36,7 +37,7 @@ from trio_infer.logs import JsonFormatter
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
-from trio_infer.transport.access_log import request_id
+from trio_infer.transport.access_log import new_request_id, request_id
 
 GRACE = 2.0
 
@@ -59,6 +60,17 @@ def test_a_usable_client_id_is_kept_and_any_other_replaced() -> None:
         assert replaced.isascii()
         assert replaced.isprintable()
     assert request_id("x" * 128) == "x" * 128
+
+
+def test_made_ids_are_the_process_prefix_and_a_count_in_hex() -> None:
+    made = [new_request_id() for _ in range(300)] + [request_id(None)]
+    prefixes = {made_id.partition("-")[0] for made_id in made}
+    assert len(prefixes) == 1
+    assert re.fullmatch("[0-9a-f]{12}", prefixes.pop())
+    counts = [made_id.partition("-")[2] for made_id in made]
+    assert all(re.fullmatch("[1-9a-f][0-9a-f]*", count) for count in counts)
+    numbers = [int(count, 16) for count in counts]
+    assert numbers == list(range(numbers[0], numbers[0] + len(made)))
 
 
 async def test_grpc_calls_echo_the_clients_request_id(grpcio_client: GrpcioClient) -> None:

@@ -17,7 +17,14 @@ import logging
 import os
 from dataclasses import dataclass
 
-__all__ = ["ACCESS_LOGGER", "REQUEST_ID_HEADER", "CallRecord", "log_call", "request_id"]
+__all__ = [
+    "ACCESS_LOGGER",
+    "REQUEST_ID_HEADER",
+    "CallRecord",
+    "log_call",
+    "new_request_id",
+    "request_id",
+]
 
 #: The header (gRPC metadata) that carries a call's request id, both ways.
 REQUEST_ID_HEADER = "x-request-id"
@@ -28,8 +35,9 @@ ACCESS_LOGGER = logging.getLogger("trio_infer.access")
 #: The longest client request id echoed and logged; a longer one is replaced by one made here.
 _MAX_REQUEST_ID = 128
 # Unique across the replicas of a deployment with high probability (the random part) and
-# within this process for sure (the count), at a fraction of uuid4's cost per call.
-_PREFIX = os.urandom(6).hex()
+# within this process for sure (the count), at a fraction of uuid4's cost per call. The
+# prefix ends with the dash that joins it to the count: one concatenation makes an id.
+_PREFIX = os.urandom(6).hex() + "-"
 _count = itertools.count(1)
 
 
@@ -47,7 +55,14 @@ def request_id(sent: str | bytes | None) -> str:
         and sent.isprintable()
     ):
         return sent
-    return f"{_PREFIX}-{next(_count):x}"
+    return new_request_id()
+
+
+def new_request_id() -> str:
+    """A new request id, unique to this call: for a call whose client sent none."""
+    # hex() and a slice, not a format spec: the same digits (lower-case, no leading zeros)
+    # without the format's parsing at each call.
+    return _PREFIX + hex(next(_count))[2:]
 
 
 @dataclass(frozen=True, slots=True)

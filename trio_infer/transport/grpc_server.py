@@ -75,6 +75,7 @@ from trio_infer.transport.access_log import (
     REQUEST_ID_HEADER,
     CallRecord,
     log_call,
+    new_request_id,
     request_id,
 )
 from trio_infer.transport.connection_age import retirement_time
@@ -1113,7 +1114,7 @@ class Connection:
             f"/{event.service_name}/{event.method_name}",
             metadata,
             deadline,
-            request_id(sent),
+            new_request_id() if sent is None else request_id(sent),
             now,
         )
         self._calls_in_flight.started += 1

@@ -73,6 +73,7 @@ from trio_infer.transport.access_log import (
     REQUEST_ID_HEADER,
     CallRecord,
     log_call,
+    new_request_id,
     request_id,
 )
 from trio_infer.transport.connection_age import retirement_time
@@ -693,7 +694,9 @@ class HttpRequest:
         self.connection_id: int = connection.connection_id
         """The connection the request came on: unique among the process's connections."""
         sent_id = message.request_id
-        self.request_id = request_id(None if sent_id is None else sent_id.decode("latin-1"))
+        self.request_id = (
+            new_request_id() if sent_id is None else request_id(sent_id.decode("latin-1"))
+        )
         """The request's id (:func:`~trio_infer.transport.access_log.request_id`): echoed in
         the response's ``x-request-id`` and logged."""
         self.subject = ""
