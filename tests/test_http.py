@@ -126,6 +126,24 @@ def _sleep_body(delay_ms: int) -> bytes:
     ).encode()
 
 
+def _binary_add_sub_json(rows: int) -> bytes:
+    """The JSON part of an add_sub request of ``rows`` rows whose inputs and outputs are
+    binary."""
+    document = {
+        "inputs": [
+            {
+                "name": name,
+                "datatype": "FP32",
+                "shape": [rows, 16],
+                "parameters": {"binary_data_size": rows * 64},
+            }
+            for name in ("INPUT0", "INPUT1")
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+    return json.dumps(document).encode()
+
+
 ADD_SUB_BODY = {
     "inputs": [
         {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": list(range(16))},
@@ -483,6 +501,51 @@ def _tritonclient_binary_at_every_offset(port: int) -> list[tuple[np.ndarray, np
         return answers
     finally:
         client.close()
+
+
+async def test_an_inferences_answer_head_has_its_fields_in_order(nursery: trio.Nursery) -> None:
+    # The content type and header length (rendered once by the service), then the transport's.
+    server = await start_server(nursery)
+    text = json.dumps(ADD_SUB_BODY).encode()
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+    binary = _binary_add_sub_json(1)
+    stream, _ = await _open(server)
+    async with stream:
+        for request, lines in (
+            (_post("/v2/models/add_sub/infer", text), ["content-type: application/json"]),
+            (
+                _post(
+                    "/v2/models/add_sub/infer",
+                    binary + x.tobytes() * 2,
+                    f"Inference-Header-Content-Length: {len(binary)}\r\nX-Request-Id: r-1\r\n",
+                ),
+                ["content-type: application/octet-stream", "inference-header-content-length: "],
+            ),
+        ):
+            await stream.send_all(request)
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += await stream.receive_some(65536)
+            head, _, body = received.partition(b"\r\n\r\n")
+            status, *fields = head.decode("latin-1").split("\r\n")
+            assert status == "HTTP/1.1 200 OK"
+            assert [field.partition(": ")[0] for field in fields] == [
+                *(line.partition(": ")[0] for line in lines),
+                "content-length",
+                "x-request-id",
+            ]
+            assert all(field.startswith(line) for field, line in zip(fields, lines, strict=False))
+            length = int(fields[-2].partition(": ")[2])
+            while len(body) < length:
+                body += await stream.receive_some(65536)
+            if len(lines) == 2:
+                json_length = int(fields[1].partition(": ")[2])
+                outputs = json.loads(body[:json_length])["outputs"]
+                assert [output["parameters"]["binary_data_size"] for output in outputs] == [64, 64]
+                assert len(body) == json_length + 128
+                assert fields[3] == "x-request-id: r-1"
+            else:
+                assert json.loads(body)["outputs"][0]["name"] == "OUTPUT0"
 
 
 async def test_binary_inputs_are_read_alike_at_every_offset_in_the_body(
@@ -1474,20 +1537,7 @@ async def test_a_binary_layout_seen_before_still_refuses_a_body_of_another_size_
     # JSON part and body size: one of another size is checked afresh, and the data of one of
     # the same size are checked as they are decoded, every time.
     def add_sub(size: int) -> tuple[bytes, bytes]:
-        document = {
-            "inputs": [
-                {
-                    "name": name,
-                    "datatype": "FP32",
-                    "shape": [2, 16],
-                    "parameters": {"binary_data_size": 128},
-                }
-                for name in ("INPUT0", "INPUT1")
-            ],
-            "parameters": {"binary_data_output": True},
-        }
-        text = json.dumps(document).encode()
-        return text, bytes(size)
+        return _binary_add_sub_json(2), bytes(size)
 
     async with _client(server) as client:
 

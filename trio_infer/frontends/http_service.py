@@ -52,7 +52,7 @@ from trio_infer.core.types import (
 from trio_infer.errors import InferError, InvalidInput, StatusCode, Unimplemented
 from trio_infer.rest import codec
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
-from trio_infer.transport.http_server import HttpError, HttpRequest, error_body
+from trio_infer.transport.http_server import HttpError, HttpRequest, error_body, header_lines
 from trio_infer.transport.quoting import header_text, shown
 
 __all__ = [
@@ -96,6 +96,10 @@ _OCTETS = ("content-type", "application/octet-stream")
 #: Triton's binary tensor data extension: the size of the JSON part of a body (request or
 #: response) followed by binary tensor data.
 _HEADER_LENGTH = "inference-header-content-length"
+#: The header lines of a JSON answer, and of an answer with binary data before its header
+#: length's value: rendered once (HttpRequest.respond's ``lines``).
+_JSON_LINES = header_lines([_JSON])
+_BINARY_LINES = header_lines([_OCTETS]) + f"{_HEADER_LENGTH}: "
 _HEADER_LENGTH_FIELD = _HEADER_LENGTH.encode("ascii")
 #: Requests whose JSON part is larger than this are parsed and decoded in a thread, and
 #: responses with more output elements than this are encoded in one: on the event loop they
@@ -405,19 +409,19 @@ class HttpService:
             if own == math.inf:
                 # No timeout of its own: the request's scope bounds it, and a scope costs
                 # microseconds.
-                headers, buffers = await self.core.infer(inference, context, encode)
+                headers, lines, buffers = await self.core.infer(inference, context, encode)
             else:
                 with trio.move_on_at(own) as timed:
-                    headers, buffers = await self.core.infer(inference, context, encode)
+                    headers, lines, buffers = await self.core.infer(inference, context, encode)
                 if timed.cancelled_caught:
                     raise InferError(TIMED_OUT, StatusCode.DEADLINE_EXCEEDED)
-            await request.respond(200, headers, buffers)
+            await request.respond(200, headers, buffers, lines)
 
     async def _encoded(
         self, binary_outputs: codec.BinaryOutputs, answer: InferenceResponse
-    ) -> tuple[list[tuple[str, str]], list[Buffer]]:
-        """The response's header fields and body buffers for ``answer``; encoded in a thread
-        when its outputs are large."""
+    ) -> tuple[list[tuple[str, str]], str, list[Buffer]]:
+        """The response's header fields (the model's), header lines (the server's, rendered)
+        and body buffers for ``answer``; encoded in a thread when its outputs are large."""
         outputs = answer.outputs
         elements = 0
         for _, array in outputs:
@@ -442,11 +446,9 @@ class HttpService:
         # Most answers carry no metadata: their (empty) mappings are not unpacked.
         metadata = answer.headers or answer.trailers
         headers = [*answer.headers.items(), *answer.trailers.items()] if metadata else []
-        if json_length is None:
-            headers.append(_JSON)
-        else:
-            headers += [_OCTETS, (_HEADER_LENGTH, str(json_length))]
-        return headers, buffers
+        # The header length's value is digits: rendered without a check for line breaks.
+        lines = _JSON_LINES if json_length is None else f"{_BINARY_LINES}{json_length}\r\n"
+        return headers, lines, buffers
 
     async def _decoded(
         self, body: bytearray | memoryview, header_length: int | None, reservation: Reservation
@@ -644,11 +646,11 @@ def _tensor_metadata(spec: TensorSpec) -> dict[str, object]:
 
 
 async def _respond_json(request: HttpRequest, document: object) -> None:
-    await request.respond(200, [_JSON], [json.dumps(document).encode()])
+    await request.respond(200, (), [json.dumps(document).encode()], _JSON_LINES)
 
 
 async def _respond_error(request: HttpRequest, status: int, message: str) -> None:
-    await request.respond(status, [_JSON], [error_body(message)])
+    await request.respond(status, (), [error_body(message)], _JSON_LINES)
 
 
 def _not_found(request: HttpRequest) -> HttpError:

@@ -900,9 +900,14 @@ class HttpRequest:
         status: int,
         headers: Sequence[tuple[str, str]] = (),
         body: Sequence[Buffer] = (),
+        lines: str = "",
     ) -> None:
         """Send the response (once per request): ``status``, ``headers`` (``content-length``
         is added) and ``body``, the buffers written in order with vectored writes.
+
+        ``lines`` are header fields of the server's own, already rendered as
+        :func:`header_lines` renders them (each ``name: value`` ended by CRLF), written after
+        ``headers`` as they are: a handler renders its constant fields once, not per response.
 
         Returns once the socket has taken all of it, so what holds the body's memory is given
         back only after it has left. A client that reads none of it for the send timeout is
@@ -927,7 +932,7 @@ class HttpRequest:
         else:
             close = _KEEP_ALIVE_LINE if self._message.http_1_0 else ""
         head = (
-            f"{status_line(status)}{fields}content-length: {size}\r\n"
+            f"{status_line(status)}{fields}{lines}content-length: {size}\r\n"
             f"{REQUEST_ID_HEADER}: {self.request_id}\r\n{close}\r\n"
         ).encode("latin-1")
         self._response_started = True
