@@ -27,6 +27,7 @@ pool's to stop: it kills the worker.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import inspect
@@ -135,6 +136,14 @@ def configure(threads_per_worker: int, debug: bool) -> None:
     # What the fork server imported lives as long as this process: a full garbage collection
     # walking it would stall a model call (as it stalled the server, see trio_infer.cli).
     gc.freeze()
+    # Model work is throughput work, the server's thread latency work: a worker woken by a call
+    # the server writes to it (a Unix socket's write wakes its reader on the writer's core)
+    # must not preempt the server there while another core may be idle. SCHED_BATCH drops only
+    # that wake-up preemption; the share of the CPU (the nice value) stays the server's. A
+    # kernel or sandbox that refuses it leaves the worker as it was, which is only slower.
+    if hasattr(os, "SCHED_BATCH"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 #: A call as the pool sends it: its id, the name of the job (a function of :data:`JOBS`) and
