@@ -29,6 +29,14 @@ import enum
 from typing import ClassVar
 
 
+def shown(value: str, limit: int = 64) -> str:
+    """``value`` as an error message may repeat it: its first ``limit`` characters. One byte of
+    HPACK can stand for a header value of kilobytes, and a message field for megabytes, so a
+    message that echoed it whole would answer a few bytes with kilobytes, and a gRPC status
+    with trailers larger than a client takes (grpcio's limit on metadata)."""
+    return value if len(value) <= limit else value[:limit] + "..."
+
+
 class StatusCode(enum.IntEnum):
     """The gRPC status codes (the numbers are fixed by the gRPC specification)."""
 

@@ -8,10 +8,13 @@ from collections.abc import Iterator, Sequence
 
 import trio
 
-from trio_infer.errors import InvalidInput, ModelNotFound, Unavailable
+from trio_infer.errors import InvalidInput, ModelNotFound, Unavailable, shown
 from trio_infer.repository.settings import ModelSettings
 
 _INT64_MAX = 2**63 - 1
+#: The most characters of a client's model name an error repeats: more than a folder's name
+#: can have, so a served model's name is never cut.
+_NAME_SHOWN = 256
 
 
 class ModelState(enum.StrEnum):
@@ -68,7 +71,8 @@ class ModelRegistry:
         if version and (settings is None or version not in (settings.version, *settings.versions)):
             if not _is_int64(version):
                 raise InvalidInput(
-                    f"failed to get model version from specified version string '{version}': "
+                    "failed to get model version from specified version string "
+                    f"'{shown(version)}': "
                     "a version is an integer from 0 to 2**63 - 1"
                 )
             if settings is not None:
@@ -85,7 +89,9 @@ class ModelRegistry:
                 raise Unavailable(
                     f"Request for unknown model: '{name}' has no available versions ({why})"
                 )
-            raise ModelNotFound(f"Request for unknown model: '{name}' is not found")
+            raise ModelNotFound(
+                f"Request for unknown model: '{shown(name, _NAME_SHOWN)}' is not found"
+            )
         return settings
 
     def is_ready(self, name: str) -> bool:

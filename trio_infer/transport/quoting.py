@@ -4,14 +4,9 @@ front-ends above them."""
 
 from __future__ import annotations
 
+from trio_infer.errors import shown
+
 __all__ = ["header_text", "shown"]
-
-
-def shown(value: str, limit: int = 64) -> str:
-    """``value`` as an error message may repeat it: its first ``limit`` characters. One byte of
-    HPACK can stand for a header value of kilobytes, so a message that echoed it whole would
-    answer a few bytes with kilobytes."""
-    return value if len(value) <= limit else value[:limit] + "..."
 
 
 def header_text(value: str, limit: int = 1024) -> str:
