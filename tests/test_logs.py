@@ -37,7 +37,7 @@ from trio_infer.logs import JsonFormatter
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import encode_inputs, encode_parameters
 from trio_infer.server import RunningServer
-from trio_infer.transport.access_log import new_request_id, request_id
+from trio_infer.transport.access_log import log_text, new_request_id, request_id
 
 GRACE = 2.0
 
@@ -279,3 +279,54 @@ def test_rest_calls_echo_their_id_and_are_in_the_access_log(
     assert ok["bytes_in"] == len(sent)
     assert ok["bytes_out"] > 0
     assert (by_id[made]["model"], by_id[made]["status"]) == ("nope", "404")
+
+
+def test_client_text_is_escaped_in_the_message_and_bounded() -> None:
+    assert log_text("add_sub") == "add_sub"
+    assert log_text("caf\u00e9 model") == "caf\u00e9 model"
+    assert log_text("a\nb\r\0c") == "a\\x0ab\\x0d\\x00c"
+    assert log_text("sep\u2028x\\n") == "sep\\u2028x\\x5cn"
+    assert log_text("\U000e0001") == "\\U000e0001"
+    assert log_text("y" * 100_000) == "y" * 512 + "..."
+
+
+FORGED = "x\n2026-12-04 11:52:06,000 INFO trio_infer.access: grpc /admin OK id=forged"
+
+
+def test_a_model_name_with_a_line_break_writes_one_access_line(tmp_path: Path) -> None:
+    port = free_port()
+    argv = ["--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "0"]
+    server = Server(
+        [*argv, "--workers", "1", "--grace-period", str(GRACE), "--access-log"], tmp_path
+    )
+    try:
+        http_port = int(server.wait_for_line(r"REST on http://127\.0\.0\.1:(\d+)")[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = v2_stub(channel)
+            wait_server_ready(stub)
+            for name in (FORGED, "z" * 100_000):
+                with pytest.raises(grpc.RpcError) as missing:
+                    stub.ModelInfer(pb.ModelInferRequest(model_name=name), timeout=TIMEOUT)
+                assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=TIMEOUT) as client:
+            answer = client.get("/v2/models/y%0D%0Aforged%20line/ready")
+            assert answer.status_code == 404
+            assert answer.json()["error"] == (
+                "Request for unknown model: 'y\r\nforged line' is not found"
+            )
+        server.wait_for_line(r"http GET /v2/models/y%0D%0Aforged%20line/ready ")
+        server.wait_exit(server.send(signal.SIGTERM) + GRACE + 1 + EXIT_SLACK)
+        server.assert_clean_exit(0)
+    finally:
+        server.close()
+    lines = server.stderr().splitlines()
+    # Each line is a record of its own, the forged one inside the first call's record.
+    assert not [line for line in lines if line.startswith(("2026-12-04 11:52:06", "forged"))]
+    access = [line for line in lines if " INFO trio_infer.access: " in line]
+    infer = [line for line in access if "/ModelInfer " in line]
+    assert len(infer) == 2
+    assert f" {log_text(FORGED)} NOT_FOUND " in infer[0]
+    assert " " + "z" * 512 + "... NOT_FOUND " in infer[1]
+    assert len(infer[1]) < 1000
+    (ready,) = [line for line in access if "/ready " in line]
+    assert " y\\x0d\\x0aforged line 404 " in ready

@@ -8,6 +8,10 @@ says the call in one line and whose attributes (``protocol``, ``method``, ``mode
 ``duration_ms``, ``bytes_in``, ``bytes_out``, ``request_id``) carry the same fields for a JSON
 formatter. It is off unless ``--access-log`` turns it on: a record costs about as much as the
 rest of a small call's protocol work (docs/performance.md).
+
+What a client chose (the method path, the model's name, the request id) is written bounded,
+and in the one-line message escaped (:func:`log_text`): a model name holding a line break must
+not write a second, forged record, nor a name of megabytes a record of megabytes.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import logging
 import os
 from dataclasses import dataclass
 
+from trio_infer.transport.quoting import shown
+
 __all__ = [
     "ACCESS_LOGGER",
     "REQUEST_ID_HEADER",
     "CallRecord",
     "log_call",
+    "log_text",
     "new_request_id",
     "request_id",
 ]
@@ -34,6 +41,9 @@ ACCESS_LOGGER = logging.getLogger("trio_infer.access")
 
 #: The longest client request id echoed and logged; a longer one is replaced by one made here.
 _MAX_REQUEST_ID = 128
+#: The most characters of a client's text (a method path, a model's name) a record carries:
+#: more than any model name a repository folder can hold.
+_MAX_LOGGED = 512
 # Unique across the replicas of a deployment with high probability (the random part) and
 # within this process for sure (the count), at a fraction of uuid4's cost per call. The
 # prefix ends with the dash that joins it to the count: one concatenation makes an id.
@@ -90,24 +100,52 @@ class CallRecord:
     request_id: str
 
 
+def log_text(value: str) -> str:
+    """``value`` (a client's text) as one field of the access log's one-line message: its first
+    characters (:func:`~trio_infer.transport.quoting.shown`), each backslash and each
+    character that is not printable (line breaks, NUL, Unicode's line and paragraph
+    separators) written as a Python escape (``\\x0a``, ``\\u2028``), so that the field
+    stays on its line and an escaped value is told from one sent as it reads."""
+    cut = shown(value, _MAX_LOGGED)
+    if cut.isprintable() and "\\" not in cut:
+        return cut
+    return "".join(
+        character if character.isprintable() and character != "\\" else _escape(character)
+        for character in cut
+    )
+
+
+def _escape(character: str) -> str:
+    """``character`` as a Python escape of its code point."""
+    code = ord(character)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
 def log_call(record: CallRecord) -> None:
     """Write ``record`` to the access log (callers check ``ACCESS_LOGGER.isEnabledFor(INFO)``
-    first, so that a call pays for nothing while the log is off)."""
+    first, so that a call pays for nothing while the log is off). The client's text is bounded
+    in the record's fields and escaped in its message (:func:`log_text`)."""
     duration_ms = round(record.duration * 1000, 3)
+    method = shown(record.method, _MAX_LOGGED)
+    model = shown(record.model, _MAX_LOGGED)
     ACCESS_LOGGER.info(
         "%s %s %s %s %.3fms in=%d out=%d id=%s",
         record.protocol,
-        record.method,
-        record.model or "-",
+        log_text(method),
+        log_text(model) if model else "-",
         record.status,
         duration_ms,
         record.bytes_in,
         record.bytes_out,
-        record.request_id,
+        log_text(record.request_id),
         extra={
             "protocol": record.protocol,
-            "method": record.method,
-            "model": record.model,
+            "method": method,
+            "model": model,
             "status": record.status,
             "duration_ms": duration_ms,
             "bytes_in": record.bytes_in,
