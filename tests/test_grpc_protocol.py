@@ -18,7 +18,7 @@ import h2.stream
 import hpack
 import pytest
 from h2.stream import StreamClosedBy
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.support import GRPC_REQUEST, client_and_server
@@ -578,6 +578,30 @@ def test_a_status_message_is_percent_encoded_only_where_grpc_requires(
 ) -> None:
     assert grpc_protocol.grpc_message_value(message) == value
     assert urllib.parse.unquote(value) == message
+
+
+@given(
+    st.text(st.characters(codec="utf-8"), max_size=1200).flatmap(
+        lambda part: st.integers(1, 12).map(lambda times: part * times)
+    ),
+)
+@example("x" * 5000)
+@example("\u00e9" * 5000)
+@example(" " + "\U0001f600" * 2000)
+@example("x" * 4096)
+@settings(max_examples=300, deadline=None)
+def test_a_status_message_is_sent_whole_or_cut_to_a_value_a_client_takes(message: str) -> None:
+    value = grpc_protocol.grpc_message_value(message)
+    assert len(value) <= 4096
+    sent = urllib.parse.unquote(value, errors="strict")
+    if sent != message:
+        assert len(urllib.parse.quote(message, safe=grpc_protocol._UNENCODED)) > 4096
+        assert sent.endswith("...")
+        kept = sent.removesuffix("...")
+        assert message.startswith(kept)
+        # Cut at the last character that fits, not before.
+        longer = message[: len(kept) + 1] + "..."
+        assert len(urllib.parse.quote(longer, safe=grpc_protocol._UNENCODED)) > 4096 - 3
 
 
 def test_a_rate_limit_allows_its_burst_then_its_rate() -> None:

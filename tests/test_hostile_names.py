@@ -75,3 +75,25 @@ async def test_rest_answers_a_long_name_with_a_short_404(server: RunningServer) 
             "error": f"Request for unknown model: '{'m' * 256}...' is not found"
         }
         assert (await client.get("/v2/models/add_sub/ready")).status_code == 200
+
+
+async def test_a_megabyte_input_or_output_name_is_invalid_in_a_status_grpcio_takes(
+    grpcio_client: GrpcioClient,
+) -> None:
+    named = _add_sub()
+    named.inputs[0].name = LONG
+    unknown_output = _add_sub()
+    unknown_output.outputs.add(name=LONG)
+    typed = _add_sub()
+    typed.inputs[1].datatype = "\u2603" * 1_000_000
+    for request, start in [
+        (named, "model 'add_sub' has no input 'nnn"),
+        (unknown_output, "model 'add_sub' has no output 'nnn"),
+        (typed, "input 'INPUT1': unknown datatype '\u2603\u2603\u2603"),
+    ]:
+        error = await grpcio_client.error("ModelInfer", request, timeout=30)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith(start)
+        assert error.details().endswith("...")
+    answer = await grpcio_client.call("ModelInfer", _add_sub(), timeout=30)
+    assert answer.model_name == "add_sub"

@@ -277,17 +277,41 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 _UNENCODED = "".join(chr(byte) for byte in range(0x20, 0x7F) if byte != ord("%"))
 
 
+#: The longest ``grpc-message`` value sent, in bytes once encoded: half of grpcio's default
+#: limit on a response's metadata, past which it refuses the whole status.
+_MAX_MESSAGE_VALUE = 4096
+
+
 def grpc_message_value(message: str) -> str:
     """A status message as gRPC's ``grpc-message`` trailer carries it: UTF-8, percent-encoded
     only where the protocol requires (``%``, control characters and non-ASCII), as grpc's own
     servers send it, so that a client shows it readable even where it does not decode it; and
-    a space at either end, which would make the field malformed (RFC 9113 §8.2.1)."""
+    a space at either end, which would make the field malformed (RFC 9113 §8.2.1).
+
+    A message whose value would be longer than a client takes (one that repeats a client's
+    megabyte name, say) is cut, and ends in ``...``: a client must see the call's status, not
+    its own refusal of the trailers that carry it."""
     value = quote(message, safe=_UNENCODED)
+    if len(value) > _MAX_MESSAGE_VALUE:
+        # Room for the "..." and for a leading space's "%20".
+        cut = _fitting(message, _MAX_MESSAGE_VALUE - len("...") - len("%20"))
+        value = quote(cut + "...", safe=_UNENCODED)
     if value.startswith(" "):
         value = "%20" + value[1:]
     if value.endswith(" "):
         value = value[:-1] + "%20"
     return value
+
+
+def _fitting(message: str, budget: int) -> str:
+    """The longest start of ``message`` whose ``grpc-message`` encoding takes at most
+    ``budget`` bytes."""
+    used = 0
+    for index, character in enumerate(message):
+        used += 1 if character in _UNENCODED else 3 * len(character.encode())
+        if used > budget:
+            return message[:index]
+    return message
 
 
 #: The ``x-request-id`` field, coded as :func:`never_indexed` codes it, up to its value.
