@@ -32,7 +32,8 @@ from trio_infer.client import InferenceClient
 from trio_infer.datatypes import DATATYPES
 from trio_infer.errors import ModelFailed
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
-from trio_infer.repository.settings import ModelSettings
+from trio_infer.repository.settings import ModelSettings, TensorSpec
+from trio_infer.runtimes._common import check_feature_count
 from trio_infer.server import RunningServer
 
 #: What skops does not trust by default in a forest: its trees' node arrays.
@@ -325,6 +326,62 @@ def _broken(made: Made, root: Path) -> Path:
         {"implementation": sklearn_class, "parameters": {"uri": str(f / "forest.skops")}},
     )
     _write(repository, "onnx_corrupt", {"platform": "onnx", "parameters": {"uri": str(garbage)}})
+    # Files cut in half (a copy interrupted), and files of another runtime's format.
+    for source in ("forest.joblib", "forest.onnx"):
+        whole = (f / source).read_bytes()
+        (root / f"half.{source}").write_bytes(whole[: len(whole) // 2])
+    whole_json = (f / "classifier.json").read_text()
+    (root / "half.classifier.json").write_text(whole_json[: len(whole_json) // 2])
+    _write(
+        repository,
+        "half_joblib",
+        {"implementation": sklearn_class, "parameters": {"uri": str(root / "half.forest.joblib")}},
+    )
+    _write(
+        repository,
+        "onnx_as_joblib",
+        {"implementation": sklearn_class, "parameters": {"uri": str(f / "forest.onnx")}},
+    )
+    _write(
+        repository,
+        "half_onnx",
+        {"platform": "onnx", "parameters": {"uri": str(root / "half.forest.onnx")}},
+    )
+    _write(
+        repository,
+        "half_xgboost",
+        {
+            "implementation": "mlserver_xgboost.XGBoostModel",
+            "parameters": {"uri": str(root / "half.classifier.json")},
+        },
+    )
+    _write(
+        repository,
+        "joblib_as_xgboost",
+        {
+            "implementation": "mlserver_xgboost.XGBoostModel",
+            "parameters": {"uri": str(f / "forest.joblib")},
+        },
+    )
+    # Declared inputs whose rows are not the file's (it reads four features).
+    _write(
+        repository,
+        "sklearn_rows",
+        {
+            "implementation": sklearn_class,
+            "parameters": {"uri": str(f / "forest.joblib")},
+            "inputs": [{"name": "X", "datatype": "FP64", "shape": [-1, 9]}],
+        },
+    )
+    _write(
+        repository,
+        "xgboost_rows",
+        {
+            "implementation": "mlserver_xgboost.XGBoostModel",
+            "parameters": {"uri": str(f / "classifier.json")},
+            "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1, 7]}],
+        },
+    )
     _write(
         repository,
         "onnx_zipmap",
@@ -376,6 +433,21 @@ async def test_a_model_that_cannot_load_tells_the_client_why(
             "them, and list those you trust in parameters.extra.skops_trusted_types"
         ),
         "onnx_corrupt": f"cannot read {tmp_path / 'garbage.bin'} as an ONNX model: ",
+        "half_joblib": (
+            f"cannot read {tmp_path / 'half.forest.joblib'} as a joblib or pickle file: "
+        ),
+        "onnx_as_joblib": f"cannot read {f / 'forest.onnx'} as a joblib or pickle file: ",
+        "half_onnx": f"cannot read {tmp_path / 'half.forest.onnx'} as an ONNX model: ",
+        "half_xgboost": f"cannot read {tmp_path / 'half.classifier.json'} as an XGBoost model: ",
+        "joblib_as_xgboost": f"cannot read {f / 'forest.joblib'} as an XGBoost model: ",
+        "sklearn_rows": (
+            "declared input 'X' is FP64 [-1, 9], rows of 9 features; RandomForestClassifier "
+            f"from {f / 'forest.joblib'} reads rows of 4"
+        ),
+        "xgboost_rows": (
+            "declared input 'X' is FP32 [-1, 7], rows of 7 features; the booster from "
+            f"{f / 'classifier.json'} reads rows of 4"
+        ),
         "onnx_zipmap": (
             "the model's tensor 'output_probability' is seq(map(int64,tensor(float))), which the "
             "V2 protocol cannot carry"
@@ -454,3 +526,23 @@ def test_the_server_side_never_imports_the_runtimes_libraries(tmp_path: Path) ->
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_only_a_matrix_of_fixed_rows_other_than_the_files_is_refused() -> None:
+    def spec(*shape: int) -> TensorSpec:
+        return TensorSpec("X", "FP32", shape)
+
+    # Rows of any length, a vector of texts, a file that does not say, inputs the model does
+    # not take as one matrix: nothing to compare.
+    for inputs, features in [
+        ((spec(-1, -1),), 4),
+        ((spec(-1),), 4),
+        ((spec(-1, 9),), None),
+        ((spec(-1, 4),), 4),
+        ((spec(2, 4),), 4),
+        ((spec(-1, 9), TensorSpec("Y", "FP32", (-1, 9))), 4),
+        ((), 4),
+    ]:
+        check_feature_count(inputs, features, "m")
+    with pytest.raises(ModelFailed, match=r"^declared input 'X' is FP32 \[3, 5\], rows of 5 "):
+        check_feature_count((spec(3, 5),), 4, "m")

@@ -16,11 +16,12 @@ import numpy as np
 
 from trio_infer.errors import InvalidInput, ModelFailed
 from trio_infer.model import Model, Parameters
-from trio_infer.repository.settings import ModelSettings
+from trio_infer.repository.settings import ModelSettings, TensorSpec
 
 __all__ = [
     "ExtraSettings",
     "FeatureMatrixModel",
+    "check_feature_count",
     "feature_matrix",
     "missing_library",
     "model_file",
@@ -161,6 +162,30 @@ def feature_matrix(inputs: Mapping[str, np.ndarray]) -> np.ndarray:
     return matrix
 
 
+def check_feature_count(inputs: Sequence[TensorSpec], features: int | None, source: str) -> None:
+    """Refuse a model whose declared input (``inputs`` of its settings) is a matrix of rows of
+    a fixed length other than the ``features`` its file reads (None: the file does not say):
+    every request the server lets through would fail in the model, which would seem ready.
+
+    Args:
+        inputs: The declared inputs.
+        features: The features a row the model reads, as its file records them.
+        source: What the model is, for the message (its class and file).
+
+    Raises:
+        ModelFailed: The one declared input has two dimensions, the last fixed and not
+            ``features``.
+    """
+    if features is None or len(inputs) != 1:
+        return
+    (declared,) = inputs
+    if len(declared.shape) == 2 and declared.shape[1] >= 0 and declared.shape[1] != features:
+        raise ModelFailed(
+            f"declared input '{declared.name}' is {declared.datatype} {list(declared.shape)}, "
+            f"rows of {declared.shape[1]} features; {source} reads rows of {features}"
+        )
+
+
 class FeatureMatrixModel(Model):
     """A runtime that reads one model file and predicts the rows of a feature matrix with the
     method ``parameters.extra.predict_fn`` names, its one output tensor named after it (as
@@ -180,20 +205,27 @@ class FeatureMatrixModel(Model):
     EXTRA_SETTINGS: ClassVar[Sequence[str]] = ()
 
     def load(self) -> None:
-        """Check ``parameters.extra``, then read the model file (:meth:`_load`).
+        """Check ``parameters.extra``, read the model file (:meth:`_load`), then check the
+        declared input against the features the file reads (:func:`check_feature_count`).
 
         Raises:
             ModelFailed: ``parameters.extra`` has an unknown key or an unknown ``predict_fn``,
-                or :meth:`_load` failed; the message says which.
+                :meth:`_load` failed, or the declared input's rows are not the model's; the
+                message says which.
         """
         extra = ExtraSettings(self.settings, self.RUNTIME, ("predict_fn", *self.EXTRA_SETTINGS))
         self.method = extra.choice("predict_fn", self.PREDICT_FUNCTIONS, self.PREDICT_FUNCTIONS[0])
         """The method ``parameters.extra.predict_fn`` names, and the output tensor's name."""
-        self._load(extra)
+        features, source = self._load(extra)
+        check_feature_count(self.settings.inputs, features, source)
 
-    def _load(self, extra: ExtraSettings) -> None:
+    def _load(self, extra: ExtraSettings) -> tuple[int | None, str]:
         """Read the runtime's other settings, import its library, then read the model file
         (:meth:`_model_file`).
+
+        Returns:
+            The features a row the model reads (None when its file does not say), and what
+            the model is for messages (its class and file).
 
         Raises:
             ModelFailed: The library is missing, the file is missing or unreadable, or it

@@ -69,8 +69,9 @@ class SKLearnModel(FeatureMatrixModel):
     WELLKNOWN_FILES = WELLKNOWN_FILES
     EXTRA_SETTINGS = ("skops_trusted_types",)
 
-    def _load(self, extra: ExtraSettings) -> None:
-        """Read the estimator and pick its method.
+    def _load(self, extra: ExtraSettings) -> tuple[int | None, str]:
+        """Read the estimator and pick its method; its features a row are its
+        ``n_features_in_`` (scikit-learn's, set by ``fit``), when it has one.
 
         Raises:
             ModelFailed: scikit-learn (or skops) is not installed, the file is missing or
@@ -103,6 +104,10 @@ class SKLearnModel(FeatureMatrixModel):
                 f"(parameters.extra.predict_fn); it has: {', '.join(has) or 'none of them'}"
             )
         self._function: Callable[[np.ndarray], Any] = function
+        # A pipeline whose first step takes text has none; a custom estimator may have any.
+        features = getattr(estimator, "n_features_in_", None)
+        count = features if isinstance(features, int) and not isinstance(features, bool) else None
+        return count, f"{type(estimator).__name__} from {path}"
 
     def _predict_rows(self, features: np.ndarray) -> np.ndarray:
         result = self._function(features)

@@ -60,8 +60,8 @@ class XGBoostModel(FeatureMatrixModel):
     WELLKNOWN_FILES = WELLKNOWN_FILES
     EXTRA_SETTINGS = ("nthread",)
 
-    def _load(self, extra: ExtraSettings) -> None:
-        """Read the booster and what kind of estimator saved it.
+    def _load(self, extra: ExtraSettings) -> tuple[int | None, str]:
+        """Read the booster, what kind of estimator saved it, and its features a row.
 
         Raises:
             ModelFailed: XGBoost is not installed, the file is missing or unreadable, or
@@ -97,6 +97,7 @@ class XGBoostModel(FeatureMatrixModel):
                 f"predict_proba needs a classifier saved by XGBClassifier.save_model; {path} "
                 f"holds {kind} (parameters.extra.predict_fn: use predict)"
             )
+        return booster.num_features(), f"the booster from {path}"
 
     def _predict_rows(self, features: np.ndarray) -> np.ndarray:
         if self.method == "predict_proba":
