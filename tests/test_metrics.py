@@ -481,3 +481,33 @@ async def test_a_grpc_answer_the_budget_refuses_is_counted_with_the_status_it_go
     inference = statistics.inference_stats
     assert (inference.success.count, inference.fail.count) == (1, 1)
     assert (statistics.execution_count, statistics.inference_count) == (2, 2)
+
+
+async def test_a_model_name_of_quotes_backslashes_and_line_breaks_is_one_label_value(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # A folder's settings may name its model anything: /metrics must escape it as a label value.
+    name = 'we"ird\\na\nme {x="1"}'
+    folder = tmp_path / "repository" / "odd"
+    folder.mkdir(parents=True)
+    settings = {"name": name, "implementation": "trio_infer.examples.models.Echo"}
+    (folder / "model-settings.json").write_text(json.dumps(settings))
+    server = await start_server(nursery, tmp_path / "repository", workers=1)
+    client = GrpcioClient(server.port)
+    try:
+        request = pb.ModelInferRequest(model_name=name)
+        tensor = request.inputs.add(name="x", datatype="FP32", shape=[1])
+        tensor.contents.fp32_contents.append(1.0)
+        await client.call("ModelInfer", request, timeout=30)
+    finally:
+        client.channel.close()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as rest:
+        body = (await rest.get("/metrics")).text
+    ok = [
+        sample
+        for family in text_string_to_metric_families(body)
+        if family.name == "trio_infer_requests"
+        for sample in family.samples
+        if sample.labels.get("status") == "OK"
+    ]
+    assert [(sample.labels["model"], sample.value) for sample in ok] == [(name, 1.0)]
