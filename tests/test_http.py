@@ -1296,14 +1296,19 @@ def test_a_request_pipelined_while_a_post_runs_neither_cancels_it_nor_is_lost(wa
     assert log == ["/slow", "/next"]
 
 
-@pytest.mark.parametrize("held_back", [1, 2, 3])
+@pytest.mark.parametrize(
+    "pieces",
+    # The head's last bytes held back, as one write or several: every way to split them.
+    [(1,), (2,), (1, 1), (3,), (1, 2), (2, 1), (1, 1, 1)],
+)
 def test_a_head_begun_in_the_read_that_ends_a_chunked_body_is_served_when_its_end_comes(
-    held_back: int,
+    pieces: tuple[int, ...],
 ) -> None:
     # A chunked body's end is known only once parsed, so the parser reads on past it into what
     # came in the same read: here the next request's head, all but its last bytes. The blank
     # line that ends that head then straddles what the parser has read and what it has not;
-    # the head's last bytes, when they come, end it, and the request is served.
+    # the head's last bytes, when they come (in as many reads as they come in), end it, and
+    # the request is served.
     log: list[tuple[str, bytes]] = []
 
     async def handler(request: HttpRequest) -> None:
@@ -1317,9 +1322,13 @@ def test_a_head_begun_in_the_read_that_ends_a_chunked_body_is_served_when_its_en
             b"POST /chunked HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
         await trio.testing.wait_all_tasks_blocked()
+        held_back = sum(pieces)
         await client.send(b"2\r\nhi\r\n0\r\n\r\n" + after[:-held_back])
-        await trio.testing.wait_all_tasks_blocked()
-        await client.send(after[-held_back:])
+        sent = len(after) - held_back
+        for size in pieces:
+            await trio.testing.wait_all_tasks_blocked()
+            await client.send(after[sent : sent + size])
+            sent += size
         answers = await _read_answers(client, 2)
         assert all(answer.startswith(b"HTTP/1.1 200 OK\r\n") for answer in answers)
         client.close()

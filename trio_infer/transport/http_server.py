@@ -443,7 +443,7 @@ def list_members(value: bytes) -> list[bytes]:
     return [stripped for member in members if (stripped := member.strip(b" \t"))]
 
 
-def _blank_line_begun(head: bytearray) -> int:
+def _blank_line_begun(head: bytes | bytearray) -> int:
     """How many of the last bytes of ``head``, which holds no blank line, may begin the one
     that ends it: the longest of its ends that ``\\r\\n\\r\\n`` starts with."""
     if head.endswith(b"\r\n\r"):
@@ -1454,9 +1454,14 @@ class HttpConnection:
         last bytes that may be the start of that blank line (its end may come split across
         reads); False if nothing was."""
         buffer = self._buffer
-        end = buffer.find(b"\r\n\r\n")
-        size = end + 4 if end >= 0 else len(buffer) - _blank_line_begun(buffer)
         tail = self._head_tail
+        end = buffer.find(b"\r\n\r\n")
+        if end >= 0:
+            size = end + 4
+        else:
+            # Held back: the bytes that may begin the blank line, which may have begun in the
+            # tail when fewer than its start have come since.
+            size = len(buffer) - _blank_line_begun(tail + buffer[-3:] if tail else buffer)
         if tail:
             # A head begun past a chunked body's end: its blank line may have begun among the
             # bytes the parser read of it, and end among the first ones here.
