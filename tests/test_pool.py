@@ -182,9 +182,11 @@ class Params(Model):
 class Threads(Model):
     def predict(self, inputs, parameters):
         info = threadpoolctl.threadpool_info()
+        np.ones((64, 64)) @ np.ones((64, 64))  # the BLAS pool's threads at work
+        tasks = [int(task) for task in os.listdir("/proc/self/task")]
         return {
             "threads": np.array([lib["num_threads"] for lib in info]),
-            "policy": np.array([os.sched_getscheduler(0)]),
+            "policies": np.array([os.sched_getscheduler(task) for task in tasks]),
             "nice": np.array([os.getpriority(os.PRIO_PROCESS, 0)]),
         }
 
@@ -650,10 +652,12 @@ async def test_workers_run_model_code_as_batch_work_at_the_servers_nice(
 ) -> None:
     # SCHED_BATCH: a worker woken by the call sent to it does not preempt the server's thread
     # on the core they share; its share of the CPU, set by its nice value, is the server's.
-    async with WorkerPool.open(1) as pool:
-        out = await pool.predict(repo["threads"], {}, NO_PARAMETERS)
-    assert out["policy"].item() == os.SCHED_BATCH
-    assert out["nice"].item() == os.getpriority(os.PRIO_PROCESS, 0)
+    # Every thread of the worker, a BLAS pool's too.
+    for threads in (1, 2):
+        async with WorkerPool.open(1, threads_per_worker=threads) as pool:
+            out = await pool.predict(repo["threads"], {}, NO_PARAMETERS)
+        assert set(out["policies"].tolist()) == {os.SCHED_BATCH}, threads
+        assert out["nice"].item() == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 async def test_open_rejects_a_pool_without_workers() -> None:

@@ -128,6 +128,16 @@ def configure(threads_per_worker: int, debug: bool) -> None:
     # Spawned workers (where there is no fork server) do what trio_infer.workers.forkserver does:
     # the server, not a stop signal sent to its process group, decides when workers stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Model work is throughput work, the server's thread latency work: a worker woken by a call
+    # the server writes to it (a Unix socket's write wakes its reader on the writer's core)
+    # must not preempt the server there while another core may be idle. SCHED_BATCH drops only
+    # that wake-up preemption; the share of the CPU (the nice value) stays the server's. A
+    # kernel or sandbox that refuses it leaves the worker as it was, which is only slower. It
+    # is the calling thread's, and a thread inherits it from the thread that makes it: set
+    # before any other thread is made (threadpool_limits starts BLAS's pool).
+    if hasattr(os, "SCHED_BATCH"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     # Libraries a model loads later (torch, onnxruntime's OpenMP) read these when they load;
     # those already loaded (numpy's BLAS) are limited by threadpoolctl.
     for name in THREAD_VARIABLES:
@@ -136,14 +146,6 @@ def configure(threads_per_worker: int, debug: bool) -> None:
     # What the fork server imported lives as long as this process: a full garbage collection
     # walking it would stall a model call (as it stalled the server, see trio_infer.cli).
     gc.freeze()
-    # Model work is throughput work, the server's thread latency work: a worker woken by a call
-    # the server writes to it (a Unix socket's write wakes its reader on the writer's core)
-    # must not preempt the server there while another core may be idle. SCHED_BATCH drops only
-    # that wake-up preemption; the share of the CPU (the nice value) stays the server's. A
-    # kernel or sandbox that refuses it leaves the worker as it was, which is only slower.
-    if hasattr(os, "SCHED_BATCH"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 #: A call as the pool sends it: its id, the name of the job (a function of :data:`JOBS`) and
