@@ -1451,3 +1451,64 @@ async def test_request_trailers_without_end_stream_reset_their_stream_alone(
     assert not goaway_codes(events)
     assert third.get("grpc-status") == "0", third
     await Bystander(server.port).call()
+
+
+def stream_call(port: int, body: bytes) -> tuple[int, dict[str, str]]:
+    """A ModelStreamInfer call whose request stream is ``body``, sent whole and ended: how
+    many response messages came before its status, and its response headers and trailers."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    stream = [
+        (name, "/inference.GRPCInferenceService/ModelStreamInfer" if name == ":path" else value)
+        for name, value in REQUEST_HEADERS
+    ]
+    client.send_headers(1, stream)
+    client.send_data(1, body, end_stream=True)
+    received = bytearray()
+    out: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(client.data_to_send())
+        while "grpc-status" not in out:
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            for event in client.receive_data(chunk):
+                if isinstance(event, h2.events.DataReceived):
+                    received += event.data
+                    client.acknowledge_received_data(event.flow_controlled_length, 1)
+                elif isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    out.update((n.decode(), v.decode()) for n, v in event.headers)
+            sock.sendall(client.data_to_send())
+    messages = 0
+    while received:
+        received = received[5 + int.from_bytes(received[1:5], "big") :]
+        messages += 1
+    return messages, out
+
+
+@pytest.mark.parametrize(
+    ("after", "status", "message"),
+    [
+        (b"\x00\x00", "3", "the request ended after 2 of a message's 5 prefix bytes"),
+        (
+            b"\x00\xff\xff\xff\xff",
+            "8",  # RESOURCE_EXHAUSTED
+            "request message of 4294967295 bytes is larger than the maximum of 67108864 bytes",
+        ),
+        (b"\x01\x00\x00\x00\x01x", "13", "compressed message without a grpc-encoding"),
+    ],
+    ids=["ended-in-a-prefix", "over-the-size-limit", "compressed"],
+)
+async def test_a_stream_s_message_refused_from_its_prefix_ends_the_stream_with_its_status(
+    server: RunningServer, after: bytes, status: str, message: str
+) -> None:
+    # The messages before it are answered, then the stream ends with the refusal's own status
+    # and words, as one refused once its prefix was taken (its receive timeout, the budget).
+    sent = grpc_message(echo_request()) * 2 + after
+    answered, result = await trio.to_thread.run_sync(stream_call, server.port, sent)
+    assert (result.get("grpc-status"), urllib.parse.unquote(result.get("grpc-message", ""))) == (
+        status,
+        message,
+    )
+    assert answered == 2
+    await Bystander(server.port).call()

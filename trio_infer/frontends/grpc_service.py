@@ -363,8 +363,9 @@ class GrpcService:
         here, in order) and while fewer than ``_STREAM_IN_FLIGHT`` are in flight, so a client
         that sends faster than the models serve is held back by HTTP/2 flow control; one whose
         message the budget refuses outright ends the stream (RESOURCE_EXHAUSTED): its body
-        cannot be skipped without being read. Messages that arrived together are admitted in
-        one pass and their tasks start together, so they reach a batching model together.
+        cannot be skipped without being read. So does a message refused from its prefix, with
+        the refusal's status. Messages that arrived together are admitted in one pass and their
+        tasks start together, so they reach a batching model together.
         """
         sending = _StreamSender(call)
         slots = trio.Semaphore(_STREAM_IN_FLIGHT)
@@ -377,7 +378,16 @@ class GrpcService:
             sending.scope = messages.cancel_scope
             # Idle while no message is in flight (the last one to end says so again).
             call.idle = True
-            while (length := await call.receive_message_length()) is not None:
+            while True:
+                try:
+                    length = await call.receive_message_length()
+                except InferError as error:
+                    # Refused from its prefix (over the size limit, compressed, the request
+                    # ended inside it): as a message refused before it was read, below.
+                    refused = error
+                    break
+                if length is None:
+                    break
                 call.idle = False
                 # Without a pass of the scheduler when a slot is free (Semaphore.acquire always
                 # yields): messages that came together are admitted together.
