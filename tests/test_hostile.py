@@ -1406,12 +1406,15 @@ async def test_a_request_of_no_bytes_is_refused_as_one_without_a_message(
 
 def trailers_then_call(port: int, answered: bool) -> tuple[list[object], dict[str, str]]:
     """A call on stream 1 whose trailers come without END_STREAM (once its answer is read, if
-    ``answered``), then a whole call on stream 3, on one connection: the h2 events of stream 1
-    and the connection after the trailers, and stream 3's response headers and trailers."""
+    ``answered``; otherwise with the last byte of its message still to come, so that it cannot
+    have been answered), then a whole call on stream 3, on one connection: the h2 events of
+    stream 1 and the connection after the trailers, and stream 3's response headers and
+    trailers."""
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     client.send_headers(1, REQUEST_HEADERS)
-    client.send_data(1, grpc_message(echo_request()))
+    message = grpc_message(echo_request())
+    client.send_data(1, message if answered else message[:-1])
     events: list[object] = []
     third: dict[str, str] = {}
     with socket.create_connection(("127.0.0.1", port)) as sock:
