@@ -561,7 +561,7 @@ class WorkerPool:
         except BaseException:
             self._finished(call)
             raise
-        # The reply awaited here, without a coroutine between: on every model call's path.
+        # Queued and awaited here rather than in a coroutine of its own: every model call's path.
         outputs: ModelOutputs = await self._reply(call)
         return outputs
 
