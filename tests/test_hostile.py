@@ -1109,6 +1109,47 @@ async def test_bytes_that_are_not_a_request_get_invalid_argument_naming_the_mess
     await Bystander(server.port).call()
 
 
+def begin_and_stall(port: int, method: str, sent: bytes) -> dict[str, str]:
+    """A call of ``method`` without a deadline that sends ``sent`` of its request (nothing, or
+    part of a message's prefix) and no more; its answer."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(
+        1,
+        [
+            (":path", method) if name == ":path" else (name, value)
+            for name, value in REQUEST_HEADERS
+        ],
+    )
+    if sent:
+        client.send_data(1, sent)
+    return status_of(port, client, 1)
+
+
+@pytest.mark.parametrize("sent", [b"", b"\x00\x00\x00"], ids=["no-data", "part-of-a-prefix"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "/inference.GRPCInferenceService/ModelInfer",
+        "/inference.GRPCInferenceService/ServerLive",
+        "/grpc.health.v1.Health/Watch",
+    ],
+)
+async def test_a_call_of_one_request_message_that_never_begins_it_ends_after_the_receive_timeout(
+    nursery: trio.Nursery, method: str, sent: bytes
+) -> None:
+    # A unary call (or a health Watch) has nothing to wait for before it sends its message: one
+    # that sends none, or only part of its prefix, holds its stream no longer than the receive
+    # timeout, as an announced message that never comes holds its reservation no longer.
+    server = await start_server(nursery, workers=1, receive_timeout=1.0)
+    answer = await trio.to_thread.run_sync(begin_and_stall, server.port, method, sent)
+    assert answer.get("grpc-status") == "4", answer  # DEADLINE_EXCEEDED
+    assert urllib.parse.unquote(answer["grpc-message"]) == (
+        "the call's request message did not begin within 1 s of the call"
+    )
+    await Bystander(server.port).call()
+
+
 def reset_flood_then_call(port: int, resets: int) -> dict[str, str]:
     """``resets`` calls opened and reset at once, then an echo call, in one write on one
     connection; the echo call's response headers and trailers."""

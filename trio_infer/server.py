@@ -90,8 +90,9 @@ class ServerConfig:
             connection may hold, reserved and waiting together (default: half the budget);
             past it a request is refused at once.
         max_concurrent_streams: Calls one client connection may have open at once.
-        receive_timeout: Seconds an admitted request message may take to arrive whole, whatever
-            the call's deadline (what was reserved for it is held no longer).
+        receive_timeout: Seconds an admitted request message may take to arrive whole, and a
+            unary call's one message to begin, whatever the call's deadline (what was
+            reserved for it, and the call's stream, are held no longer).
         handshake_timeout: Seconds a new connection may take to send its HTTP/2 preface.
         idle_timeout: Seconds a connection may carry no call before it is closed.
         send_timeout: Seconds a response may wait for a client that reads none of it before

@@ -260,8 +260,9 @@ class GrpcService:
         Raises:
             InvalidInput: The client sent no message.
             Overloaded: The message is larger than the route takes.
+            InferError: Its prefix did not come within the receive timeout (DEADLINE_EXCEEDED).
         """
-        length = await call.receive_message_length()
+        length = await call.receive_sole_message_length()
         if length is None:
             raise InvalidInput(f"{call.method} expects one request message and got none")
         _check_length(call, route, length)

@@ -503,9 +503,10 @@ class ProtocolLimits:
             needs to cover one round trip's worth of data.
         send_timeout: How long a response may wait for the client to open its flow-control
             window before the call is abandoned (a client that stopped reading).
-        receive_timeout: How long an admitted request message may take to arrive whole,
-            whatever the call's deadline: a client that announces a message and never sends
-            it holds what was reserved for it no longer than this.
+        receive_timeout: How long an admitted request message may take to arrive whole, and a
+            unary call's one message to begin, whatever the call's deadline: a client that
+            announces a message and never sends it holds what was reserved for it no longer
+            than this, nor one that never begins it its stream.
         handshake_timeout: How long a new connection may take to send its preface and first
             SETTINGS frame before it is closed.
         idle_timeout: How long a connection may carry no call before it is closed (with

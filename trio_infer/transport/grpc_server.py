@@ -338,6 +338,25 @@ class Call:
             self._announced = item
         return self._announced
 
+    async def receive_sole_message_length(self) -> int | None:
+        """:meth:`receive_message_length` of a call's one request message (a unary call's, a
+        health Watch's), whose client has nothing to wait for before sending it: its prefix
+        must come within ``receive_timeout`` of the call's start, so that a call that never
+        sends it holds its stream, and its share of the connection's streams, no longer than
+        an admitted message that never comes holds its reservation.
+
+        Raises:
+            InferError: The prefix did not come in time (DEADLINE_EXCEEDED); as
+                :meth:`receive_message_length`.
+        """
+        limit = self._connection.protocol.limits.receive_timeout
+        with trio.move_on_at(self.started + limit):
+            return await self.receive_message_length()
+        raise InferError(
+            f"the call's request message did not begin within {limit:g} s of the call",
+            StatusCode.DEADLINE_EXCEEDED,
+        )
+
     def receive_message_length_nowait(self) -> int | None:
         """The length of the next request message, as :meth:`receive_message_length` returns
         it, when that needs no wait: the message is announced already, or the client sent it
