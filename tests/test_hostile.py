@@ -974,6 +974,48 @@ async def test_a_call_still_waiting_for_its_request_ends_at_the_half_close(
     await eventually(lambda: server.statistics().transport.connections == 0)  # type: ignore[union-attr]
 
 
+def call_with_a_shut_window(port: int, request: bytes) -> list[object]:
+    """One ModelInfer call from a client whose SETTINGS give every stream a receive window of
+    0 and that never opens one: the h2 events the server's bytes make until the call ends."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    client.send_headers(1, REQUEST_HEADERS)
+    client.send_data(1, grpc_message(request), end_stream=True)
+    events: list[object] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(client.data_to_send())
+        while not any(isinstance(e, h2.events.StreamEnded | h2.events.StreamReset) for e in events):
+            received = sock.recv(65536)
+            assert received, "the server closed the connection"
+            events += client.receive_data(received)
+            sock.sendall(client.data_to_send())
+    return events
+
+
+async def test_an_answer_none_of_which_could_be_sent_ends_with_a_status_not_a_reset(
+    nursery: trio.Nursery,
+) -> None:
+    # Its stream's window shut from the start, the client gets none of its answer's bytes: the
+    # send timeout ends the call with nothing of the message sent, so its status can follow
+    # the response headers (trailers take no window), and the client learns why.
+    server = await start_server(nursery, workers=1, send_timeout=0.5)
+    events = await trio.to_thread.run_sync(
+        call_with_a_shut_window, server.port, echo_of(np.ones(16, np.float32))
+    )
+    assert not any(isinstance(e, h2.events.StreamReset | h2.events.DataReceived) for e in events)
+    trailers = [e for e in events if isinstance(e, h2.events.TrailersReceived)]
+    assert len(trailers) == 1, events
+    fields = dict(trailers[0].headers)
+    assert fields[b"grpc-status"] == b"1", fields  # CANCELLED
+    assert urllib.parse.unquote(fields[b"grpc-message"].decode()) == (
+        "the client read none of its response for 0.5 s"
+    )
+    assert server.statistics().admission.reserved_bytes == 0
+    await Bystander(server.port).call()
+
+
 def send_request_then_stop_reading(
     port: int, request: bytes, headers: list[tuple[str, str]] = REQUEST_HEADERS
 ) -> socket.socket:

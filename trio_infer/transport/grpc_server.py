@@ -516,7 +516,6 @@ class Call:
         # When the client last let the message progress: read at the first stall after it
         # (a few microseconds late at most), not after every chunk sent.
         progress: float | None = None
-        self._message_half_sent = True
         max_unsent = protocol.limits.max_unsent_bytes
         while pending:
             # Room left before max_unsent_bytes (negative past it): a call queues no more
@@ -549,6 +548,9 @@ class Call:
                 pending.append(chunk[window:])
                 chunk = chunk[:window]
             protocol.send_data(self._stream_id, chunk)
+            # Only once some of it is sent: a call that ends before then can still have its
+            # status follow the messages before, which trailers after part of one would corrupt.
+            self._message_half_sent = True
             progress = None
         self._message_half_sent = False
         if not last and not (alone and connection.write_alone()):
