@@ -436,6 +436,32 @@ async def test_malformed_request_headers_get_a_clean_status_for_their_stream(
     await Bystander(server.port).call()
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "snappy"])
+@pytest.mark.parametrize("flag", [0, 1], ids=["sent-plain", "sent-compressed"])
+async def test_a_message_encoding_not_accepted_is_unimplemented_naming_the_one_accepted(
+    server: RunningServer, encoding: str, flag: int
+) -> None:
+    # gRPC's compression spec: a server refuses an encoding it does not take with UNIMPLEMENTED
+    # and a grpc-accept-encoding field listing those it does, so that the client can call again
+    # without compressing.
+    body = bytes([flag]) + grpc_message(echo_request())[1:]
+    result = await trio.to_thread.run_sync(
+        answers,
+        server.port,
+        [
+            (1, "headers", [*REQUEST_HEADERS, ("grpc-encoding", encoding)]),
+            (1, "data", body),
+            (1, "end", None),
+        ],
+    )
+    assert result[1].get("grpc-status") == "12", result[1]
+    assert urllib.parse.unquote(result[1]["grpc-message"]) == (
+        f"message encoding '{encoding}' is not supported"
+    )
+    assert result[1].get("grpc-accept-encoding") == "identity", result[1]
+    await Bystander(server.port).call()
+
+
 def stalled_calls(streams: int, announced: int) -> tuple[h2.connection.H2Connection, list[int]]:
     """An h2 client with ``streams`` ModelInfer calls queued, each sending only a 5-byte prefix
     announcing ``announced`` bytes; the client and the streams."""

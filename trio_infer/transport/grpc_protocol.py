@@ -108,6 +108,9 @@ __all__ = [
 ]
 
 Metadata = tuple[tuple[str, str | bytes], ...]
+#: Told to a client refused for its message encoding, as gRPC's compression spec asks: the
+#: encodings the server takes.
+_ACCEPTED_ENCODINGS = (("grpc-accept-encoding", "identity"),)
 
 #: Headers smaller than this are all a V2 client ever sends; the limit bounds per-stream memory.
 _MAX_HEADER_LIST_SIZE = 16 * 1024
@@ -549,6 +552,9 @@ class CallRejected:
     stream_id: int
     status: StatusCode
     message: str
+    fields: tuple[tuple[str, str], ...] = ()
+    """gRPC's own fields sent with the status: what the client needs to call again (the
+    encodings accepted)."""
 
 
 # The events a call brings are made for every call: plain dataclasses, whose __init__ sets
@@ -1791,6 +1797,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                         stream_id,
                         StatusCode.UNIMPLEMENTED,
                         f"message encoding {request.message_encoding!r} is not supported",
+                        _ACCEPTED_ENCODINGS,
                     )
                 ]
         except _MalformedRequest as exc:
@@ -2130,10 +2137,12 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         *,
         headers_sent: bool,
         request_id: str = "",
+        fields: Sequence[tuple[str, str]] = (),
     ) -> None:
         """Queue the trailers that end a call; a call that sent nothing gets a trailers-only
         response, with its ``x-request-id`` (none when ``""``). Requests still streaming in are
-        then told to stop (RST_STREAM NO_ERROR)."""
+        then told to stop (RST_STREAM NO_ERROR). ``metadata`` is the handler's, ``fields``
+        gRPC's own (``grpc-accept-encoding``), sent as they are."""
         trailers: Sequence[tuple[str, str] | HeaderTuple]
         if headers_sent:
             trailers = _TRAILERS[status]
@@ -2141,7 +2150,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
         else:
             trailers = _TRAILERS_ONLY[status]
             extra = _request_id(request_id)
-        if message or metadata:
+        if message or metadata or fields:
             trailers = list(trailers)
             if message:
                 # Messages differ call to call: indexed, each would take a place in the
@@ -2151,6 +2160,7 @@ class ServerProtocol(GRPCConnection):  # type: ignore[misc]
                 )
             if metadata:
                 trailers.extend(sanitize_headers(metadata))
+            trailers.extend(fields)
         self._send_headers(stream_id, trailers, end_stream=True, extra=extra)
         self._inbound.pop(stream_id, None)
         h2_connection = self.h2_connection

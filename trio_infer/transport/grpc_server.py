@@ -1104,7 +1104,7 @@ class Connection:
                 state.cancel(StatusCode.INTERNAL, "the request was malformed: its stream was reset")
 
     def _call_rejected(self, event: CallRejected) -> None:
-        self._refuse(event.stream_id, event.status, event.message)
+        self._refuse(event.stream_id, event.status, event.message, event.fields)
 
     def _connection_terminated(self, event: ConnectionTerminated) -> None:
         # The client said it starts no new calls; one that does anyway gets an answer.
@@ -1287,12 +1287,20 @@ class Connection:
         if not self.write_alone() or self._closing:
             self.flush()
 
-    def _refuse(self, stream_id: int, status: StatusCode, message: str) -> None:
+    def _refuse(
+        self,
+        stream_id: int,
+        status: StatusCode,
+        message: str,
+        fields: Sequence[tuple[str, str]] = (),
+    ) -> None:
         # A client that started a call just before our GOAWAY reached it resets the call when
         # the GOAWAY arrives, often in the same packet: h2 has closed the stream by now, and
         # answering it would raise.
         if stream_id not in self._reset_in_read:
-            self.protocol.end_response(stream_id, status, message, (), headers_sent=False)
+            self.protocol.end_response(
+                stream_id, status, message, (), headers_sent=False, fields=fields
+            )
 
     def _enter(self, state: _CallState, scope: trio.CancelScope) -> None:
         """Put ``state``'s call in ``scope`` (a runner's, which runs it next) under the call's
