@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 import hpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -162,6 +163,31 @@ def _events_of(protocol: ServerProtocol, chunks: list[bytes]) -> list[object]:
     except ProtocolViolation:
         seen.append(ProtocolViolation)
     return seen
+
+
+@pytest.mark.parametrize("length", [0, 1, 100, 16 * 1024 - 1, 16 * 1024, 100_000])
+def test_a_message_gathered_in_its_buffer_is_bytes_when_small_and_the_buffer_when_large(
+    length: int,
+) -> None:
+    # A message not whole in one DATA frame is gathered in its stream's buffer. One that fills
+    # the buffer is handed over when large, not copied; a small one is bytes of its own, as
+    # when it comes whole, empty or not.
+    message = (
+        b"\x00"
+        + length.to_bytes(4, "big")
+        + bytes(range(256)) * (length // 256)
+        + bytes(length % 256)
+    )
+    start = PREFACE + frame(0x4, 0x0, 0, b"") + frame(0x1, 0x4, 1, REQUEST_BLOCK)
+    protocol = ServerProtocol(ProtocolLimits(max_message_size=1024 * 1024))
+    protocol.initiate_connection()
+    events = protocol.receive_data(start + frame(0x0, 0x0, 1, message[:3]))
+    for at in range(3, len(message), 64 * 1024):
+        piece = message[at : at + 64 * 1024]
+        events += protocol.receive_data(frame(0x0, 0x0, 1, piece))
+    received = [event.data for event in events if isinstance(event, MessageReceived)]
+    assert received == [message[5:]]
+    assert type(received[0]) is (bytes if length < 16 * 1024 else bytearray)
 
 
 large_messages = st.builds(

@@ -1609,9 +1609,10 @@ class _InboundStream:
             if len(self.buffer) < self.length:
                 return events
             message: bytes | bytearray
-            if len(self.buffer) == self.length:
+            if len(self.buffer) == self.length >= _VIEWED_MESSAGE:
                 # The usual case, a unary call's one message: the buffer is handed over, not
-                # copied, so a large message costs no pass over its bytes.
+                # copied, so a large message costs no pass over its bytes. A small one is bytes
+                # of its own, as when it comes whole.
                 message, self.buffer = self.buffer, bytearray()
             else:
                 with memoryview(self.buffer) as view, view[: self.length] as body:
