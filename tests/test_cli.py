@@ -28,6 +28,7 @@ from tests.test_shutdown import (
     v2_stub,
     wait_server_ready,
 )
+from trio_infer.cli import port_clash
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 
 GRACE = 5.0
@@ -95,6 +96,18 @@ def test_a_bad_log_level_exits_2_naming_the_option_and_the_choices(value: str) -
         (["--log-format", "xml"], "argument --log-format: invalid choice: 'xml'"),
         (["--http-port", "70000"], "--http-port must be between 0 and 65535"),
         (["--metrics-port", "-1"], "--metrics-port must be between 0 and 65535"),
+        (
+            ["--grpc-port", "18123", "--http-port", "18123"],
+            "--grpc-port and --http-port are both 18123: each needs a port of its own",
+        ),
+        (
+            ["--http-port", "18124", "--metrics-port", "18124"],
+            "--http-port and --metrics-port are both 18124",
+        ),
+        (
+            ["--no-http", "--grpc-port", "18125", "--metrics-port", "18125"],
+            "--grpc-port and --metrics-port are both 18125",
+        ),
         (["--repository-poll-secs", "0"], "--repository-poll-secs must be a number of seconds"),
         (["--repository-poll-secs", "nan"], "--repository-poll-secs must be a number of seconds"),
         (["--model-control-mode", "auto"], "argument --model-control-mode: invalid choice"),
@@ -107,6 +120,29 @@ def test_a_bad_value_of_a_new_option_is_one_line_and_exit_2(argv: list[str], sai
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert said in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("ports", "clash"),
+    [
+        ((("--grpc-port", 0), ("--http-port", 0), ("--metrics-port", 0)), None),
+        (
+            (("--grpc-port", 8081), ("--http-port", None), ("--metrics-port", 8081)),
+            "--grpc-port and --metrics-port are both 8081",
+        ),
+        (
+            (("--grpc-port", 8081), ("--http-port", 8081), ("--metrics-port", None)),
+            "--grpc-port and --http-port are both 8081",
+        ),
+        ((("--grpc-port", 8081), ("--http-port", None), ("--metrics-port", None)), None),
+        ((("--grpc-port", 1), ("--http-port", 2), ("--metrics-port", 3)), None),
+    ],
+)
+def test_only_two_fixed_ports_that_are_the_same_clash(
+    ports: tuple[tuple[str, int | None], ...], clash: str | None
+) -> None:
+    found = port_clash(ports)
+    assert found == (None if clash is None else f"{clash}: each needs a port of its own")
 
 
 def free_port() -> int:

@@ -21,6 +21,7 @@ import gc
 import logging
 import math
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -73,6 +74,20 @@ def _restriction(value: str) -> tuple[str, str]:
                 f"only the model-repository group can be restricted, got {group[:100]!r}"
             )
     return header.lower(), expected
+
+
+def port_clash(ports: Sequence[tuple[str, int | None]]) -> str | None:
+    """Why two listeners of ``ports`` (each an option and its port; None: not served) cannot
+    both start, when two fixed ports are the same: the second bind would fail as if another
+    program held the port. None when they can (0 picks a free port for each).
+    """
+    taken: dict[int, str] = {}
+    for option, port in ports:
+        if port:
+            if port in taken:
+                return f"{taken[port]} and {option} are both {port}: each needs a port of its own"
+            taken[port] = option
+    return None
 
 
 def _parser(option_defaults: dict[str, object] | None = None) -> argparse.ArgumentParser:
@@ -379,6 +394,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.http_port <= 65535:
         logger.error("--http-port must be between 0 and 65535 (--no-http serves no REST)")
+        return 2
+    clash = port_clash(
+        (
+            ("--grpc-port", args.grpc_port),
+            ("--http-port", None if args.no_http else args.http_port),
+            ("--metrics-port", args.metrics_port),
+        )
+    )
+    if clash is not None:
+        logger.error("%s", clash)
         return 2
     if not 0 < args.max_message_size <= _MAX_MESSAGE_SIZE:
         # An admitted message opens its stream's HTTP/2 window by its size, which the protocol
