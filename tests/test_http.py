@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import socket
 import struct
 import textwrap
@@ -1949,3 +1950,47 @@ def test_bodies_split_and_pipelined_anyhow_are_each_received_whole_in_order_and_
         client.close()
 
     trio.run(_serve_one_connection, handler, client_side)
+
+
+def test_a_keep_alive_request_after_a_body_received_straight_is_waited_for_not_read_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A large body's head comes in a read that its body fills: once the body is taken, the
+    # client sends its next request only when answered, so a read of the socket before waiting
+    # for it would find nothing (a system call and a scheduler pass a request).
+    empty_reads = 0
+    real_read = os.read
+
+    def read(fd: int, size: int) -> bytes:
+        nonlocal empty_reads
+        try:
+            return real_read(fd, size)
+        except BlockingIOError:
+            empty_reads += 1
+            raise
+
+    monkeypatch.setattr(os, "read", read)
+    body = bytes(range(256)) * 256  # 64 KiB: past a head's read, received straight
+
+    async def handler(request: HttpRequest) -> None:
+        received = await request.receive_body()
+        await request.respond(200, body=[hashlib.sha256(received).hexdigest().encode()])
+
+    async def client_side(client: trio.socket.SocketType) -> None:
+        for _ in range(3):
+            request = _framed("length", body, 0)
+            sent = 0
+            while sent < len(request):
+                sent += await client.send(request[sent:])
+            received = b""
+            while not _final_answers(received):
+                more = await client.recv(1 << 20)
+                assert more, received[-300:]
+                received += more
+            assert _final_answers(received) == [(200, hashlib.sha256(body).hexdigest().encode())]
+            # The server has answered and waits for the next request before it is sent.
+            await trio.testing.wait_all_tasks_blocked()
+        client.close()
+
+    trio.run(_serve_one_connection, handler, client_side)
+    assert empty_reads == 0

@@ -1348,6 +1348,10 @@ class HttpConnection:
         message.body_size = length
         message.complete = True
         self._parse.restart()
+        # A read that filled its size before the body was read here filled it with the body,
+        # which is taken: what follows it, a client sends once answered, so the next read waits
+        # for the socket rather than fail on it first.
+        self._more_likely = False
         return body
 
     async def _read_into(self, request: HttpRequest, body: memoryview, start: int, end: int) -> int:
