@@ -294,3 +294,25 @@ async def test_a_stream_whose_answer_cannot_be_sent_ends_alone_without_a_traceba
     assert "StreamReset" in events  # half an answer was sent: the stream is reset
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     await Bystander(server.port).call()
+
+
+async def test_a_stream_may_wait_past_the_receive_timeout_before_its_first_message(
+    nursery: trio.Nursery,
+) -> None:
+    # The receive timeout bounds when a unary call's one message begins, not a stream's: its
+    # client may open it and send its first request whenever it has one.
+    server = await start_server(nursery, workers=1, receive_timeout=0.5)
+    client = GrpcioClient(server.port)
+    request = pb.ModelInferRequest(model_name="echo", id="late")
+    encode_inputs(request, [("x", np.arange(3, dtype=np.int32))], raw=True)
+
+    def later() -> Iterator[pb.ModelInferRequest]:
+        time.sleep(1.5)
+        yield request
+
+    answers = await trio.to_thread.run_sync(
+        lambda: list(client.stub.ModelStreamInfer(later(), timeout=30))
+    )
+    assert [answer.error_message for answer in answers] == [""]
+    assert answers[0].infer_response.id == "late"
+    assert decode_outputs(answers[0].infer_response)["x"].tolist() == [0, 1, 2]
