@@ -462,6 +462,29 @@ async def test_a_message_encoding_not_accepted_is_unimplemented_naming_the_one_a
     await Bystander(server.port).call()
 
 
+async def test_refusals_for_an_encoding_keep_the_connections_header_table_in_step(
+    server: RunningServer,
+) -> None:
+    # grpc-accept-encoding is coded with the connection's HPACK table, as every other field:
+    # the second refusal's refers to the entry the first one added, and the calls between and
+    # after them decode theirs as the server coded them.
+    body = grpc_message(echo_request())
+    send: list[tuple[int, str, object]] = []
+    for stream, encoding in [(1, "gzip"), (3, "identity"), (5, "deflate"), (7, "identity")]:
+        send += [
+            (stream, "headers", [*REQUEST_HEADERS, ("grpc-encoding", encoding)]),
+            (stream, "data", body),
+            (stream, "end", None),
+        ]
+    result = await trio.to_thread.run_sync(answers, server.port, send)
+    for stream in (1, 5):
+        assert result[stream].get("grpc-status") == "12", result
+        assert result[stream].get("grpc-accept-encoding") == "identity", result
+    for stream in (3, 7):
+        assert result[stream].get("grpc-status") == "0", result
+        assert result[stream].get("content-type") == "application/grpc", result
+
+
 def stalled_calls(streams: int, announced: int) -> tuple[h2.connection.H2Connection, list[int]]:
     """An h2 client with ``streams`` ModelInfer calls queued, each sending only a 5-byte prefix
     announcing ``announced`` bytes; the client and the streams."""
@@ -1000,12 +1023,13 @@ async def test_a_call_still_waiting_for_its_request_ends_at_the_half_close(
     await eventually(lambda: server.statistics().transport.connections == 0)  # type: ignore[union-attr]
 
 
-def call_with_a_shut_window(port: int, request: bytes) -> list[object]:
+def call_with_a_shut_window(port: int, request: bytes, window: int = 0) -> list[object]:
     """One ModelInfer call from a client whose SETTINGS give every stream a receive window of
-    0 and that never opens one: the h2 events the server's bytes make until the call ends."""
+    ``window`` bytes and that never opens more: the h2 events the server's bytes make until
+    the call ends."""
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
-    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
     client.send_headers(1, REQUEST_HEADERS)
     client.send_data(1, grpc_message(request), end_stream=True)
     events: list[object] = []
@@ -1039,6 +1063,26 @@ async def test_an_answer_none_of_which_could_be_sent_ends_with_a_status_not_a_re
         "the client read none of its response for 0.5 s"
     )
     assert server.statistics().admission.reserved_bytes == 0
+    await Bystander(server.port).call()
+
+
+@pytest.mark.parametrize("window", [1, 5], ids=["its-flag", "its-prefix"])
+async def test_an_answer_cut_off_after_its_first_bytes_has_its_stream_reset(
+    nursery: trio.Nursery, window: int
+) -> None:
+    # Once any byte of the message is sent, even its flag alone, trailers after it would be
+    # read as the rest of the message: the stream is reset instead, and nothing follows.
+    server = await start_server(nursery, workers=1, send_timeout=0.5)
+    events = await trio.to_thread.run_sync(
+        call_with_a_shut_window, server.port, echo_of(np.ones(16, np.float32)), window
+    )
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert len(data) == window, events
+    assert data[:1] == b"\x00", data  # the flag: not compressed
+    assert not any(isinstance(e, h2.events.TrailersReceived) for e in events), events
+    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
+    assert [reset.error_code for reset in resets] == [h2.errors.ErrorCodes.CANCEL], events
+    await eventually(lambda: server.statistics().admission.reserved_bytes == 0)
     await Bystander(server.port).call()
 
 
