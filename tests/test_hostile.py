@@ -1262,6 +1262,27 @@ async def test_a_call_of_one_request_message_that_never_begins_it_ends_after_the
     await Bystander(server.port).call()
 
 
+@pytest.mark.parametrize(
+    ("grpc_timeout", "receive_timeout", "said"),
+    [
+        ("300m", 30.0, "deadline exceeded"),
+        ("60S", 0.5, "the call's request message did not begin within 0.5 s of the call"),
+    ],
+    ids=["deadline-first", "receive-timeout-first"],
+)
+async def test_a_call_that_never_begins_its_message_ends_at_its_deadline_or_the_receive_timeout(
+    nursery: trio.Nursery, grpc_timeout: str, receive_timeout: float, said: str
+) -> None:
+    # Whichever comes first ends it, each with its own reason.
+    server = await start_server(nursery, workers=1, receive_timeout=receive_timeout)
+    result = await trio.to_thread.run_sync(
+        answers, server.port, [(1, "headers", [*REQUEST_HEADERS, ("grpc-timeout", grpc_timeout)])]
+    )
+    assert result[1].get("grpc-status") == "4", result  # DEADLINE_EXCEEDED
+    assert urllib.parse.unquote(result[1]["grpc-message"]) == said
+    await eventually(lambda: server.statistics().transport.calls == 0)  # type: ignore[union-attr]
+
+
 def reset_flood_then_call(port: int, resets: int) -> dict[str, str]:
     """``resets`` calls opened and reset at once, then an echo call, in one write on one
     connection; the echo call's response headers and trailers."""
