@@ -223,7 +223,8 @@ def _parser(option_defaults: dict[str, object] | None = None) -> argparse.Argume
         type=float,
         default=defaults.receive_timeout,
         help="seconds an admitted request message may take to arrive whole, and a unary "
-        "call's one message to begin, whatever the call's deadline (default: %(default)s)",
+        "call's (or a health Watch's) one message to begin, whatever the call's deadline "
+        "(default: %(default)s)",
     )
     serve.add_argument(
         "--handshake-timeout",
