@@ -25,7 +25,7 @@ import trio.testing
 
 from tests.probe import Probe, probe_request, start_probe
 from tests.support import GrpcioClient, MiB, eventually, start_server
-from trio_infer.errors import Overloaded
+from trio_infer.errors import Overloaded, TooLarge
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import encode_inputs
 from trio_infer.repository.settings import ModelSettings, TensorSpec
@@ -354,11 +354,34 @@ async def test_one_connection_holds_at_most_its_share_and_others_still_get_room(
 
 async def test_a_request_larger_than_the_share_is_refused_and_one_without_owner_is_not() -> None:
     admission = Admission(budget_bytes=100, max_owner_bytes=40)
-    with pytest.raises(Overloaded, match="needs 41 more bytes, the connection holds 0 of its 40"):
+    with pytest.raises(TooLarge, match="needs 41 bytes: more than a connection's whole share"):
         async with admission.reserve(41, math.inf, owner="a"):
             pass  # pragma: no cover - never admitted
     async with admission.reserve(100, math.inf):
         assert admission.statistics().reserved_bytes == 100
+
+
+async def test_a_refusal_no_retry_can_pass_is_too_large_and_one_of_a_full_bound_is_not() -> None:
+    admission = Admission(budget_bytes=100, max_owner_bytes=50)
+    with pytest.raises(TooLarge, match="needs 101 bytes, more than the whole memory budget of 100"):
+        admission.reserve_nowait(101)
+    async with admission.reserve(30, math.inf, owner="a") as held:
+        # Growth is judged by what the request would hold in all, before what is full now.
+        with pytest.raises(TooLarge, match="needs 21 more bytes, 51 in all: more than a conn"):
+            held.grow_nowait(21, "the parse")
+        with pytest.raises(TooLarge, match="71 more bytes, 101 in all: more than the whole"):
+            held.grow_nowait(71, "the parse")
+        async with admission.reserve(15, math.inf, owner="a"):
+            with pytest.raises(Overloaded, match="the connection holds 45 of its 50") as share:
+                held.grow_nowait(10, "the parse")
+            assert not isinstance(share.value, TooLarge)
+        async with admission.reserve(65, math.inf):
+            with pytest.raises(Overloaded, match="memory budget full") as full:
+                held.grow_nowait(10, "the parse")
+            assert not isinstance(full.value, TooLarge)
+        held.grow_nowait(10, "the parse")
+        assert admission.statistics().reserved_bytes == 40
+    assert admission.statistics().rejected == {"memory_budget": 3, "max_connection_bytes": 2}
 
 
 async def test_requests_of_no_bytes_from_one_connection_end_in_any_order() -> None:
@@ -382,11 +405,12 @@ async def test_grown_bytes_count_against_the_share() -> None:
     admission = Admission(budget_bytes=100)
     async with admission.reserve(40, math.inf, owner="a") as reservation:
         reservation.grow_nowait(10, "the outputs")
-        with pytest.raises(Overloaded) as caught:
+        # The request alone would then hold more than a share: no retry can pass.
+        with pytest.raises(TooLarge) as caught:
             reservation.grow_nowait(1, "the decoded inputs")
         assert caught.value.message == (
-            "connection's share of the memory budget full: the decoded inputs needs 1 more "
-            "bytes, the connection holds 50 of its 50 (--max-connection-bytes)"
+            "the decoded inputs needs 1 more bytes, 51 in all: more than a connection's whole "
+            "share of the memory budget, 50 bytes (--max-connection-bytes)"
         )
         assert reservation.nbytes == 50
     # The grown bytes were given back with the rest.

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support import GrpcioClient, eventually, start_server
-from trio_infer.errors import StatusCode
+from trio_infer.errors import InferError, Overloaded, StatusCode, TooLarge
 from trio_infer.frontends.http_service import (
     _header_length,
     _model_route,
@@ -1031,17 +1031,24 @@ async def test_shutdown_closes_idle_connections_and_answers_503_past_the_grace_p
     assert answers["past"].json() == {"error": "server shut down before the request finished"}
 
 
+def status_of(code: StatusCode) -> int:
+    return http_status(InferError("", code))
+
+
 def test_every_status_code_has_an_http_status() -> None:
     # Every code a model may choose maps to an error status (a KeyError otherwise).
-    assert all(400 <= http_status(code) < 600 for code in StatusCode if code != StatusCode.OK)
-    assert http_status(StatusCode.NOT_FOUND) == 404
-    assert http_status(StatusCode.INVALID_ARGUMENT) == 400
-    assert http_status(StatusCode.UNAVAILABLE) == 503
-    assert http_status(StatusCode.RESOURCE_EXHAUSTED) == 429
-    assert http_status(StatusCode.INTERNAL) == 500
-    assert http_status(StatusCode.UNIMPLEMENTED) == 501
-    assert http_status(StatusCode.DEADLINE_EXCEEDED) == 504
-    assert http_status(StatusCode.CANCELLED) == 400
+    assert all(400 <= status_of(code) < 600 for code in StatusCode if code != StatusCode.OK)
+    assert status_of(StatusCode.NOT_FOUND) == 404
+    assert status_of(StatusCode.INVALID_ARGUMENT) == 400
+    assert status_of(StatusCode.UNAVAILABLE) == 503
+    assert status_of(StatusCode.RESOURCE_EXHAUSTED) == 429
+    assert status_of(StatusCode.INTERNAL) == 500
+    assert status_of(StatusCode.UNIMPLEMENTED) == 501
+    assert status_of(StatusCode.DEADLINE_EXCEEDED) == 504
+    assert status_of(StatusCode.CANCELLED) == 400
+    # A full bound may have room later; a request larger than the bound never will.
+    assert http_status(Overloaded("full")) == 429
+    assert http_status(TooLarge("never fits")) == 413
 
 
 def test_a_response_head_is_a_status_line_and_fields_and_refuses_line_breaks() -> None:

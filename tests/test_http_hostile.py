@@ -1213,7 +1213,7 @@ async def test_whitespace_after_a_header_s_value_is_not_part_of_it(
     assert output["data"] == x.tolist()
 
 
-async def test_a_60_mb_json_body_over_the_budget_parsed_is_429_before_it_is_parsed(
+async def test_a_60_mb_json_body_over_the_budget_parsed_is_413_before_it_is_parsed(
     nursery: trio.Nursery,
 ) -> None:
     # 60 MB of JSON numbers: 180 MB reserved while it is read fits a 1 GiB budget; the parse,
@@ -1238,8 +1238,9 @@ async def test_a_60_mb_json_body_over_the_budget_parsed_is_429_before_it_is_pars
             # which took over 20 s once on a machine shared with three other test runs.
             with trio.fail_after(120):
                 answer = await raw.final()
-            assert answer.status == 429, answer
-            assert "budget" in answer.error(), answer.error()
+            # No budget this size holds it parsed, now or later: 413, not 429's "retry".
+            assert answer.status == 413, answer
+            assert "more than the whole memory budget" in answer.error(), answer.error()
             # The body was read whole: the connection goes on.
             assert not answer.closes
             await raw.send(infer(json.dumps(ADD_SUB_BODY).encode(), model="add_sub"))
@@ -1247,6 +1248,49 @@ async def test_a_60_mb_json_body_over_the_budget_parsed_is_429_before_it_is_pars
         bystander.stopping = True
     assert bystander.calls >= 1
     assert reserved(server) == 0
+
+
+async def test_a_body_larger_than_a_bound_is_413_and_one_a_full_budget_cannot_take_now_429(
+    nursery: trio.Nursery,
+) -> None:
+    # Requests reserve three times their body; a 2 MiB budget lets 512 KiB wait for room.
+    server = await start_server(nursery, workers=1, memory_budget=2 * MiB, max_connection_bytes=MiB)
+    path = "/v2/models/echo/infer"
+    # Larger than the whole budget, or than a connection's share: refused from its head, the
+    # body unread (the connection closes), each naming its bound.
+    answer = await exchange(server, head("POST", path, f"Content-Length: {MiB}"))
+    assert answer.status == 413, answer
+    assert "more than the whole memory budget" in answer.error(), answer.error()
+    assert "--memory-budget" in answer.error()
+    answer = await exchange(server, head("POST", path, f"Content-Length: {MiB // 3 + 1}"))
+    assert answer.status == 413, answer
+    assert "--max-connection-bytes" in answer.error(), answer.error()
+    # A chunked body is counted as it arrives: 413 once it alone outgrows the share.
+    async with await Raw.open(server.http_port) as raw:
+        await raw.send(head("POST", path, "Transfer-Encoding: chunked"))
+        piece = b"%x\r\n%s\r\n" % (100_000, b" " * 100_000)
+        with trio.fail_after(10):
+            for _ in range(4):
+                await raw.send(piece)
+            answer = await raw.final()
+        assert answer.status == 413, answer
+        assert "--max-connection-bytes" in answer.error(), answer.error()
+    # Room other requests hold is room later: 429 for one too large to wait for it (two
+    # connections hold all but 56 KiB while their bodies are due; the third needs 600 KB).
+    holders = [await Raw.open(server.http_port) for _ in range(2)]
+    try:
+        for holder in holders:
+            await holder.send(head("POST", path, "Content-Length: 340000"))
+        await eventually(lambda: reserved(server) == 2 * 3 * 340_000)
+        answer = await exchange(server, head("POST", path, "Content-Length: 200000"))
+        assert answer.status == 429, answer
+        assert "memory budget full" in answer.error(), answer.error()
+    finally:
+        for holder in holders:
+            await holder.aclose()
+    await eventually(lambda: reserved(server) == 0)
+    # Nothing else was harmed: a call that fits is served.
+    await Bystander(server).call()
 
 
 # -- pipelining -------------------------------------------------------------------------------

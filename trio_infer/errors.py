@@ -12,6 +12,8 @@ The REST front-end answers the HTTP status of the same row
 | ``InvalidInput``  | malformed: shapes, datatypes, sizes, names    | INVALID_ARGUMENT   | 400  |
 | ``Unavailable``   | model not ready, server draining, worker died | UNAVAILABLE        | 503  |
 | ``Overloaded``    | a queue or memory bound is full (named)       | RESOURCE_EXHAUSTED | 429  |
+| ``TooLarge``      | the request alone needs more than a memory    | RESOURCE_EXHAUSTED | 413  |
+|                   | bound ever holds (named): no retry can pass   |                    |      |
 | ``ModelFailed``   | the model raised                              | INTERNAL           | 500  |
 | ``Unimplemented`` | method not served (decoupled model over REST) | UNIMPLEMENTED      | 501  |
 | ``InferError``    | a model that chose its own status             | the chosen one     | its  |
@@ -104,6 +106,12 @@ class Overloaded(InferError):
     """Raised when admitting a request would exceed a bound; the message names the bound."""
 
     status = StatusCode.RESOURCE_EXHAUSTED
+
+
+class TooLarge(Overloaded):
+    """Raised when a request alone needs more than a memory bound ever holds (the whole budget,
+    or a connection's share of it): unlike the other refusals, sending it again cannot succeed.
+    The message names the bound."""
 
 
 class ModelFailed(InferError):

@@ -260,7 +260,8 @@ class InferenceCore:
 
         Raises:
             Overloaded: The budget cannot make room in time, or the connection's share is
-                full (RESOURCE_EXHAUSTED).
+                full (RESOURCE_EXHAUSTED); :class:`~trio_infer.errors.TooLarge` when the request
+                alone needs more than either holds.
         """
         # Admission.reserve's object made here, without its call.
         return Reservation(self.admission, RESERVED_PER_BYTE * announced, owner, deadline, wait)

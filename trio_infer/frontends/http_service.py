@@ -49,7 +49,7 @@ from trio_infer.core.types import (
     Reservation,
     TensorSpec,
 )
-from trio_infer.errors import InferError, InvalidInput, StatusCode, Unimplemented
+from trio_infer.errors import InferError, InvalidInput, StatusCode, TooLarge, Unimplemented
 from trio_infer.rest import codec
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
 from trio_infer.transport.http_server import HttpError, HttpRequest, error_body, header_lines
@@ -149,10 +149,11 @@ _READS = frozenset(("GET", "HEAD"))
 _MAX_SMALL_BODY = 64 * 1024
 
 
-def http_status(code: StatusCode) -> int:
-    """The HTTP status a request that ends with ``code`` is answered with (see the status
-    table in :mod:`trio_infer.errors`)."""
-    return _HTTP_STATUS[code]
+def http_status(error: InferError) -> int:
+    """The HTTP status a request that ends with ``error`` is answered with (see the status
+    table in :mod:`trio_infer.errors`): its code's, but 413 for a request no retry can pass,
+    where its code's 429 would tell the client to send it again."""
+    return 413 if isinstance(error, TooLarge) else _HTTP_STATUS[error.code]
 
 
 #: Renders the metrics: the body and its content type.
@@ -214,7 +215,7 @@ class HttpService:
                 _check_get(request)
                 await request.respond(200 if check() else 400)
         except InferError as error:
-            await _respond_error(request, http_status(error.code), error.message)
+            await _respond_error(request, http_status(error), error.message)
 
     async def _route(self, request: HttpRequest) -> Callable[[], bool] | None:
         """Serve a request other than a health check's; return the health check it asks for

@@ -38,7 +38,9 @@ Two bounds, checked in order as a request's data becomes known:
    than queueing longer keeps latency bounded and lets a load balancer send the request to a
    replica with room.
 
-Every refusal is ``Overloaded`` (RESOURCE_EXHAUSTED) naming the bound, and is counted. Both
+Every refusal is ``Overloaded`` (RESOURCE_EXHAUSTED) naming the bound, and is counted; a
+request that alone needs more than the whole budget or a whole share gets its subclass
+``TooLarge``, which no retry can pass (REST answers it 413, not 429). Both
 grants are context managers (a slot is also a pair of calls, ``take_slot`` and ``release_slot``,
 for a caller's own ``try``/``finally``): whatever way a request ends, its bytes and slot are
 given back.
@@ -56,7 +58,7 @@ import numpy as np
 import trio
 
 from trio_infer.datatypes import DATATYPES
-from trio_infer.errors import Overloaded, Unavailable
+from trio_infer.errors import Overloaded, TooLarge, Unavailable
 from trio_infer.repository.settings import ModelSettings, TensorSpec
 
 __all__ = ["Admission", "AdmissionStatistics", "OutputSize", "Reservation"]
@@ -182,10 +184,23 @@ class Reservation:
 
         Raises:
             Overloaded: the budget has no room for ``nbytes`` more now, or the owner's share
-                has not.
+                has not; :class:`TooLarge` when the request would then hold more than either
+                holds at all.
         """
         admission = self._admission
         reserved = admission._reserved + nbytes
+        total = self.nbytes + nbytes
+        owner = self._owner
+        # What no retry can pass is told first, whatever else is full now.
+        if total > admission.budget_bytes:
+            raise admission._refuse(
+                "memory_budget",
+                f"{_needs(what, nbytes, total)}: more than the whole memory budget of "
+                f"{admission.budget_bytes} bytes (--memory-budget)",
+                TooLarge,
+            )
+        if owner is not None and total > admission.max_owner_bytes:
+            raise admission._share_full(owner, nbytes, what, total)
         if admission._waiters or reserved > admission.budget_bytes:
             raise admission._refuse(
                 "memory_budget",
@@ -193,15 +208,21 @@ class Reservation:
                 f"{admission.budget_bytes - admission._reserved} of "
                 f"{admission.budget_bytes} are free (--memory-budget)",
             )
-        owner = self._owner
         if owner is not None:
             shares = admission._held
             held = shares.get(owner, 0) + nbytes
             if held > admission.max_owner_bytes:
-                raise admission._share_full(owner, nbytes, what)
+                raise admission._share_full(owner, nbytes, what, total)
             shares[owner] = held
         admission._reserved = reserved
         self.nbytes += nbytes
+
+
+def _needs(what: str, nbytes: int, total: int) -> str:
+    """What a request asks for: ``nbytes`` more for ``what``, ``total`` in all."""
+    if nbytes == total:
+        return f"{what} needs {total} bytes"
+    return f"{what} needs {nbytes} more bytes, {total} in all"
 
 
 @dataclass
@@ -309,8 +330,9 @@ class Admission:
                 the same.
 
         Raises:
-            Overloaded: ``nbytes`` exceeds the whole budget, no room came within
-                ``max_wait``, or the owner's share has no room for ``nbytes`` more.
+            Overloaded: no room came within ``max_wait``, or the owner's share has no room
+                for ``nbytes`` more; :class:`TooLarge` when ``nbytes`` exceeds the whole budget
+                or a whole share.
         """
         return Reservation(self, nbytes, owner, deadline, wait)
 
@@ -346,12 +368,13 @@ class Admission:
                 "memory_budget",
                 f"request needs {nbytes} bytes, more than the whole memory budget of "
                 f"{self.budget_bytes} bytes (--memory-budget)",
+                TooLarge,
             )
         held = 0
         if owner is not None:
             held = self._held.get(owner, 0) + nbytes
             if held > self.max_owner_bytes:
-                raise self._share_full(owner, nbytes, "the request")
+                raise self._share_full(owner, nbytes, "the request", nbytes)
         if self._waiters or self._reserved + nbytes > self.budget_bytes:
             return False
         if owner is not None:
@@ -484,9 +507,18 @@ class Admission:
             raise self._shed()
         if waiter.refused:
             assert owner is not None, "only an owner's share refuses a waiter"
-            raise self._share_full(owner, nbytes, "the request")
+            raise self._share_full(owner, nbytes, "the request", nbytes)
 
-    def _share_full(self, owner: Hashable, nbytes: int, what: str) -> Overloaded:
+    def _share_full(self, owner: Hashable, nbytes: int, what: str, total: int) -> Overloaded:
+        """The refusal of ``nbytes`` more for ``owner``'s request, which would then hold
+        ``total``: :class:`TooLarge` when that alone is more than a share."""
+        if total > self.max_owner_bytes:
+            return self._refuse(
+                "max_connection_bytes",
+                f"{_needs(what, nbytes, total)}: more than a connection's whole share of the "
+                f"memory budget, {self.max_owner_bytes} bytes (--max-connection-bytes)",
+                TooLarge,
+            )
         return self._refuse(
             "max_connection_bytes",
             f"connection's share of the memory budget full: {what} needs {nbytes} more bytes, "
@@ -550,9 +582,9 @@ class Admission:
             f"{self.interval:g} s: refused rather than queued (--memory-budget)",
         )
 
-    def _refuse(self, bound: str, message: str) -> Overloaded:
+    def _refuse(self, bound: str, message: str, error: type[Overloaded] = Overloaded) -> Overloaded:
         self._rejected[bound] += 1
-        return Overloaded(message)
+        return error(message)
 
 
 class OutputSize:
