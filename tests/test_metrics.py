@@ -407,7 +407,7 @@ async def test_a_rest_request_refused_after_its_model_ran_is_counted_with_the_st
         return answer.status_code
 
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as rest:
-        assert await echo(rest) == http_status(StatusCode.INVALID_ARGUMENT) == 400
+        assert await echo(rest) == http_status(InvalidInput("")) == 400
         assert await echo(rest, parameters={"binary_data_output": True}) == 200
         scraped = await rest.get("/metrics")
     samples = parse(scraped.text)
