@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import trio
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from tests.support import eventually, start_server
 from trio_infer.rest import codec
@@ -1289,8 +1290,37 @@ async def test_a_body_larger_than_a_bound_is_413_and_one_a_full_budget_cannot_ta
         for holder in holders:
             await holder.aclose()
     await eventually(lambda: reserved(server) == 0)
+    # tritonclient.http with a JSON tensor whose body fits but whose parse never can (24 bytes
+    # a byte of JSON): the client is told 413 and why, on a connection that goes on.
+    assert server.http_port is not None
+    status, message, served = await trio.to_thread.run_sync(
+        _tritonclient_json_over_budget, server.http_port
+    )
+    assert status == "413", (status, message)
+    assert "more than the whole memory budget" in message, message
+    np.testing.assert_array_equal(served, np.arange(4, dtype=np.float32))
+    assert reserved(server) == 0
     # Nothing else was harmed: a call that fits is served.
     await Bystander(server).call()
+
+
+def _tritonclient_json_over_budget(port: int) -> tuple[str | None, str, np.ndarray]:
+    """echo sent 30,000 FP32 elements as JSON (about 150 KB, parsed about 3.6 MB) by
+    tritonclient.http, then 4 on the same client: the first's status and message, the second's
+    answer."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        large = httpclient.InferInput("x", [30_000], "FP32")
+        large.set_data_from_numpy(np.full(30_000, 0.5, np.float32), binary_data=False)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("echo", [large])
+        small = httpclient.InferInput("x", [4], "FP32")
+        small.set_data_from_numpy(np.arange(4, dtype=np.float32), binary_data=False)
+        served = client.infer("echo", [small]).as_numpy("x")
+        assert served is not None
+        return refused.value.status(), refused.value.message(), served
+    finally:
+        client.close()
 
 
 # -- pipelining -------------------------------------------------------------------------------
