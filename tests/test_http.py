@@ -311,18 +311,28 @@ def test_a_list_field_splits_at_the_commas_outside_quoted_strings(
     assert list_members(value) == members
 
 
-@pytest.mark.parametrize("framing", ["Content-Length: 65537", "Transfer-Encoding: chunked"])
+@pytest.mark.parametrize(
+    ("framing", "status", "error"),
+    [
+        ("Content-Length: 65537", 413, "a GET request's body may be at most 65536 bytes"),
+        (
+            "Transfer-Encoding: chunked",
+            411,
+            "a GET request's body must be sent with a Content-Length",
+        ),
+    ],
+)
 @pytest.mark.parametrize("path", ["/v2/health/live", "/v2", "/v2/models/add_sub/ready"])
-async def test_a_get_with_a_body_that_may_be_large_is_413_before_it_is_read(
-    server: RunningServer, path: str, framing: str
+async def test_a_get_with_a_body_that_may_be_large_is_refused_before_it_is_read(
+    server: RunningServer, path: str, framing: str, status: int, error: str
 ) -> None:
     stream, client = await _open(server)
     # Only the head: the body is not sent, and the answer comes at once.
     await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n".encode())
     with trio.fail_after(5):
         response, body = await _read_response(stream, client)
-    assert response.status_code == 413
-    assert json.loads(body) == {"error": "a GET request's body may be at most 65536 bytes"}
+    assert response.status_code == status
+    assert json.loads(body) == {"error": error}
     await stream.aclose()
     async with _client(server) as other:
         assert (await other.get(path)).status_code == 200

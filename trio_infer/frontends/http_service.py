@@ -537,11 +537,14 @@ def _check_get(request: HttpRequest) -> None:
     refused unread.
 
     Raises:
-        HttpError: Another method (405), or a body that may be larger than a GET's (413).
+        HttpError: Another method (405), a body without a ``Content-Length`` (411: its size is
+            known only once read), or one larger than a GET's (413).
     """
     if request.method not in _READS:
         raise _not_allowed(_READ_METHODS)
-    if request.content_length is None or request.content_length > _MAX_SMALL_BODY:
+    if request.content_length is None:
+        raise HttpError(411, "a GET request's body must be sent with a Content-Length")
+    if request.content_length > _MAX_SMALL_BODY:
         raise HttpError(413, f"a GET request's body may be at most {_MAX_SMALL_BODY} bytes")
 
 
