@@ -54,6 +54,8 @@ SERVER_MEMORY = 256 * MiB
 WORKER_MEMORY = 128 * MiB
 #: The server exits within a second of its grace period (README, Configuration).
 EXIT_SLACK = 1
+#: A pod's terminationGracePeriodSeconds when it sets none.
+KUBERNETES_TERMINATION_GRACE = 30
 
 SERVING = health_pb2.HealthCheckResponse.ServingStatus.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.ServingStatus.NOT_SERVING
@@ -146,14 +148,27 @@ def test_the_ports_and_probes_are_the_servers() -> None:
     assert headless["clusterIP"] == "None"
 
 
-def test_the_termination_grace_period_covers_the_drain() -> None:
-    pod = _deployment()["spec"]["template"]["spec"]
-    container = _container(pod)
-    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert pre_stop[0] == "sleep"
+@pytest.mark.parametrize("manifest", ["deployment", "servingruntime"])
+def test_the_termination_grace_period_covers_the_drain(manifest: str) -> None:
+    if manifest == "deployment":
+        pod = _deployment()["spec"]["template"]["spec"]
+        container = _container(pod)
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        hook = int(pre_stop[1])
+        termination_grace = pod["terminationGracePeriodSeconds"]
+    else:
+        # Knative refuses a container's lifecycle hooks, and a ServingRuntime sets no grace:
+        # its pods get Kubernetes' default.
+        pod = _load(SERVING_RUNTIME)["spec"]
+        container = _container(pod)
+        assert "lifecycle" not in container
+        assert "terminationGracePeriodSeconds" not in pod
+        hook = 0
+        termination_grace = KUBERNETES_TERMINATION_GRACE
     # The kubelet's countdown starts with the preStop hook; the drain starts after it.
-    needed = int(pre_stop[1]) + _serve_args(container).grace_period + EXIT_SLACK
-    assert needed <= pod["terminationGracePeriodSeconds"] <= needed + 10
+    needed = hook + _serve_args(container).grace_period + EXIT_SLACK
+    assert needed <= termination_grace <= needed + 10
 
 
 @pytest.mark.parametrize("manifest", ["deployment", "servingruntime"])
