@@ -206,8 +206,10 @@ class Model:
         Runs before the process's first ``predict()``. The default does nothing.
 
         Raises:
-            Exception: Any exception fails the requests waiting for the model (``INTERNAL``);
-                the next request tries to load the model again.
+            Exception: Any exception fails the load: the model is not ready, its requests fail
+                with ``UNAVAILABLE`` and a message ending with the exception's type and message
+                (as ModelReady and the repository index say), and the server loads it again
+                after 1, 2, 4... up to 30 seconds.
         """
 
     def predict(self, inputs: dict[str, np.ndarray], parameters: Parameters) -> ModelOutputs:
