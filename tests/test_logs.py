@@ -263,7 +263,10 @@ def test_rest_calls_echo_their_id_and_are_in_the_access_log(
         missing = client.post("/v2/models/nope/infer", json=body)
         assert missing.status_code == 404
         made = missing.headers["x-request-id"]
+        scraped = client.get("/metrics", headers={"x-request-id": "rest-2"})
+        assert scraped.status_code == 200
     server.wait_for_line(r'"request_id": "rest-1"')
+    server.wait_for_line(r'"request_id": "rest-2"')
     server.wait_for_line(rf'"request_id": "{made}"')
     server.wait_exit(server.send(signal.SIGTERM) + GRACE + 1 + EXIT_SLACK)
     server.assert_clean_exit(0)
@@ -279,6 +282,9 @@ def test_rest_calls_echo_their_id_and_are_in_the_access_log(
     assert ok["bytes_in"] == len(sent)
     assert ok["bytes_out"] > 0
     assert (by_id[made]["model"], by_id[made]["status"]) == ("nope", "404")
+    # A scrape is for no model: a model may be called "metrics".
+    scrape = by_id["rest-2"]
+    assert (scrape["method"], scrape["model"], scrape["status"]) == ("GET /metrics", "", "200")
 
 
 def test_client_text_is_escaped_in_the_message_and_bounded() -> None:

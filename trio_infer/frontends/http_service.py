@@ -600,7 +600,6 @@ async def serve_metrics(request: HttpRequest, render: MetricsRenderer) -> None:
         raise _not_allowed(_READ_METHODS)
     if request.content_length != 0:
         raise HttpError(413, "GET /metrics takes no body")
-    request.subject = "metrics"
     body, content_type = render()
     await request.respond(200, [("content-type", content_type)], [body])
 
