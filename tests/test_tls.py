@@ -23,6 +23,7 @@ import grpc
 import h2.config
 import h2.connection
 import h2.events
+import httpx
 import numpy as np
 import pytest
 import trio
@@ -666,3 +667,16 @@ async def test_a_drain_ends_idle_tls_connections_with_close_notify_though_no_cli
         goaway = _goaway(first + await trio.to_thread.run_sync(_read_to_the_end, sock))
         assert goaway is not None
         assert int.from_bytes(goaway[4:8], "big") == 0x0  # NO_ERROR
+
+
+async def test_the_metrics_port_stays_plaintext_for_a_scraper_without_certificates(
+    nursery: trio.Nursery, pki: Pki
+) -> None:
+    server = await start_tls_server(nursery, pki, tls_client_ca=pki.client_ca, metrics_port=0)
+    async with httpx.AsyncClient() as plain:
+        scraped = await plain.get(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        assert scraped.status_code == 200
+        assert "trio_infer_model_ready" in scraped.text
+        # The REST port speaks only TLS, and under mutual TLS only to a client certificate.
+        with pytest.raises(httpx.TransportError):
+            await plain.get(f"http://127.0.0.1:{server.http_port}/metrics")
