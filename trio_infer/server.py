@@ -68,7 +68,7 @@ _CLOSE_SLACK = 0.5
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything ``trio-infer serve`` can be told.
+    """Everything ``trio-infer serve`` can be told, and ``send_timeout``, which it cannot.
 
     Args:
         repository: A folder with one subfolder per model (each with ``model-settings.json``).
@@ -76,8 +76,8 @@ class ServerConfig:
         grpc_port: The gRPC port; 0 picks a free one (see :attr:`RunningServer.port`).
         http_port: The REST (HTTP/1.1) port on the same host; 0 picks a free one (see
             :attr:`RunningServer.http_port`); None serves no REST.
-        metrics_port: A port of its own for ``GET /metrics`` (also served on the REST port);
-            0 picks a free one; None: none.
+        metrics_port: A port of its own for ``GET /metrics`` (also served on the REST port),
+            plaintext even with ``tls_cert``; 0 picks a free one; None: none.
         workers: Worker processes that run model code.
         grace_period: Seconds in-flight calls get to finish once shutdown starts.
         max_message_size: The largest request message accepted, in bytes.
@@ -108,8 +108,8 @@ class ServerConfig:
             on.
         max_connection_age_grace: Seconds the calls in flight on a gRPC connection retired by
             its age get to finish before they end with UNAVAILABLE; None: as long as they take.
-        tls_cert: Serve TLS with this PEM certificate chain (with ``tls_key``); plaintext when
-            None.
+        tls_cert: Serve TLS on the gRPC and REST ports with this PEM certificate chain (with
+            ``tls_key``); plaintext when None.
         tls_key: The PEM private key of ``tls_cert``.
         tls_client_ca: Require client certificates that chain to these PEM CA certificates
             (mutual TLS); needs ``tls_cert``.
