@@ -1,6 +1,7 @@
 """What README.md and docs/ tell users, held to what the code does: the options the
-Configuration table lists and their defaults, every option the prose names, and the Metrics
-table's series, types and labels on a real server's ``/metrics``."""
+Configuration table lists and their defaults, every option the prose names, the Metrics
+table's series, types and labels on a real server's ``/metrics``, and README's client examples
+run as written against a real server."""
 
 from __future__ import annotations
 
@@ -125,3 +126,47 @@ async def test_the_metrics_table_names_every_series_with_its_type_and_labels(
         assert family.samples, name
         for sample in family.samples:
             assert sample.labels.keys() - {"le"} == labels, name
+
+
+def python_examples() -> dict[str, str]:
+    """README's Python examples by their first line that is not an import or blank."""
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    return {
+        next(
+            line for line in block.splitlines() if line and not line.startswith(("import", "from"))
+        ): block
+        for block in blocks
+    }
+
+
+async def test_the_readmes_client_examples_run_as_written(
+    nursery: trio.Nursery, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = await start_server(nursery, workers=1)
+    assert server.http_port is not None
+    examples = python_examples()
+    (bundled,) = (code for first, code in examples.items() if first.startswith("async def main"))
+    (stream,) = (code for first, code in examples.items() if first.startswith("# Inside main()"))
+    (triton,) = (code for code in examples.values() if "import tritonclient.grpc" in code)
+    # The stream example goes inside main(), after the print of its last call's result.
+    lines = bundled.splitlines()
+    at = next(n for n, line in enumerate(lines) if line.lstrip().startswith("print(result"))
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    inside = [f"{indent}{line}" if line else line for line in stream.splitlines()]
+    bundled = "\n".join([*lines[: at + 1], *inside, *lines[at + 1 :]])
+    # tritonclient.http "is the same with import tritonclient.http as triton and port 8080".
+    rest = triton.replace("tritonclient.grpc", "tritonclient.http").replace("8081", "8080")
+    for code in (bundled, triton, rest):
+        code = code.replace("8081", str(server.port)).replace("8080", str(server.http_port))
+        await trio.to_thread.run_sync(exec, code, {})
+    printed = capsys.readouterr().out
+    twos = "[[2. 2. 2. 2. 2. 2. 2. 2. 2. 2. 2. 2. 2. 2. 2. 2.]]"
+    head = ["True True", "True trio-infer", "['INPUT0', 'INPUT1']", twos]
+    assert printed.splitlines()[:4] == head
+    assert printed.endswith(f"{twos}\n{twos}\n")  # tritonclient.grpc's, then .http's
+    # A stream's answer is its id and OUTPUT0, INPUT0 (x * id) + INPUT1 (x), numpy's lines
+    # broken where it breaks them.
+    answers = re.findall(r"^(\d+) \[\[([^]]*)\]\]$", printed, re.M)
+    assert sorted(int(i) for i, _ in answers) == list(range(100))
+    for i, values in answers:
+        assert values.split() == [f"{int(i) + 1}."] * 16
