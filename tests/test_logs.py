@@ -265,6 +265,12 @@ def test_rest_calls_echo_their_id_and_are_in_the_access_log(
         made = missing.headers["x-request-id"]
         scraped = client.get("/metrics", headers={"x-request-id": "rest-2"})
         assert scraped.status_code == 200
+    # A client that gives up on its request closes its connection before any answer.
+    slow = {"inputs": body["inputs"][:1], "parameters": {"delay_ms": 60_000}}
+    impatient = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=0.5)
+    with impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/v2/models/sleep/infer", json=slow, headers={"x-request-id": "rest-3"})
+    server.wait_for_line(r'"request_id": "rest-3"')
     server.wait_for_line(r'"request_id": "rest-1"')
     server.wait_for_line(r'"request_id": "rest-2"')
     server.wait_for_line(rf'"request_id": "{made}"')
@@ -285,6 +291,9 @@ def test_rest_calls_echo_their_id_and_are_in_the_access_log(
     # A scrape is for no model: a model may be called "metrics".
     scrape = by_id["rest-2"]
     assert (scrape["method"], scrape["model"], scrape["status"]) == ("GET /metrics", "", "200")
+    # Sent no answer: nginx's "client closed request", a number as the other HTTP statuses.
+    gone = by_id["rest-3"]
+    assert (gone["model"], gone["status"], gone["bytes_out"]) == ("sleep", "499", 0)
 
 
 def test_client_text_is_escaped_in_the_message_and_bounded() -> None:

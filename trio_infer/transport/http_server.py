@@ -117,6 +117,9 @@ _connection_ids = itertools.count(-1, -1)
 _STATUS_LINES = {
     status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n" for status in http.HTTPStatus
 }
+#: The access log's status of a request whose client went away before its answer began:
+#: nginx's "client closed request", a number as every HTTP status the log holds.
+_CLIENT_CLOSED_REQUEST = "499"
 _JSON = ("content-type", "application/json")
 _CLOSE = ("connection", "close")
 _CLOSE_LINE = "connection: close\r\n"
@@ -1667,7 +1670,7 @@ class HttpConnection:
                     "http",
                     f"{request.method} {request.path}",
                     request.subject,
-                    str(request.status) if request.status else "client gone",
+                    str(request.status) if request.status else _CLIENT_CLOSED_REQUEST,
                     self.now() - request.started,
                     request.bytes_in,
                     request.bytes_out,
