@@ -1425,6 +1425,10 @@ VERSIONS_AND_UPGRADES = [
     ),
     ("HTTP/1.1 Connection: close", head("GET", "/v2/health/live", "Connection: close"), 200, False),
     ("HTTP/2.0 as a request line", b"GET /v2/health/live HTTP/2.0\r\nHost: x\r\n\r\n", 505, False),
+    ("HTTP/0.9 as a request line", b"GET /v2/health/live HTTP/0.9\r\nHost: x\r\n\r\n", 505, False),
+    # llhttp knows no other versions: the request line is malformed.
+    ("HTTP/1.2 as a request line", b"GET /v2/health/live HTTP/1.2\r\nHost: x\r\n\r\n", 400, False),
+    ("HTTP/3.0 as a request line", b"GET /v2/health/live HTTP/3.0\r\nHost: x\r\n\r\n", 400, False),
     ("HTTP/2 prior knowledge", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400, False),
     ("two Host headers", head("GET", "/v2/health/live", "Host: y"), 400, False),
     (
