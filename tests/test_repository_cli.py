@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli import run
+from trio_infer.cli import restriction
 
 
 @pytest.fixture
@@ -61,3 +62,31 @@ def test_a_bad_restricted_protocol_exits_2_in_one_line(
         status, stdout, lines = _serve(repository, option, value)
         assert (status, stdout, len(lines)) == (2, "", 1), lines
         assert problem in lines[0]
+
+
+def test_both_restriction_options_with_different_keys_exit_2_without_repeating_them(
+    repository: Path,
+) -> None:
+    # Triton takes one per protocol; here they are one setting, which one of them would
+    # otherwise silently set for both.
+    status, stdout, lines = _serve(
+        repository,
+        "--grpc-restricted-protocol",
+        "model-repository:admin-key=grpc-s3cret",
+        "--http-restricted-api",
+        "model-repository:admin-key=rest-s3cret",
+    )
+    assert (status, stdout, len(lines)) == (2, "", 1), lines
+    assert "one setting for gRPC and REST alike" in lines[0]
+    assert "s3cret" not in lines[0]
+
+
+def test_the_restriction_given_once_or_the_same_to_both_options_is_the_one_served() -> None:
+    key = ("admin-key", "s3cret")
+    assert restriction([]) is None
+    assert restriction([key]) == key
+    assert restriction([key, key]) == key
+    with pytest.raises(ValueError, match="one setting"):
+        restriction([key, ("admin-key", "other")])
+    with pytest.raises(ValueError, match="one setting"):
+        restriction([key, ("other-key", "s3cret")])

@@ -76,6 +76,23 @@ def _restriction(value: str) -> tuple[str, str]:
     return header.lower(), expected
 
 
+def restriction(values: Sequence[tuple[str, str]]) -> tuple[str, str] | None:
+    """The repository restriction the restriction options set, from the ``(header, value)``
+    each was given; None when none was (unrestricted).
+
+    Raises:
+        ValueError: Two of them differ: they are one setting for both entrances, so one of
+            them would silently stand for both.
+    """
+    if len(set(values)) > 1:
+        # Not repeated: the values are keys, which a log must not hold.
+        raise ValueError(
+            "--grpc-restricted-protocol and --http-restricted-api are one setting for gRPC and "
+            "REST alike, given here with different headers or values"
+        )
+    return values[0] if values else None
+
+
 def port_clash(ports: Sequence[tuple[str, int | None]]) -> str | None:
     """Why two listeners of ``ports`` (each an option and its port; None: not served) cannot
     both start, when two fixed ports are the same: the second bind would fail as if another
@@ -167,7 +184,8 @@ def _parser(option_defaults: dict[str, object] | None = None) -> argparse.Argume
         "--http-restricted-api",
         dest="restricted",
         type=_restriction,
-        default=None,
+        action="append",
+        default=[],
         metavar="model-repository:HEADER=VALUE",
         help="Triton's option: the repository extension's calls (index, load, unload; gRPC and "
         "REST) are refused unless they carry this header with this value; loading a model runs "
@@ -396,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.http_port <= 65535:
         logger.error("--http-port must be between 0 and 65535 (--no-http serves no REST)")
         return 2
+    try:
+        restricted = restriction(args.restricted)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     clash = port_clash(
         (
             ("--grpc-port", args.grpc_port),
@@ -483,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         model_control_mode=ControlMode(args.model_control_mode),
         load_models=tuple(args.load_model),
         repository_poll_interval=args.repository_poll_secs,
-        repository_control_header=args.restricted,
+        repository_control_header=restricted,
         debug=args.debug,
     )
     if config.tls_cert is not None and config.tls_key is not None:
