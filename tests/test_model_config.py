@@ -269,13 +269,26 @@ async def test_statistics_count_exactly_the_traffic_sent(
     # Durations are there, and a request's whole time holds its compute time.
     assert int(stats["success"]["ns"]) >= int(stats["compute_infer"]["ns"]) > 0
     assert int(stats["fail"]["ns"]) > 0
-    # Not measured (compute_input, compute_output) or not kept (the cache's): left out.
-    assert stats.keys() == {"success", "fail", "queue", "compute_infer"}
+    # Not measured (compute_input, compute_output) or not kept (the cache's): there, as in
+    # Triton, with zero counts (protobuf's JSON leaves the zeros out).
+    assert stats.keys() == {
+        "success",
+        "fail",
+        "queue",
+        "compute_input",
+        "compute_infer",
+        "compute_output",
+        "cache_hit",
+        "cache_miss",
+    }
+    for unmeasured in ("compute_input", "compute_output", "cache_hit", "cache_miss"):
+        assert stats[unmeasured] == {}
     assert [(b["batch_size"], b["compute_infer"]["count"]) for b in add_sub["batch_stats"]] == [
         ("1", "1"),
         ("2", "1"),
         ("3", "2"),
     ]
+    assert all(b["compute_input"] == b["compute_output"] == {} for b in add_sub["batch_stats"])
 
     # Every served model, by name; dense, never called, with zeros.
     everything = await _in_thread(lambda: client.get_inference_statistics())

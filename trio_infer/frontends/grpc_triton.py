@@ -11,10 +11,11 @@ What has no counterpart here stays at protobuf's default (empty), rather than be
   ``runtime``, ``optimization``, ``batch_input`` / ``batch_output``, ``model_warmup``,
   ``default_model_filename``, the response cache, repository agents and metrics overrides have
   no setting; instances are CPU processes, with no GPUs, rate limiter or secondary devices.
-- ModelStatistics: ``compute_input`` and ``compute_output`` (the worker measures the model's
-  own code, reported as ``compute_infer``, not the moves of tensors around it), the cache
-  counters (no response cache), ``memory_usage`` and the per-response ``response_stats`` of
-  decoupled models (not recorded).
+- ModelStatistics: ``memory_usage`` and the per-response ``response_stats`` of decoupled
+  models (not recorded). The durations not measured are there with zero counts, as Triton
+  writes every one of them: ``compute_input`` and ``compute_output`` (the worker measures the
+  model's own code, reported as ``compute_infer``, not the moves of tensors around it) and the
+  cache's hits and misses (no response cache).
 """
 
 from __future__ import annotations
@@ -100,10 +101,19 @@ def _model_statistics(statistics: ModelStatistics) -> pb.ModelStatistics:
             success=_duration(requests[StatusCode.OK], statistics.success_seconds),
             fail=_duration(failed, statistics.failure_seconds),
             queue=_duration(queue.count, queue.sum),
+            compute_input=pb.StatisticDuration(),
             compute_infer=_duration(compute.count, compute.sum),
+            compute_output=pb.StatisticDuration(),
+            cache_hit=pb.StatisticDuration(),
+            cache_miss=pb.StatisticDuration(),
         ),
         batch_stats=[
-            pb.InferBatchStatistics(batch_size=rows, compute_infer=_duration(count, seconds))
+            pb.InferBatchStatistics(
+                batch_size=rows,
+                compute_input=pb.StatisticDuration(),
+                compute_infer=_duration(count, seconds),
+                compute_output=pb.StatisticDuration(),
+            )
             for rows, (count, seconds) in statistics.batch_sizes.items()
         ],
     )
