@@ -8,6 +8,7 @@ tests/test_coexistence.py), called from a thread so Trio keeps running.
 
 from __future__ import annotations
 
+import json
 import pickle
 import textwrap
 import time
@@ -20,6 +21,9 @@ import numpy as np
 import pytest
 import trio
 import tritonclient.grpc as triton
+from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from tritonclient.utils import InferenceServerException
 
 from tests.support import GrpcioClient, start_server, write_repository
@@ -28,6 +32,7 @@ from trio_infer.datatypes import DATATYPES
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import model_config_pb2 as mc
 from trio_infer.protobuf.codec import encode_inputs
+from trio_infer.protobuf.triton_json import message_json
 from trio_infer.protobuf.triton_types import TRITON_DATA_TYPES
 from trio_infer.repository.settings import EXAMPLES, ModelSettings, TensorSpec
 from trio_infer.server import RunningServer
@@ -395,3 +400,103 @@ async def test_server_metadata_lists_exactly_the_extensions_served(
     }
     # Triton's binary tensor data is an extension of REST: listed only when REST is served.
     assert set(metadata.extensions) == (expected | {"binary_tensor_data"} if rest else expected)
+
+
+def _filled(message: Message, depth: int = 0) -> list[int]:
+    """Set every field of ``message`` reachable within a few levels (nested messages, two
+    elements of each repeated field, an entry of each map) to a value unlike its default, the
+    64-bit integers to their extremes; return those integers."""
+    integers: list[int] = []
+    for field in message.DESCRIPTOR.fields:
+        if field.containing_oneof is not None and message.WhichOneof(field.containing_oneof.name):
+            continue
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            # A map's key is a JSON object's key, a string whatever its type.
+            key, value_field = _scalar(entry.fields_by_name["key"]), entry.fields_by_name["value"]
+            mapping = getattr(message, field.name)
+            if value_field.message_type is not None:
+                integers += _filled(mapping[key], depth + 1) if depth < 4 else []
+            else:
+                value = _scalar(value_field)
+                mapping[key] = value
+                integers += [value] if value_field.type in _INT64_TYPES else []
+        elif entry is not None:
+            if depth < 4:
+                if field.is_repeated:
+                    for _ in range(2):
+                        integers += _filled(getattr(message, field.name).add(), depth + 1)
+                else:
+                    integers += _filled(getattr(message, field.name), depth + 1)
+        elif field.is_repeated:
+            values = [_scalar(field), _scalar(field, second=True)]
+            getattr(message, field.name).extend(values)
+            integers += values if field.type in _INT64_TYPES else []
+        else:
+            value = _scalar(field)
+            setattr(message, field.name, value)
+            integers += [value] if field.type in _INT64_TYPES else []
+    return integers
+
+
+_INT64_TYPES = {
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT64: (2**64 - 1, 2**53 + 1),
+    FieldDescriptor.TYPE_FIXED64: (2**64 - 1, 2**53 + 1),
+}
+
+
+def _scalar(field: FieldDescriptor, *, second: bool = False) -> Any:
+    if field.type in _INT64_TYPES:
+        return _INT64_TYPES[field.type][second]
+    if field.enum_type is not None:
+        return field.enum_type.values[-1].number
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        return True
+    if field.type == FieldDescriptor.TYPE_STRING:
+        return "s2" if second else "s"
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return b"b"
+    if (
+        field.cpp_type == FieldDescriptor.CPPTYPE_DOUBLE
+        or field.cpp_type == FieldDescriptor.CPPTYPE_FLOAT
+    ):
+        return 0.5
+    return 7 if second else 5
+
+
+def _leaves(document: Any) -> list[Any]:
+    if isinstance(document, dict):
+        return [leaf for value in document.values() for leaf in _leaves(value)]
+    if isinstance(document, list):
+        return [leaf for value in document for leaf in _leaves(value)]
+    return [document]
+
+
+@pytest.mark.parametrize(
+    "message_type", [mc.ModelConfig, pb.ModelConfigResponse, pb.ModelStatisticsResponse]
+)
+def test_every_64_bit_integer_is_a_json_number(message_type: type[Message]) -> None:
+    message = message_type()
+    integers = _filled(message)
+    assert integers  # the messages served have 64-bit integers, nested, repeated and in maps
+    document = message_json(message)
+    # protobuf's JSON mapping takes numbers for 64-bit integers: nothing is lost or changed.
+    assert json_format.ParseDict(json.loads(json.dumps(document)), message_type()) == message
+    leaves = _leaves(document)
+    for value in integers:
+        assert str(value) not in leaves
+        assert any(type(leaf) is int and leaf == value for leaf in leaves)
+    # The rest is protobuf's JSON mapping: .proto field names, fields with no presence written.
+    default = json_format.MessageToDict(
+        message, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+    )
+    assert [str(leaf) for leaf in _leaves(document)] == [str(leaf) for leaf in _leaves(default)]
+
+
+def test_fields_at_their_defaults_are_written() -> None:
+    document = message_json(mc.ModelConfig(name="m"))
+    assert (document["max_batch_size"], document["input"], document["parameters"]) == (0, [], {})
+    assert "dynamic_batching" not in document  # a message field has presence
