@@ -1,4 +1,5 @@
-"""Triton's ModelConfig and ModelStatistics: tritonclient and grpcio stubs against a real server.
+"""Triton's ModelConfig and ModelStatistics: tritonclient (gRPC and HTTP), grpcio stubs and httpx
+against a real server.
 
 The repository holds the example models (add_sub and dense batch, echo does not), a decoupled
 model and a stateful one that sets its sequence idle time, with a platform and free-form
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import trio
@@ -28,6 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.support import GrpcioClient, start_server, write_repository
 from trio_infer.core.model_config import model_configuration
+from trio_infer.core.repository import ControlMode
 from trio_infer.datatypes import DATATYPES
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import model_config_pb2 as mc
@@ -84,9 +87,13 @@ def _repository(root: Path) -> Path:
     return write_repository(root, _EXTRA, "extra_models", MODELS)
 
 
+async def _serve(nursery: trio.Nursery, tmp_path: Path, **overrides: Any) -> RunningServer:
+    return await start_server(nursery, _repository(tmp_path / "repository"), **overrides)
+
+
 @pytest.fixture
 async def server(nursery: trio.Nursery, tmp_path: Path) -> RunningServer:
-    return await start_server(nursery, _repository(tmp_path / "repository"), workers=2)
+    return await _serve(nursery, tmp_path, workers=2)
 
 
 @pytest.fixture
@@ -500,3 +507,195 @@ def test_fields_at_their_defaults_are_written() -> None:
     document = message_json(mc.ModelConfig(name="m"))
     assert (document["max_batch_size"], document["input"], document["parameters"]) == (0, [], {})
     assert "dynamic_batching" not in document  # a message field has presence
+
+
+# -- over REST --------------------------------------------------------------------------------
+
+
+def _http_calls(port: int, calls: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """``calls`` made with a tritonclient.http client, from a thread (it is blocking)."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        return calls(client)
+    finally:
+        client.close()
+
+
+def _rest_answers(client: Any) -> dict[str, Any]:
+    answers = {f"config {name}": client.get_model_config(name) for name in EXPECTED_CONFIGS}
+    answers |= {f"stats {name}": client.get_inference_statistics(name) for name in EXPECTED_CONFIGS}
+    answers["versioned config"] = client.get_model_config("add_sub", "")
+    answers["stats"] = client.get_inference_statistics()
+    return answers
+
+
+def _grpc_answers(client: triton.InferenceServerClient) -> dict[str, Any]:
+    # Triton's JSON of each message, as the REST endpoint must write it.
+    answers = {
+        f"config {name}": message_json(client.get_model_config(name).config)
+        for name in EXPECTED_CONFIGS
+    }
+    answers |= {
+        f"stats {name}": message_json(client.get_inference_statistics(name))
+        for name in EXPECTED_CONFIGS
+    }
+    answers["versioned config"] = answers["config add_sub"]
+    answers["stats"] = message_json(client.get_inference_statistics())
+    return answers
+
+
+async def test_tritonclient_http_reads_what_grpc_does_after_known_traffic(
+    server: RunningServer, client: triton.InferenceServerClient
+) -> None:
+    for n in (1, 2, 3):
+        await _in_thread(lambda n=n: client.infer("add_sub", _add_sub_inputs(n)))
+    text = triton.InferInput("text", [2], "BYTES")
+    text.set_data_from_numpy(np.array([b"a", b"b"], dtype=np.object_))
+    await _in_thread(lambda: client.infer("echo", [text]))
+    x = triton.InferInput("x", [1], "BYTES")
+    x.set_data_from_numpy(np.array([b"s"], dtype=np.object_))
+    for start, end in ((True, False), (False, True)):
+        await _in_thread(
+            lambda start=start, end=end: client.infer(
+                "remember", [x], sequence_id=7, sequence_start=start, sequence_end=end
+            )
+        )
+
+    rest = await _in_thread(lambda: _http_calls(server.http_port, _rest_answers))
+    grpc_answers = await _in_thread(lambda: _grpc_answers(client))
+    assert rest == grpc_answers
+
+    # The configuration object itself, every field written, 64-bit integers as numbers.
+    add_sub, echo = rest["config add_sub"], rest["config echo"]
+    assert (add_sub["name"], add_sub["max_batch_size"]) == ("add_sub", 64)
+    assert [tensor["dims"] for tensor in add_sub["input"]] == [[16], [16]]
+    assert add_sub["dynamic_batching"]["priority_levels"] == 3
+    assert (echo["max_batch_size"], echo["platform"], echo["model_warmup"]) == (0, "", [])
+    assert "dynamic_batching" not in echo  # a message field unset: no presence, left out
+    remember = rest["config remember"]["sequence_batching"]
+    assert remember["max_sequence_idle_microseconds"] == 5_000_000
+    assert rest["config count"]["model_transaction_policy"] == {"decoupled": True}
+    assert rest["config dense"]["model_transaction_policy"] == {"decoupled": False}
+
+    # Counts exact, as numbers, zeros written.
+    [stats] = rest["stats add_sub"]["model_stats"]
+    inference = stats["inference_stats"]
+    assert (stats["name"], stats["version"]) == ("add_sub", "")
+    assert (stats["inference_count"], stats["execution_count"]) == (6, 3)
+    assert (inference["success"]["count"], inference["fail"]) == (3, {"count": 0, "ns": 0})
+    assert inference["compute_input"] == inference["cache_miss"] == {"count": 0, "ns": 0}
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [
+        (1, 1),
+        (2, 1),
+        (3, 1),
+    ]
+    [sequence] = rest["stats remember"]["model_stats"]
+    assert (sequence["inference_count"], sequence["inference_stats"]["success"]["count"]) == (2, 2)
+    everything = rest["stats"]["model_stats"]
+    assert [s["name"] for s in everything] == sorted(EXPECTED_CONFIGS)
+    dense = everything[[s["name"] for s in everything].index("dense")]
+    assert (dense["last_inference"], dense["inference_count"], dense["batch_stats"]) == (0, 0, [])
+
+
+async def _get(
+    server: RunningServer, path: str, method: str = "GET", **kwargs: Any
+) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
+        return await http.request(method, path, **kwargs)
+
+
+_ROUTES = ("/v2/models/add_sub/config", "/v2/models/add_sub/stats", "/v2/models/stats")
+
+
+async def test_rest_refusals_of_config_and_statistics_are_the_metadata_routes(
+    server: RunningServer,
+) -> None:
+    # An unknown model, version or a malformed one: the status and error model metadata gets.
+    for path in ("/v2/models/no_such_model", "/v2/models/add_sub/versions/7"):
+        expected = await _get(server, path)
+        for action in ("config", "stats"):
+            answer = await _get(server, f"{path}/{action}")
+            assert (answer.status_code, answer.json()) == (expected.status_code, expected.json())
+            assert answer.status_code == 404
+            assert answer.headers["content-type"] == "application/json"
+    malformed = await _get(server, "/v2/models/add_sub/versions/one/config")
+    assert malformed.status_code == 400
+    assert "failed to get model version" in malformed.json()["error"]
+    assert (await _get(server, "/v2/models/add_sub/versions/one/stats")).json() == (
+        malformed.json()
+    )
+
+    # A percent-encoded name is the name.
+    plain = (await _get(server, "/v2/models/add_sub/config")).json()
+    assert (await _get(server, "/v2/models/add%5Fsub/config")).json() == plain
+    assert (await _get(server, "/v2/models/st%61ts")).json()["model_stats"]
+
+    for path in _ROUTES:
+        # Only GET and HEAD; HEAD is GET's head without its body.
+        for method in ("POST", "PUT", "DELETE"):
+            refused = await _get(server, path, method, content=b"{}")
+            assert (refused.status_code, refused.headers["allow"]) == (405, "GET, HEAD"), path
+        got, head = await _get(server, path), await _get(server, path, "HEAD")
+        assert (head.status_code, head.content) == (200, b"")
+        assert head.headers["content-length"] == got.headers["content-length"]
+        # A body on the GET: as on the other GETs, too large is refused unread.
+        big = await _get(server, path, content=b" " * (64 * 1024 + 1))
+        assert big.status_code == 413, path
+        assert (await _get(server, path, content=b"{}")).status_code == 200
+
+    # Near misses are no route.
+    for path in (
+        "/v2/models/stats/extra",
+        "/v2/models/stats/",
+        "/v2/models/add_sub/config/",
+        "/v2/models/add_sub/configs",
+        "/v2/models/add_sub/config/stats",
+        "/v2/models/add_sub/versions//stats",
+        "/v2/models//stats",
+        "/v2/model/stats",
+        "/v2/stats",
+    ):
+        missing = await _get(server, path)
+        assert missing.status_code == 404, path
+        assert "error" in missing.json()
+
+
+async def test_the_repository_restriction_leaves_config_and_statistics_open(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Triton has restriction groups of their own for these (model-config, statistics); the
+    # server restricts only the repository extension.
+    server = await _serve(nursery, tmp_path, repository_control_header=("admin-key", "s3cret"))
+    index = await _get(server, "/v2/repository/index", "POST")
+    assert index.status_code == 403
+    for path in _ROUTES:
+        assert (await _get(server, path)).status_code == 200, path
+    stub = GrpcioClient(server.port)
+    try:
+        await stub.call("ModelConfig", pb.ModelConfigRequest(name="add_sub"))
+        await stub.call("ModelStatistics", pb.ModelStatisticsRequest())
+    finally:
+        stub.channel.close()
+
+
+async def test_an_unloaded_models_config_and_statistics_are_unavailable_over_both(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    server = await _serve(
+        nursery, tmp_path, model_control_mode=ControlMode.EXPLICIT, load_models=("*",)
+    )
+    assert (await _get(server, "/v2/repository/models/echo/unload", "POST")).status_code == 200
+    stub = GrpcioClient(server.port)
+    try:
+        config = await stub.error("ModelConfig", pb.ModelConfigRequest(name="echo"))
+        statistics = await stub.error("ModelStatistics", pb.ModelStatisticsRequest(name="echo"))
+        everything = await stub.call("ModelStatistics", pb.ModelStatisticsRequest())
+    finally:
+        stub.channel.close()
+    assert config.code() == statistics.code() == grpc.StatusCode.UNAVAILABLE
+    for action, error in (("config", config), ("stats", statistics)):
+        answer = await _get(server, f"/v2/models/echo/{action}")
+        assert (answer.status_code, answer.json()) == (503, {"error": error.details()})
+    assert (await _get(server, "/v2/models/stats")).json() == message_json(everything)

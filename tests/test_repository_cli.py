@@ -53,6 +53,9 @@ def test_load_model_naming_a_missing_model_exits_2_in_one_line(repository: Path)
         ("model-repository:admin-key", "expected model-repository:HEADER=VALUE"),
         ("model-repository:=s3cret", "expected model-repository:HEADER=VALUE"),
         ("inference:admin-key=s3cret", "only the model-repository group can be restricted"),
+        # Triton's groups for the configuration and statistics extensions: served to anyone.
+        ("model-config:admin-key=s3cret", "only the model-repository group can be restricted"),
+        ("statistics:admin-key=s3cret", "only the model-repository group can be restricted"),
     ],
 )
 def test_a_bad_restricted_protocol_exits_2_in_one_line(

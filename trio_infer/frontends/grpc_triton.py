@@ -3,7 +3,8 @@
 The core describes a model's configuration (:class:`~trio_infer.core.model_config.
 ModelConfiguration`) and its request statistics (:class:`~trio_infer.core.types.ModelStatistics`)
 without a wire format; these pure functions put them into Triton's messages, field by field,
-for :class:`~trio_infer.frontends.grpc_service.GrpcService`.
+for :class:`~trio_infer.frontends.grpc_service.GrpcService`, and for
+:class:`~trio_infer.frontends.http_service.HttpService`, which writes them as JSON.
 
 What has no counterpart here stays at protobuf's default (empty), rather than be made up:
 

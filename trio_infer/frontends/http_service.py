@@ -12,6 +12,10 @@ body is read, decodes it (:mod:`trio_infer.rest.codec`), calls the core, and enc
     GET  /v2                                          server metadata
     GET  /v2/models/{name}[/versions/{v}]             model metadata
     GET  /v2/models/{name}[/versions/{v}]/ready       200 ready, 400 not
+    GET  /v2/models/{name}[/versions/{v}]/config      Triton's ModelConfig (the model configuration
+                                                      extension: the object itself)
+    GET  /v2/models/stats                             Triton's ModelStatistics (the statistics
+    GET  /v2/models/{name}[/versions/{v}]/stats       extension): every model's, or one's
     POST /v2/models/{name}[/versions/{v}]/infer       inference (JSON, or Triton's binary
                                                       tensor data extension)
     POST /v2/repository/index                         the repository extension (Triton's): every
@@ -21,6 +25,10 @@ body is read, decodes it (:mod:`trio_infer.rest.codec`), calls the core, and enc
 
 An error is ``{"error": "..."}`` with the HTTP status :func:`http_status` gives its status
 code; an unknown path is 404 and a known one asked with the wrong method 405, as in Triton.
+``/v2/models/stats`` is every model's statistics, as in Triton, not the metadata of a model
+named ``stats`` (which ``/v2/models/stats/versions/{v}`` and ``.../stats/ready`` still name).
+Configuration and statistics are Triton's messages (:mod:`~trio_infer.frontends.grpc_triton`)
+in Triton's JSON (:func:`~trio_infer.protobuf.triton_json.message_json`).
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ from trio_infer.core.types import (
     TensorSpec,
 )
 from trio_infer.errors import InferError, InvalidInput, StatusCode, TooLarge, Unimplemented
+from trio_infer.frontends.grpc_triton import model_config_response, model_statistics_response
+from trio_infer.protobuf.triton_json import message_json
 from trio_infer.rest import codec
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
 from trio_infer.transport.http_server import HttpError, HttpRequest, error_body, header_lines
@@ -141,6 +151,8 @@ _NO_PARAMETERS: Mapping[str, codec.ParameterValue] = MappingProxyType({})
 _MODELS_PREFIX = "/v2/models/"
 _VERSIONS = "/versions/"
 _INFER_SUFFIX = "/infer"
+#: What may follow a model's name (and version) in a path: the route of :func:`_model_route`.
+_MODEL_ACTIONS = frozenset(("ready", "infer", "config", "stats"))
 #: The methods of a route that only reads, as an ``allow`` field lists them.
 _READ_METHODS = "GET, HEAD"
 _READS = frozenset(("GET", "HEAD"))
@@ -237,6 +249,9 @@ class HttpService:
             return self.core.server_live
         elif rest == ["health", "ready"]:
             return self.core.server_ready
+        elif rest == ["models", "stats"]:
+            _check_get(request)
+            await self._model_statistics(request, "", "")
         elif rest and rest[0] == "repository" and self._models is not None:
             await self._repository(request, self._models, rest[1:])
         elif len(rest) >= 2 and rest[0] == "models" and rest[1]:
@@ -249,6 +264,12 @@ class HttpService:
             elif action == "ready":
                 _check_get(request)
                 await self._model_ready(request, name, version)
+            elif action == "config":
+                _check_get(request)
+                await self._model_config(request, name, version)
+            elif action == "stats":
+                _check_get(request)
+                await self._model_statistics(request, name, version)
             else:
                 _check_get(request)
                 await self._model_metadata(request, name, version)
@@ -350,6 +371,17 @@ class HttpService:
                 "outputs": [_tensor_metadata(spec) for spec in metadata.outputs],
             },
         )
+
+    async def _model_config(self, request: HttpRequest, name: str, version: str) -> None:
+        """Triton's ModelConfig: the ``config`` of its response, not the response (Triton's
+        HTTP endpoint answers the configuration object itself)."""
+        response = model_config_response(self.core.model_config(name, version))
+        await _respond_json(request, message_json(response.config))
+
+    async def _model_statistics(self, request: HttpRequest, name: str, version: str) -> None:
+        """Triton's ModelStatistics: ``{"model_stats": [...]}``, every model's for no name."""
+        statistics = self.core.model_statistics(name, version)
+        await _respond_json(request, message_json(model_statistics_response(statistics)))
 
     def _infer_at(self, request: HttpRequest, name: str, version: str) -> Awaitable[None]:
         """The inference a path names (model ``name``, ``version``), to be awaited by the
@@ -504,14 +536,15 @@ def infer_route(path: str) -> tuple[str, str] | None:
 
 def _model_route(rest: list[str]) -> tuple[str, str, str | None]:
     """``(name, version, action)`` from what follows ``/v2/models/``: action is ``""`` for
-    metadata, ``"ready"`` or ``"infer"``, and None when the path is none of them."""
+    metadata, ``"ready"``, ``"infer"``, ``"config"`` or ``"stats"``, and None when the path is
+    none of them."""
     name, rest = rest[0], rest[1:]
     version = ""
     if len(rest) >= 2 and rest[0] == "versions" and rest[1]:
         version, rest = rest[1], rest[2:]
     if not rest:
         return name, version, ""
-    if len(rest) == 1 and rest[0] in ("ready", "infer"):
+    if len(rest) == 1 and rest[0] in _MODEL_ACTIONS:
         return name, version, rest[0]
     return name, version, None
 
