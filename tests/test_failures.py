@@ -84,6 +84,11 @@ class Rogue(Model):
             raise ValueError(f"boom {parameters.get('n', 0)}")
         if action == "exit":
             os._exit(3)
+        if action == "forge_header":
+            # A header announcing a pickle of "size" bytes, and nothing of it: what the model
+            # writes on its worker's socket is read as the start of a report.
+            header = wire._HEADER.pack(0, parameters["size"])
+            os.write(worker_local("serve", "sock").fileno(), header)
         if action == "forge_report":
             forged = ((-1, True, {}, 0.0), [])
             wire.send(worker_local("serve", "sock"), wire.pack(forged))
@@ -371,6 +376,27 @@ async def test_a_failure_report_that_is_not_an_error_still_fails_its_call_at_onc
     )
     await rogues.call()
     assert rogues.server.statistics().task_crashes["lane"] == 0
+
+
+async def test_a_report_header_past_the_memory_budget_fails_its_call_and_is_not_allocated(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # The worker's socket carries what its model writes on it: a header that sizes a report
+    # past the whole budget fails the call at once, and the worker, out of step, is replaced.
+    budget = 64 * 1024 * 1024
+    rogues = await start_rogues(nursery, tmp_path, workers=1, memory_budget=budget)
+    pid = await rogues.call()
+    error = await rogues.client.error(
+        "ModelInfer", rogues.request(action="forge_header", size=2 * budget), timeout=10
+    )
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the worker's report takes {2 * budget} bytes, more than the {budget} allowed "
+        "(while running model 'rogue')",
+    )
+    assert (await rogues.call()) != pid
+    statistics = rogues.server.statistics()
+    assert (statistics.pool.killed, statistics.task_crashes["lane"]) == (1, 0)
 
 
 async def test_a_crashed_lane_leaves_the_other_workers_calls_alone(

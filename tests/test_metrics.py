@@ -452,8 +452,9 @@ async def test_a_grpc_answer_the_budget_refuses_is_counted_with_the_status_it_go
     (folder / "model-settings.json").write_text(
         json.dumps({"name": "grows", "implementation": "grows_model.Grows"})
     )
-    # A 1 MiB budget: a request of a few bytes is admitted, its 4 MB answer is refused as it is
-    # encoded, after the model ran.
+    # A 1 MiB budget: a request of a few bytes is admitted, its 800 kB answer (within the
+    # budget, which bounds a worker's report) is refused as it is encoded, after the model ran:
+    # more than a connection's share of the budget.
     server = await start_server(nursery, tmp_path, memory_budget=1 << 20)
     client = GrpcioClient(server.port)
 
@@ -464,7 +465,7 @@ async def test_a_grpc_answer_the_budget_refuses_is_counted_with_the_status_it_go
         return request
 
     try:
-        error = await client.error("ModelInfer", grows(1_000_000))
+        error = await client.error("ModelInfer", grows(200_000))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "the encoded outputs" in (error.details() or "")
         answer = await client.call("ModelInfer", grows(10))

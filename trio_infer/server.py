@@ -286,7 +286,10 @@ async def run_server(
     """
     registry = ModelRegistry(models_at_start(config))
     ssl_context = _tls_context(config)
-    async with WorkerPool.open(config.workers, debug=config.debug) as pool:
+    # A report past the whole budget could not be answered: its bytes are not read.
+    async with WorkerPool.open(
+        config.workers, debug=config.debug, max_report_bytes=config.memory_budget
+    ) as pool:
         core = InferenceCore(
             registry,
             pool,

@@ -87,6 +87,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import tempfile
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
@@ -99,7 +100,7 @@ import numpy as np
 import trio
 import trio_parallel
 
-from trio_infer.errors import InferError, ModelFailed, StatusCode, Unavailable
+from trio_infer.errors import InferError, ModelFailed, StatusCode, TooLarge, Unavailable
 from trio_infer.model import ModelOutputs, Parameters
 from trio_infer.repository.settings import ModelSettings
 from trio_infer.scheduling.model_errors import ModelErrorLog
@@ -109,7 +110,13 @@ from trio_infer.scheduling.sequences import Pin, SequenceFlags, SequenceTable
 from trio_infer.scheduling.statistics import Timing
 from trio_infer.workers import child, wire
 
-__all__ = ["CALLS_PER_WORKER", "GRACE_PERIOD", "STOP_GRACE", "PoolStatistics", "WorkerPool"]
+__all__ = [
+    "CALLS_PER_WORKER",
+    "GRACE_PERIOD",
+    "STOP_GRACE",
+    "PoolStatistics",
+    "WorkerPool",
+]
 
 #: Seconds idle workers get to exit when the pool closes before they are killed. A healthy idle
 #: worker exits within milliseconds; this only bounds how long a stuck one can delay the
@@ -206,8 +213,11 @@ class WorkerPool:
     Create it with ``WorkerPool.open``; all methods must be called inside that block.
     """
 
-    def __init__(self, context: Any, workers: int, folder: str) -> None:
+    def __init__(self, context: Any, workers: int, folder: str, max_report_bytes: int) -> None:
         self._context = context
+        # Bytes one report of a worker may take: what the header of a report says is checked
+        # against it before the receiver allocates it (wire.reader).
+        self.max_report_bytes = max_report_bytes
         # Each lane runs one trio-parallel job: its worker's serve loop, for the worker's life.
         self._limiter = trio.CapacityLimiter(workers)
         self._lanes = [_Lane(self, i, os.path.join(folder, f"{i}.sock")) for i in range(workers)]
@@ -245,7 +255,12 @@ class WorkerPool:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, workers: int, *, debug: bool = False, threads_per_worker: int = 1
+        cls,
+        workers: int,
+        *,
+        debug: bool = False,
+        threads_per_worker: int = 1,
+        max_report_bytes: int = sys.maxsize,
     ) -> AsyncIterator[WorkerPool]:
         """Open a pool; workers start on first use (or ``warm_up``) and are stopped on exit.
 
@@ -255,6 +270,9 @@ class WorkerPool:
             threads_per_worker: Threads each worker's BLAS / OpenMP libraries may use. Workers
                 share the machine's cores: keep ``workers * threads_per_worker`` at or below
                 the core count.
+            max_report_bytes: The most bytes a worker's report (a call's outputs or error)
+                may take; a larger one fails its call with ``TooLarge`` and its worker is
+                replaced.
 
         Yields:
             The pool.
@@ -283,7 +301,7 @@ class WorkerPool:
                 # in an ExceptionGroup.
                 body_error: BaseException | None = None
                 async with trio.open_nursery() as nursery:
-                    pool = cls(context, workers, folder)
+                    pool = cls(context, workers, folder, max_report_bytes)
                     pool._nursery = nursery
                     for lane in pool._lanes:
                         nursery.start_soon(pool._run_lane, lane)
@@ -1596,8 +1614,12 @@ class _Lane:
                         continue
                     # The rest of it is read through parse, from what the staged bytes do
                     # not hold whole (its buffers, or all of it).
-                    parse = staging.take_start()
-                    view = next(parse)
+                    parse = staging.take_start(self._pool.max_report_bytes)
+                    try:
+                        view = next(parse)
+                    except Exception as exc:
+                        self._unreadable_report(exc)
+                        return
                     drained = False  # the rest is read in pieces of the report's sizes
                 if view:
                     try:
@@ -1645,7 +1667,11 @@ class _Lane:
         # The worker went on to its next call, and its state is unknown: it is replaced.
         if self.outstanding:
             call = self.outstanding.popleft()
-            error = ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")
+            error = (
+                TooLarge(f"the worker's report takes {exc} (while {call.what})")
+                if isinstance(exc, TooLarge)
+                else ModelFailed(f"{type(exc).__name__}: {exc} (while {call.what})")
+            )
             if call.model is not None:
                 self._pool.model_errors.record(call.model, error)
             call.reply.set_error(error)

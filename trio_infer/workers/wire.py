@@ -32,12 +32,14 @@ import pickle
 import select
 import socket
 import struct
+import sys
 from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
 
 from trio_infer.buffers import MAX_BUFFERS, Buffer, unsent, write_some
+from trio_infer.errors import TooLarge
 from trio_infer.model import Parameters, ParameterValue
 
 __all__ = ["ITEMS_AHEAD", "Buffer", "Receiver", "Staging", "pack", "reader", "send", "send_some"]
@@ -222,26 +224,47 @@ def send_some(sock: socket.socket, frame: Sequence[Buffer]) -> list[Buffer]:
     return unsent(frame, sent)
 
 
-def reader() -> Generator[memoryview, None, object]:
+def reader(limit: int = sys.maxsize) -> Generator[memoryview, None, object]:
     """Read one message: yields buffers for the caller to fill completely, returns the message.
 
+    Args:
+        limit: The most bytes the message may take; its header is checked against it before
+            anything the header sizes is allocated.
+
     Raises:
+        TooLarge: The message takes more than ``limit`` bytes (its header says so).
         Exception: Whatever unpickling the message raises (a class this process cannot import).
     """
     header = bytearray(_HEADER.size)
     yield memoryview(header)
     count, size = _HEADER.unpack(header)
+    # Each out-of-band buffer takes _OUT_OF_BAND_BYTES at least (_Packer._out_of_band).
+    _check_size(size + count * (8 + _OUT_OF_BAND_BYTES), limit)
     lengths = bytearray(8 * count)
     if count:
         yield memoryview(lengths)
     data = bytearray(size)
     yield memoryview(data)
-    return (yield from _buffers(data, struct.unpack(f"!{count}Q", lengths)))
+    return (yield from _buffers(data, struct.unpack(f"!{count}Q", lengths), limit))
 
 
-def _buffers(data: Buffer, lengths: tuple[int, ...]) -> Generator[memoryview, None, object]:
+def _check_size(size: int, limit: int) -> None:
+    """Refuse a message of ``size`` bytes past ``limit``: bytes that are not a frame (a model
+    that wrote to its worker's socket) must not size what the reader allocates."""
+    if size > limit:
+        raise TooLarge(f"{size} bytes, more than the {limit} allowed")
+
+
+def _buffers(
+    data: Buffer, lengths: tuple[int, ...], limit: int
+) -> Generator[memoryview, None, object]:
     """The rest of a message whose pickle is ``data``: its out-of-band buffers, of
-    ``lengths``, to fill in turn; returns the message."""
+    ``lengths``, to fill in turn; returns the message.
+
+    Raises:
+        TooLarge: The pickle and the buffers take more than ``limit`` bytes together.
+    """
+    _check_size(len(data) + sum(lengths), limit)
     # Memory that is not zero-filled first (as bytearray(n) is): every byte of it is read
     # into before the message is unpickled. Each buffer is a view of an array of its own,
     # which the unpickled array then views (writable, or read-only as the sender's was), so
@@ -311,11 +334,12 @@ class Staging:
         self._start = end
         return True, pickle.loads(self._view[start + _HEADER.size : end])
 
-    def take_start(self) -> Generator[memoryview, None, object]:
-        """A reader of the next message (as :func:`reader`), which :meth:`take_message` did
-        not take. When the staged bytes hold its header, buffer lengths and pickle, these are
-        taken (the pickle copied: the staging buffer is read over before the message ends)
-        and the reader starts at its first buffer; otherwise nothing is taken."""
+    def take_start(self, limit: int = sys.maxsize) -> Generator[memoryview, None, object]:
+        """A reader of the next message (as :func:`reader`, with its ``limit``), which
+        :meth:`take_message` did not take. When the staged bytes hold its header, buffer
+        lengths and pickle, these are taken (the pickle copied: the staging buffer is read over
+        before the message ends) and the reader starts at its first buffer; otherwise nothing
+        is taken."""
         start = self._start
         if self._end - start >= _HEADER.size:
             count, size = _HEADER.unpack_from(self._buffer, start)
@@ -324,8 +348,8 @@ class Staging:
             if end <= self._end:
                 self._start = end
                 lengths = struct.unpack_from(f"!{count}Q", self._buffer, start + _HEADER.size)
-                return _buffers(self._buffer[lengths_end:end], lengths)
-        return reader()
+                return _buffers(self._buffer[lengths_end:end], lengths, limit)
+        return reader(limit)
 
     def _fill(self, view: memoryview) -> memoryview:
         """Copy what is staged into ``view``; return the part of it still to fill."""
