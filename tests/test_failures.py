@@ -49,6 +49,7 @@ from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf.codec import decode_outputs, encode_inputs, encode_parameters
 from trio_infer.scheduling.model_errors import ModelErrorLog
 from trio_infer.server import RunningServer
+from trio_infer.workers.pool import reported_error
 
 ROGUE_MODEL = '''
 import os
@@ -58,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trio_infer import Model
+from trio_infer import InferError, Model
 from trio_infer.workers import child, wire
 
 
@@ -84,6 +85,8 @@ class Rogue(Model):
             raise ValueError(f"boom {parameters.get('n', 0)}")
         if action == "exit":
             os._exit(3)
+        if action == "raise_status":
+            raise InferError("chosen", parameters["code"])
         if action == "forge_header":
             # A header announcing a pickle of "size" bytes, and nothing of it: what the model
             # writes on its worker's socket is read as the start of a report.
@@ -376,6 +379,44 @@ async def test_a_failure_report_that_is_not_an_error_still_fails_its_call_at_onc
     )
     await rogues.call()
     assert rogues.server.statistics().task_crashes["lane"] == 0
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "details"),
+    [
+        (4, grpc.StatusCode.DEADLINE_EXCEEDED, "chosen"),
+        (
+            0,
+            grpc.StatusCode.INTERNAL,
+            "the model failed with status 0, not a gRPC error status: 'chosen'",
+        ),
+        (
+            99,
+            grpc.StatusCode.INTERNAL,
+            "the model failed with status 99, not a gRPC error status: 'chosen'",
+        ),
+    ],
+)
+async def test_a_model_error_with_a_number_for_status_fails_its_call_with_an_error_status(
+    nursery: trio.Nursery, tmp_path: Path, code: int, status: grpc.StatusCode, details: str
+) -> None:
+    # A number that is a gRPC error status is that status. OK would answer the call with no
+    # response (over REST a 200 whose body is the error); no status at all, its statistics.
+    rogues = await start_rogues(nursery, tmp_path, workers=1)
+    error = await rogues.error(action="raise_status", code=code)
+    assert (error.code(), error.details()) == (status, details)
+    pid = await rogues.call()
+    assert (await rogues.call()) == pid, "the worker was kept"
+    assert rogues.server.statistics().task_crashes["lane"] == 0
+
+
+def test_a_reported_error_keeps_its_status_when_a_call_may_end_with_it() -> None:
+    chosen = InferError("quota", StatusCode.RESOURCE_EXHAUSTED)
+    assert reported_error(chosen) is chosen
+    plain = InferError("late", 4)  # type: ignore[arg-type]
+    assert reported_error(plain).code is StatusCode.DEADLINE_EXCEEDED
+    for value in (InferError("x", True), InferError("x", "13"), InferError(b"x")):  # type: ignore[arg-type]
+        assert type(reported_error(value)) is ModelFailed
 
 
 async def test_a_report_header_past_the_memory_budget_fails_its_call_and_is_not_allocated(

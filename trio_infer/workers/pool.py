@@ -116,6 +116,7 @@ __all__ = [
     "STOP_GRACE",
     "PoolStatistics",
     "WorkerPool",
+    "reported_error",
 ]
 
 #: Seconds idle workers get to exit when the pool closes before they are killed. A healthy idle
@@ -1722,13 +1723,7 @@ class _Lane:
                     call.timing.ran(started, seconds)
                 call.reply.set_result(value)
             else:
-                error = (
-                    value
-                    if isinstance(value, InferError)
-                    else ModelFailed(
-                        f"the worker reported a failure that is not an error: {value!r:.200}"
-                    )
-                )
+                error = reported_error(value)
                 if call.model is not None:
                     self._pool.model_errors.record(call.model, error)
                 call.reply.set_error(error)
@@ -1998,3 +1993,26 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 del os.environ[name]
             else:
                 os.environ[name] = value
+
+
+def reported_error(value: object) -> InferError:
+    """The error a call whose worker reported a failure ends with: the one reported, its
+    status made a ``StatusCode``, when a failed call can end with it (a gRPC status other than
+    OK, a text message); otherwise a ``ModelFailed`` that says what was reported. A model
+    chooses its error's status and message: OK would answer a failed call as a success with
+    no response, and a number that is no gRPC status breaks what is counted by status."""
+    if not isinstance(value, InferError):
+        return ModelFailed(f"the worker reported a failure that is not an error: {value!r:.200}")
+    code, message = value.code, value.message
+    if type(code) not in _CODE_TYPES or code not in _ERROR_CODES:
+        return ModelFailed(
+            f"the model failed with status {code!r:.40}, not a gRPC error status: {message!r:.200}"
+        )
+    if type(message) is not str:
+        return ModelFailed(f"the model failed with a message that is not text: {message!r:.200}")
+    value.code = StatusCode(code)  # what is logged and counted names it
+    return value
+
+
+_CODE_TYPES = (int, StatusCode)
+_ERROR_CODES = frozenset(StatusCode) - {StatusCode.OK}
