@@ -74,6 +74,13 @@ def worker_local(function, name):
 class Rogue(Model):
     def predict(self, inputs, parameters):
         log = Path(self.settings.parameters.extra["log_dir"])
+        if parameters.get("spawn"):
+            # A fork of the worker: it holds the worker's connection and the fork server's pipe.
+            spawned = os.fork()
+            if spawned == 0:
+                time.sleep(600)
+                os._exit(0)
+            (log / "spawned").write_text(str(spawned))
         tag = parameters.get("tag")
         if tag:
             (log / f"{tag}.tmp").write_text(str(os.getpid()))
@@ -438,6 +445,31 @@ async def test_a_report_header_past_the_memory_budget_fails_its_call_and_is_not_
     assert (await rogues.call()) != pid
     statistics = rogues.server.statistics()
     assert (statistics.pool.killed, statistics.task_crashes["lane"]) == (1, 0)
+
+
+@pytest.mark.parametrize("end", ["exit", "abandoned", "shutdown"])
+async def test_a_process_the_model_started_ends_with_its_worker(tmp_path: Path, end: str) -> None:
+    # The model's fork holds trio-parallel's pipes, whose end is how the pool learns that the
+    # worker exited: it is killed with the worker, whether the worker died (its call answered
+    # at once, not at its deadline), was killed for an abandoned call or stopped with the server.
+    async with trio.open_nursery() as nursery:
+        rogues = await start_rogues(nursery, tmp_path, workers=1)
+        if end == "exit":
+            request = rogues.request(spawn=True, action="exit")
+            error = await rogues.client.error("ModelInfer", request, timeout=30)
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+        elif end == "abandoned":
+            request = rogues.request(spawn=True, tag="held")
+            error = await rogues.client.error("ModelInfer", request, timeout=1)
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        else:
+            await rogues.call(spawn=True)
+        spawned = int((rogues.log_dir / "spawned").read_text())
+        if end != "shutdown":
+            await eventually(lambda: not process_exists(spawned))
+            await rogues.call()  # by the worker that replaced it
+        rogues.server.shutdown()
+    await eventually(lambda: not process_exists(spawned))  # killed: it dies once scheduled
 
 
 async def test_a_crashed_lane_leaves_the_other_workers_calls_alone(

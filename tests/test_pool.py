@@ -234,12 +234,14 @@ class SlowWorkerOnly(Model):
 class HoldsSockets(Model):
     """Starts a child process that keeps its worker's sockets open (its connection to the pool
     among them) and closes every other file it inherited (trio-parallel's pipes, whose end is
-    how the pool sees the worker exit). The child exits after a minute."""
+    how the pool sees the worker exit). It leaves the worker's process group, whose members
+    the pool kills with the worker. The child exits after a minute."""
 
     def predict(self, inputs, parameters):
         holder = os.fork()
         if holder == 0:
             try:
+                os.setsid()
                 for fd in map(int, os.listdir("/proc/self/fd")):
                     try:
                         if not stat.S_ISSOCK(os.fstat(fd).st_mode):

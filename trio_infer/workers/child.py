@@ -128,6 +128,11 @@ def configure(threads_per_worker: int, debug: bool) -> None:
     # Spawned workers (where there is no fork server) do what trio_infer.workers.forkserver does:
     # the server, not a stop signal sent to its process group, decides when workers stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A process group of its own, named by its pid: the processes its model starts (a
+    # subprocess, a fork) are in it, and the pool stops them with it, after it died too. A
+    # group's stop signal (a terminal's Ctrl+C) no longer reaches it, which ignores it anyway.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     # Model work is throughput work, the server's thread latency work: a worker woken by a call
     # the server writes to it (a Unix socket's write wakes its reader on the writer's core)
     # must not preempt the server there while another core may be idle. SCHED_BATCH drops only

@@ -919,12 +919,15 @@ class WorkerPool:
         """
         fd = self._processes.get(pid) if pid is not None else None
         if fd is not None and not _exited(fd):
+            assert pid is not None
+            _kill_group(pid)
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
 
     def _forget_exited(self, pid: int | None) -> None:
         if pid is not None and pid in self._processes and _exited(self._processes[pid]):
             os.close(self._processes.pop(pid))
+            _kill_group(pid)
 
     async def _reap(self) -> None:
         """Return once every worker process that ever connected has exited.
@@ -943,6 +946,7 @@ class WorkerPool:
                     await trio.lowlevel.wait_readable(fd)
                 del self._processes[pid]
                 os.close(fd)
+                _kill_group(pid)
 
     def _pickled(self, settings: ModelSettings) -> bytes:
         # Keyed by identity (hashing settings would cost more than pickling them); the entry
@@ -1115,6 +1119,8 @@ class _Lane:
         self._process = trio.CancelScope()
         self._connecting = trio.CancelScope()
         self._talking = trio.CancelScope()
+        # Cancelled when the process's job has ended (_run_process): _watch_exit waits no more.
+        self._watching = trio.CancelScope()
         # The worker connection while the receiver waits for the start of a report with
         # nothing read: then every report the worker sent has been taken (None otherwise).
         self._awaiting_report: socket.socket | None = None
@@ -1305,7 +1311,8 @@ class _Lane:
         Returns:
             Whether the worker started (connected).
         """
-        self._process, self._connecting, self._talking = (
+        self._process, self._connecting, self._talking, self._watching = (
+            trio.CancelScope(),
             trio.CancelScope(),
             trio.CancelScope(),
             trio.CancelScope(),
@@ -1353,6 +1360,7 @@ class _Lane:
                     connection = await _accept(listener)
                     self.pid = _peer_pid(connection)
                     self._pool._track(self.pid)
+                    life.start_soon(self._watch_exit, self.pid)
                     self._pool._started += 1
                     if self.down:
                         _log.info(
@@ -1374,6 +1382,18 @@ class _Lane:
             self._exit_cause = f"{type(exc).__name__}: {exc}"
             self.kill()
         return None
+
+    async def _watch_exit(self, pid: int | None) -> None:
+        """Kill the worker's process group once the worker has exited, until trio-parallel
+        knows it has: it learns so from the end of a pipe, which a process the model started
+        holds open after the worker died, and it would wait on it for ever."""
+        fd = self._pool._processes.get(pid) if pid is not None else None
+        if fd is None:
+            return  # no pidfd: the pool cannot tell, nor wait
+        assert pid is not None
+        with self._watching:
+            await trio.lowlevel.wait_readable(fd)
+            _kill_group(pid)
 
     async def _run_process(self) -> None:
         returned = False
@@ -1398,6 +1418,7 @@ class _Lane:
             # A call written to its connection from now on would never run, though the
             # connection may still take it (a child process the model started holds it open).
             self.live = False
+            self._watching.cancel()
             if not returned:
                 # Killed on cancel, or broken: trio-parallel's kill may not have reached it.
                 self._pool._kill(self.pid)
@@ -1937,6 +1958,17 @@ def _peer_pid(connection: socket.socket) -> int | None:
         return None
     pid: int = struct.unpack("3i", credentials)[0]
     return pid or None
+
+
+def _kill_group(pid: int) -> None:
+    """Kill the process group of the worker process ``pid`` (``child.configure`` makes it):
+    the processes its model started, which would otherwise outlive it, holding its connection
+    and the fork server's pipe (and so the fork server) open. Done while the worker lives, or
+    at once once it is known to have exited: its pid names the group as long as any process
+    of it lives, and a new process would have to take the pid and make a group of it between
+    the two to be reached instead."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _exited(pidfd: int) -> bool:
