@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import trio
 
 from tests.probe import process_exists, start_probe
-from tests.support import GrpcioClient, eventually, start_server
+from tests.support import GrpcioClient, eventually, start_server, write_repository
 from trio_infer.client import InferenceClient
 from trio_infer.core.repository import ModelManager
 from trio_infer.errors import InferError, ModelFailed, StatusCode
@@ -121,6 +122,55 @@ class Rogue(Model):
 '''
 
 X = [{"name": "x", "datatype": "FP32", "shape": [-1, 1]}]
+
+SUBCLASSES_MODEL = """
+import numpy as np
+
+from trio_infer import Model
+
+
+class Tensor(np.ndarray):
+    pass
+
+
+class Outputs(dict):
+    pass
+
+
+class Name(str):
+    pass
+
+
+class Text(bytes):
+    pass
+
+
+class Subclasses(Model):
+    def predict(self, inputs, parameters):
+        y = np.arange(4, dtype=np.float32)
+        kind = parameters["kind"]
+        if kind == "the model's ndarray":
+            return {"y": y.view(Tensor)}
+        if kind == "matrix":
+            return {"y": np.matrix(y)}
+        if kind == "masked array":
+            return {"y": np.ma.masked_array(y, mask=[False, True, False, False])}
+        if kind == "the model's dict":
+            return Outputs(y=y)
+        if kind == "the model's str as a name":
+            return {Name("y"): y}
+        return {"y": y, "t": np.array([Text(b"a"), Name("b")], dtype=object)}
+"""
+
+#: What each answer holds, by the kind of subclass the model returned it in.
+SUBCLASS_ANSWERS = {
+    "the model's ndarray": [0.0, 1.0, 2.0, 3.0],
+    "matrix": [[0.0, 1.0, 2.0, 3.0]],
+    "masked array": [0.0, 1.0, 2.0, 3.0],
+    "the model's dict": [0.0, 1.0, 2.0, 3.0],
+    "the model's str as a name": [0.0, 1.0, 2.0, 3.0],
+    "the model's bytes and str in BYTES": [0.0, 1.0, 2.0, 3.0],
+}
 
 
 class Rogues:
@@ -470,6 +520,30 @@ async def test_a_process_the_model_started_ends_with_its_worker(tmp_path: Path, 
             await rogues.call()  # by the worker that replaced it
         rogues.server.shutdown()
     await eventually(lambda: not process_exists(spawned))  # killed: it dies once scheduled
+
+
+async def test_outputs_of_subclasses_are_answered_as_plain_ones_by_the_same_worker(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # The model's own classes would not unpickle in the server (a killed worker, INTERNAL);
+    # numpy's were answered over gRPC and refused over REST (not JSON serializable): 500.
+    settings = {"subclasses": {"name": "subclasses", "implementation": "odd.Subclasses"}}
+    server = await start_server(
+        nursery, write_repository(tmp_path, settings, "odd", SUBCLASSES_MODEL), workers=1
+    )
+    client = GrpcioClient(server.port)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as rest:
+        for kind, y in SUBCLASS_ANSWERS.items():
+            request = pb.ModelInferRequest(model_name="subclasses")
+            request.parameters["kind"].string_param = kind
+            outputs = decode_outputs(await client.call("ModelInfer", request))
+            assert outputs["y"].tolist() == y, kind
+            body = {"inputs": [], "parameters": {"kind": kind}}
+            answer = await rest.post("/v2/models/subclasses/infer", json=body)
+            assert answer.status_code == 200, (kind, answer.text)
+            assert answer.json()["outputs"][0]["data"] == np.ravel(y).tolist(), kind
+        assert outputs["t"].tolist() == [b"a", b"b"]
+    assert (server.statistics().pool.killed, server.statistics().pool.crashed) == (0, 0)
 
 
 async def test_a_crashed_lane_leaves_the_other_workers_calls_alone(

@@ -206,29 +206,35 @@ class CountNap(Model):
         return {"pid": np.array([os.getpid()])}
 
 
-class Unsendable(np.ndarray):
+class Unsendable:
     def __reduce_ex__(self, protocol):
         raise TypeError("cannot send this")
 
 
+def tagged(tag):
+    """An array whose dtype carries ``tag``: it pickles with the array, as numpy pickles it
+    (outputs of plain types are sent as they are)."""
+    return np.zeros(2, np.dtype(np.float64, metadata={"tag": tag}))
+
+
 class ReturnsUnsendable(Model):
     def predict(self, inputs, parameters):
-        return {"out": np.zeros(2).view(Unsendable)}
+        return {"out": tagged(Unsendable())}
 
 
-class WorkerOnly(np.ndarray):
+class WorkerOnly:
     """Pickled by reference to this module, which the server process cannot import."""
 
 
 class ReturnsWorkerOnly(Model):
     def predict(self, inputs, parameters):
-        return {"out": np.zeros(2).view(WorkerOnly)}
+        return {"out": tagged(WorkerOnly)}
 
 
 class SlowWorkerOnly(Model):
     def predict(self, inputs, parameters):
         time.sleep(0.3)
-        return {"out": np.zeros(2).view(WorkerOnly)}
+        return {"out": tagged(WorkerOnly)}
 
 
 class HoldsSockets(Model):

@@ -15,7 +15,9 @@ Error contract (every exception leaving this module must unpickle in the parent)
   classes may not be picklable or importable in the parent; with ``debug`` the traceback text is
   appended to the message;
 - outputs that are not ``dict[str, numpy.ndarray]`` (or a ``Response`` of one, with metadata
-  that keeps its rules) are a ``ModelFailed`` naming the problem.
+  that keeps its rules) are a ``ModelFailed`` naming the problem; outputs of subclasses of
+  these (the model's own, which the server could not unpickle, or numpy's matrix and masked
+  array) are sent as the plain types.
 
 Decoupled models (``"decoupled": true``): ``predict`` is a generator, sync or async (driven
 here by an asyncio loop of its own). ``serve`` steps it one item at a time and sends each item
@@ -623,24 +625,53 @@ def _checked_outputs(settings: ModelSettings, outputs: object) -> dict[str, np.n
             f"{_where(settings)}: predict() returned {type(outputs).__name__}, "
             "expected dict[str, numpy.ndarray] or trio_infer.Response"
         )
+    # Whether the outputs are of the exact types, which the server process has: a subclass (of
+    # dict, str, ndarray, bytes) may be the model's own, which would not unpickle there.
+    exact = type(outputs) is dict
     for name, value in outputs.items():
-        if not isinstance(name, str):
-            raise ModelFailed(f"{_where(settings)}: output name {name!r} is not a string")
-        if not isinstance(value, np.ndarray):
-            raise ModelFailed(
-                f"{_where(settings)}: output {name!r} is {type(value).__name__}, expected "
-                "numpy.ndarray"
-            )
+        if type(name) is not str:
+            if not isinstance(name, str):
+                raise ModelFailed(f"{_where(settings)}: output {name!r} is not a string")
+            exact = False
+        if type(value) is not np.ndarray:
+            if not isinstance(value, np.ndarray):
+                raise ModelFailed(
+                    f"{_where(settings)}: output {name!r} is {type(value).__name__}, expected "
+                    "numpy.ndarray"
+                )
+            exact = False
         if type(value.dtype) is _OBJECT_DTYPE:
-            # An element of a model-defined class would fail to unpickle in the server process,
-            # which kills the worker; BYTES outputs hold bytes (or str, encoded as UTF-8).
+            # BYTES outputs hold bytes (or str, encoded as UTF-8).
             for element in value.flat:
-                if not isinstance(element, bytes | str):
-                    raise ModelFailed(
-                        f"{_where(settings)}: output {name!r} holds a {type(element).__name__}; "
-                        "object arrays (BYTES) must hold bytes or str"
-                    )
-    return outputs
+                if type(element) not in _TEXT_TYPES:
+                    if not isinstance(element, bytes | str):
+                        raise ModelFailed(
+                            f"{_where(settings)}: output {name!r} holds a "
+                            f"{type(element).__name__}; object arrays (BYTES) must hold bytes "
+                            "or str"
+                        )
+                    exact = False
+    if exact:
+        return outputs
+    return {str.__str__(name): _plain(value) for name, value in outputs.items()}
+
+
+_TEXT_TYPES = (bytes, str)
+
+
+def _plain(array: np.ndarray) -> np.ndarray:
+    """``array`` as an ndarray whose BYTES elements are bytes or str, not a subclass of
+    either; what a subclass of ndarray adds (a matrix's rules, a masked array's mask) is
+    dropped, as it is on the wire."""
+    array = array.view(np.ndarray)
+    if type(array.dtype) is not _OBJECT_DTYPE:
+        return array
+    plain = np.empty(array.size, object)
+    plain[:] = [
+        bytes.__bytes__(element) if isinstance(element, bytes) else str.__str__(element)
+        for element in array.flat
+    ]
+    return plain.reshape(array.shape)
 
 
 def _checked_metadata(where: str, kind: str, metadata: object) -> dict[str, str]:
