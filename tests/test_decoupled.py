@@ -35,7 +35,7 @@ MODELS = textwrap.dedent(
 
     import numpy as np
 
-    from trio_infer.model import Model
+    from trio_infer import InferError, Model
 
 
     def _wait_for(path):
@@ -70,6 +70,17 @@ MODELS = textwrap.dedent(
                 yield {"index": np.array([step], np.int32)}
 
 
+    class Unfinished(InferError):
+        def __init__(self):
+            pass  # no message, no status: InferError's __init__ never ran
+
+
+    class FailsMidStream(Model):
+        def predict(self, inputs, parameters):
+            yield {"index": np.array([0], np.int32)}
+            raise Unfinished()
+
+
     class NotDeclared(Model):
         def predict(self, inputs, parameters):
             yield {"index": np.array([0], np.int32)}
@@ -81,6 +92,7 @@ def _repository(root: Path) -> Path:
     models = {
         "steps": {"implementation": "decoupled_models.Steps", "decoupled": True},
         "async_steps": {"implementation": "decoupled_models.AsyncSteps", "decoupled": True},
+        "fails": {"implementation": "decoupled_models.FailsMidStream", "decoupled": True},
     }
     return write_repository(root, models, "decoupled_models", MODELS)
 
@@ -186,6 +198,20 @@ async def test_an_async_generator_model_streams_too(
     )
     assert [_final(a) for a in answers] == [False, False, False, True]
     assert [a.as_numpy("index").tolist() for a in answers[:3]] == [[0], [1], [2]]
+
+
+async def test_an_error_a_generator_raises_that_never_ran_its_init_fails_only_the_request(
+    decoupled_server: RunningServer,
+) -> None:
+    # Its message and status are read to send it: that failure is the model's, not the
+    # worker's, whose death would fail every call it held.
+    first, error = await trio.to_thread.run_sync(
+        lambda: _stream(decoupled_server.port, "fails", {}, empty_final=True)
+    )
+    assert first.as_numpy("index").tolist() == [0]
+    assert isinstance(error, InferenceServerException)
+    assert error.message() == "AttributeError: 'Unfinished' object has no attribute 'message'"
+    assert decoupled_server.statistics().pool.crashed == 0
 
 
 async def test_model_infer_on_a_decoupled_model_is_unimplemented_naming_it(

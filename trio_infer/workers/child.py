@@ -587,7 +587,13 @@ def _portable(exc: InferError) -> InferError:
     # worker's sys.path only), and a custom __init__ would not unpickle at all: keep the class
     # only when it is one of ours, and always keep the message and status.
     cls = type(exc) if type(exc).__module__ == errors.__name__ else InferError
-    return cls(exc.message, exc.code)
+    try:
+        message, code = exc.message, exc.code
+    except Exception as failure:
+        # A subclass whose __init__ did not run InferError's (or whose properties raise): the
+        # model's failure, as any other exception of its code is.
+        return _failed(failure)
+    return cls(message, code)
 
 
 def _failed(exc: BaseException) -> ModelFailed:
