@@ -42,7 +42,7 @@ from trio_infer.errors import (
     Unavailable,
     Unimplemented,
 )
-from trio_infer.frontends.grpc_triton import model_config_response, model_statistics_response
+from trio_infer.frontends.triton_messages import model_config_response, model_statistics_response
 from trio_infer.model import MAX_RESPONSE_METADATA, ParameterValue
 from trio_infer.protobuf._proto import grpc_predict_v2_pb2 as pb
 from trio_infer.protobuf._proto import health_pb2

@@ -27,7 +27,7 @@ An error is ``{"error": "..."}`` with the HTTP status :func:`http_status` gives 
 code; an unknown path is 404 and a known one asked with the wrong method 405, as in Triton.
 ``/v2/models/stats`` is every model's statistics, as in Triton, not the metadata of a model
 named ``stats`` (which ``/v2/models/stats/versions/{v}`` and ``.../stats/ready`` still name).
-Configuration and statistics are Triton's messages (:mod:`~trio_infer.frontends.grpc_triton`)
+Configuration and statistics are Triton's messages (:mod:`~trio_infer.frontends.triton_messages`)
 in Triton's JSON (:func:`~trio_infer.protobuf.triton_json.message_json`).
 """
 
@@ -58,7 +58,7 @@ from trio_infer.core.types import (
     TensorSpec,
 )
 from trio_infer.errors import InferError, InvalidInput, StatusCode, TooLarge, Unimplemented
-from trio_infer.frontends.grpc_triton import model_config_response, model_statistics_response
+from trio_infer.frontends.triton_messages import model_config_response, model_statistics_response
 from trio_infer.protobuf.triton_json import message_json
 from trio_infer.rest import codec
 from trio_infer.transport.access_log import REQUEST_ID_HEADER
